@@ -1,0 +1,91 @@
+"""The virtual network: latency, loss, duplication, reordering, partitions and clogging.
+
+A :class:`Network` decides, for one datagram from ``src`` to ``dst`` sent at ``now``, at which
+times it arrives: none (lost, partitioned, clogged), once, or twice (duplicated). Reordering falls
+out of per-datagram latency jitter. All randomness comes from the ``random.Random`` it is given,
+so a seed fixes every delivery.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from torchpass_p2p.core.messages import MemberId
+
+
+@dataclass(slots=True)
+class LinkModel:
+    """Latency and loss of a link, in seconds and probabilities.
+
+    Latency is ``base_latency_s`` plus an exponential jitter with mean ``jitter_s``; jitter larger
+    than the gap between two datagrams reorders them.
+    """
+
+    base_latency_s: float = 0.0005
+    jitter_s: float = 0.0002
+    loss: float = 0.0
+    duplicate: float = 0.0
+    bandwidth_bytes_per_s: float = 12.5e9
+    """Bulk-transfer bandwidth (100 Gb/s), used by the job model for state transfers."""
+
+
+@dataclass(slots=True)
+class Network:
+    """Every link follows ``link`` unless a member-specific rule overrides it.
+
+    Rules, all keyed by member id:
+        * ``cut``: directed pairs (src, dst) that drop everything (one-way partitions are one
+          direction only; :meth:`partition` adds both directions between two groups).
+        * ``deaf``: members that receive nothing; ``mute``: members whose sends are all lost.
+        * ``member_loss``: extra loss on every datagram to or from that member (gray failure).
+        * ``clogged``: members whose links drop everything (a switch port gone bad).
+    """
+
+    rng: random.Random
+    link: LinkModel = field(default_factory=LinkModel)
+    cut: set[tuple[MemberId, MemberId]] = field(default_factory=set)
+    deaf: set[MemberId] = field(default_factory=set)
+    mute: set[MemberId] = field(default_factory=set)
+    clogged: set[MemberId] = field(default_factory=set)
+    member_loss: dict[MemberId, float] = field(default_factory=dict)
+    dropped: int = 0
+
+    def delays(self, src: MemberId, dst: MemberId) -> tuple[float, ...]:
+        """Arrival delays (seconds after sending) of one datagram; ``()`` when it is lost."""
+        if self._blocked(src, dst):
+            self.dropped += 1
+            return ()
+        link = self.link
+        rng = self.rng
+        loss = link.loss
+        if self.member_loss:
+            loss = 1 - (1 - loss) * (1 - self.member_loss.get(src, 0.0)) * (
+                1 - self.member_loss.get(dst, 0.0))
+        if loss and rng.random() < loss:
+            self.dropped += 1
+            return ()
+        first = link.base_latency_s + rng.expovariate(1 / link.jitter_s)
+        if link.duplicate and rng.random() < link.duplicate:
+            return first, link.base_latency_s + rng.expovariate(1 / link.jitter_s)
+        return (first,)
+
+    def _blocked(self, src: MemberId, dst: MemberId) -> bool:
+        if not (self.cut or self.deaf or self.mute or self.clogged):
+            return False
+        return (src in self.mute or dst in self.deaf or src in self.clogged
+                or dst in self.clogged or (src, dst) in self.cut)
+
+    def partition(self, side_a: list[MemberId], side_b: list[MemberId]) -> None:
+        """Cut every link between the two sides, both directions."""
+        for a in side_a:
+            for b in side_b:
+                self.cut.add((a, b))
+                self.cut.add((b, a))
+
+    def heal(self) -> None:
+        """Remove every partition, deaf, mute and clog rule (member loss stays)."""
+        self.cut.clear()
+        self.deaf.clear()
+        self.mute.clear()
+        self.clogged.clear()

@@ -1,0 +1,699 @@
+"""The membership state machine of one member: SWIM probing with Lifeguard and Rapid observers.
+
+Theory of operation
+-------------------
+Sans-IO (DESIGN section 3). The host feeds in datagrams (:meth:`Member.receive`) and timer expiries
+(:meth:`Member.handle_timer`), always with ``now`` in seconds; it pulls datagrams
+(:meth:`Member.messages_to_send`) and events (:meth:`Member.next_event`) and re-arms one timer at
+:meth:`Member.next_deadline`. Randomness comes only from the injected ``random.Random``, and every
+iteration that can reach the output runs over insertion-ordered dicts or sorted tuples, so the same
+seed and the same inputs give the same trace.
+
+Probing. The configuration's K rings (:mod:`.configuration`) give each member up to K subjects. It
+pings them round-robin, one every ``probe_interval / len(subjects)``, so each subject is probed by
+each of its observers once per interval. A round is a direct ``Ping``; without an ``Ack`` by
+``probe_timeout`` the observer asks ``indirect_probes`` random relays with ``PingReq``; relays answer
+with the target's ``Ack`` or a ``Nack``. No ack by ``round_timeout`` fails the round.
+
+Evidence. An observer raises an :class:`Alert` only after M consecutive failed rounds of its edge
+(Rapid). A member whose own timer fired late (its loop stalled) voids its open rounds instead of
+counting them, and one that heard no ack from anyone for ``self_suspect_after_s`` suspects itself
+and accuses nobody. All probe timings are stretched by Lifeguard's local health multiplier.
+
+Suspicion. The first alert about a subject starts a suspicion whose timeout shrinks with each
+independent alert (Lifeguard section IV-B). On expiry, with at least L distinct observers' alerts
+(no single accuser convicts), the member confirms :class:`Dead` and spreads it. The subject refutes
+any alert for its current incarnation by raising its incarnation.
+
+Dissemination. New updates are pushed at once to ``gossip_fanout`` random members, then piggybacked
+on every datagram (fewest-sent first) until each was sent ``lambda * ceil(log10(N + 1))`` times.
+Every ``sync_interval`` a member sends one random peer a digest of its view; on mismatch the peer
+answers with its view in pages and asks for ours.
+
+Removing a member from the configuration and promoting a spare are the agreement layer's decisions;
+this layer produces the evidence (alerts) and the liveness view.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from . import events as ev
+from .configuration import Configuration
+from .hashing import mix_triple
+from .messages import (
+    Ack,
+    Alert,
+    Alive,
+    Dead,
+    Digest,
+    Gossip,
+    Left,
+    MemberId,
+    MemberState,
+    Message,
+    Nack,
+    Ping,
+    PingReq,
+    SyncState,
+    Update,
+)
+from .params import Params
+
+if TYPE_CHECKING:
+    from random import Random
+
+ALIVE, SUSPECT, DEAD, LEFT = MemberState
+_INF = math.inf
+_SEQ_MOD = 1 << 32
+
+
+class LocalProtocolError(RuntimeError):
+    """The host used the core wrongly (e.g. time went backwards). Never raised for peer input."""
+
+
+@dataclass(slots=True)
+class _Round:
+    """One open probe round of this member (as observer) against ``subject``."""
+
+    subject: MemberId
+    started_at: float
+    indirect_at: float
+    fails_at: float
+    indirect_sent: bool = False
+    relays_asked: int = 0
+    nacks: int = 0
+
+
+@dataclass(slots=True)
+class _Relay:
+    """A ping this member sends on behalf of ``origin`` (who asked with ``PingReq``)."""
+
+    origin: MemberId
+    origin_seq: int
+    target: MemberId
+    nack_at: float
+
+
+@dataclass(slots=True)
+class _Suspicion:
+    """Alerts about one subject at one incarnation, and when they convict."""
+
+    incarnation: int
+    started_at: float
+    expected: int
+    observers: dict[MemberId, None] = field(default_factory=dict)  # insertion-ordered set
+    deadline: float = _INF
+
+
+@dataclass(slots=True)
+class _Pending:
+    """An update waiting to be piggybacked; ``order`` keeps ties deterministic."""
+
+    update: Update
+    transmits: int
+    order: int
+
+
+class Member:
+    """One member's view of the cluster and its side of the protocol.
+
+    Args:
+        member_id: this member's id (uint64, fresh per process start).
+        configuration: the configuration this member starts in; must contain ``member_id``.
+        params: protocol parameters.
+        rng: the only source of randomness (relay and gossip targets, sync jitter).
+        now: the current time in seconds (monotonic).
+
+    Raises:
+        ValueError: ``member_id`` is not in ``configuration``.
+    """
+
+    def __init__(
+        self,
+        member_id: MemberId,
+        configuration: Configuration,
+        *,
+        params: Params,
+        rng: Random,
+        now: float,
+    ) -> None:
+        if member_id not in configuration:
+            raise ValueError("member_id is not part of the configuration")
+        self.id = member_id
+        self.params = params
+        self.incarnation = 0
+        self.health = 0
+        """Lifeguard's local health multiplier, 0 (healthy) .. ``params.max_health_multiplier``."""
+        self.counters: Counter[str] = Counter()
+        self.removed = False
+        self.left = False
+        self.self_suspected = False
+        self._rng = rng
+        self._now = now
+        self._view: dict[MemberId, tuple[MemberState, int]] = {}
+        self._digest = 0
+        self._suspicions: dict[MemberId, _Suspicion] = {}
+        self._rounds: dict[int, _Round] = {}
+        self._relays: dict[int, _Relay] = {}
+        self._failed_rounds: dict[MemberId, int] = {}
+        self._last_ack_from: dict[MemberId, float] = {}
+        self._alerted: dict[MemberId, int] = {}  # subject -> incarnation we alerted about
+        self._seq = 0
+        self._last_ack_at = now
+        self._queue: dict[tuple[int, int, int], _Pending] = {}
+        self._queue_order = 0
+        self._outbox: deque[tuple[MemberId, Message]] = deque()
+        self._events: deque[ev.Event] = deque()
+        self._gossip_at = _INF
+        self._sync_at = now + params.sync_interval_s * (0.5 + rng.random())
+        self._probe_cursor = 0
+        self._next_probe_at = now + params.probe_interval_s * rng.random()
+        self._set_configuration(configuration)
+
+    # ------------------------------------------------------------------ public: inputs
+
+    def receive(self, now: float, sender: MemberId, message: Message) -> None:
+        """Handle one authenticated message from ``sender``.
+
+        Invalid content from a peer is dropped and counted in ``counters``; it never raises.
+        """
+        self._advance(now)
+        if self.removed:
+            self.counters["dropped_after_removal"] += 1
+            return
+        self.counters["received"] += 1
+        kind = type(message)
+        if kind is Ping:
+            self._apply_all(now, message.updates)
+            if not self.left:
+                self._send(sender, Ack(message.seq, self._piggyback()))
+        elif kind is Ack:
+            self._apply_all(now, message.updates)
+            self._on_ack(now, message.seq)
+        elif kind is PingReq:
+            self._apply_all(now, message.updates)
+            self._on_ping_req(now, sender, message)
+        elif kind is Nack:
+            rnd = self._rounds.get(message.seq)
+            if rnd is not None and rnd.subject == message.target:
+                rnd.nacks += 1
+        elif kind is Gossip:
+            self._apply_all(now, message.updates)
+        elif kind is Digest:
+            self._on_digest(sender, message)
+        elif kind is SyncState:
+            self._on_sync_state(now, sender, message)
+        else:  # pragma: no cover - the codec only yields known types
+            self.counters["dropped_unknown_message"] += 1
+
+    def handle_timer(self, now: float) -> None:
+        """Run everything due at ``now``. Call it when ``now >= next_deadline()``.
+
+        A call that comes more than ``stall_tolerance_s`` after the deadline means this member's
+        own loop stalled: its open probe rounds are voided rather than failed (DESIGN section 4).
+        """
+        due = self.next_deadline()
+        self._advance(now)
+        if now - due > self.params.stall_tolerance_s:
+            self._on_stall(now, now - due)
+        if self.removed:
+            return
+        self._expire_rounds(now)
+        self._expire_relays(now)
+        self._expire_suspicions(now)
+        if now >= self._next_probe_at and not self.left:
+            self._probe(now)
+        if now >= self._gossip_at:
+            self._gossip(now)
+        if now >= self._sync_at:
+            self._start_sync(now)
+
+    def report_send_error(self, now: float, dest: MemberId) -> None:
+        """The host failed to send to ``dest`` (e.g. "network unreachable"). Counts as a failed
+        probe of this member's own health, and fails an open round to ``dest`` at once, so a
+        member whose sends all fail ends up suspecting itself (scenario S07)."""
+        self._advance(now)
+        self.counters["send_errors"] += 1
+        self._adjust_health(+1)
+        for seq, rnd in list(self._rounds.items()):
+            if rnd.subject == dest:
+                del self._rounds[seq]
+                self._round_failed(now, rnd, missed_nacks=0)
+
+    def leave(self, now: float) -> None:
+        """Leave gracefully: announce :class:`Left` and stop probing. Idempotent."""
+        self._advance(now)
+        if self.left or self.removed:
+            return
+        self.left = True
+        self._rounds.clear()
+        self._learn(now, Left(self.id, self.incarnation))
+
+    # ------------------------------------------------------------------ public: outputs
+
+    def next_deadline(self) -> float:
+        """The earliest time (seconds) at which :meth:`handle_timer` has work; ``inf`` if none."""
+        if self.removed:
+            return _INF
+        t = min(self._gossip_at, self._sync_at)
+        if not self.left:
+            t = min(t, self._next_probe_at)
+        for rnd in self._rounds.values():
+            t = min(t, rnd.fails_at if rnd.indirect_sent else rnd.indirect_at)
+        for relay in self._relays.values():
+            t = min(t, relay.nack_at)
+        for susp in self._suspicions.values():
+            t = min(t, susp.deadline)
+        return t
+
+    def messages_to_send(self) -> list[tuple[MemberId, Message]]:
+        """Pull every queued (destination, message) pair, oldest first."""
+        out = list(self._outbox)
+        self._outbox.clear()
+        return out
+
+    def next_event(self) -> ev.Event | None:
+        """Pull the oldest pending event, or None."""
+        return self._events.popleft() if self._events else None
+
+    # ------------------------------------------------------------------ public: queries
+
+    @property
+    def configuration(self) -> Configuration:
+        return self._config
+
+    def state_of(self, member: MemberId) -> tuple[MemberState, int]:
+        """(state, incarnation) of ``member`` as this member believes it.
+
+        Raises:
+            KeyError: ``member`` is not in the configuration.
+        """
+        if member not in self._config:
+            raise KeyError(member)
+        return self._view.get(member, (ALIVE, 0))
+
+    def alerts_about(self, subject: MemberId) -> tuple[MemberId, ...]:
+        """Observers whose alerts about ``subject``'s current incarnation this member holds."""
+        susp = self._suspicions.get(subject)
+        return tuple(susp.observers) if susp else ()
+
+    def view_digest(self) -> tuple[int, int]:
+        """(digest, entries): the order-independent 64-bit hash anti-entropy compares."""
+        return self._digest, len(self._view)
+
+    # ------------------------------------------------------------------ probing
+
+    def _set_configuration(self, config: Configuration) -> None:
+        self._config = config
+        self._subjects = config.subjects_of(self.id)
+        self._transmit_limit = self.params.transmit_limit(len(config))
+        self._min_alerts = self.params.min_alerts_to_confirm
+
+    def _scaled(self, seconds: float) -> float:
+        return seconds * (self.health + 1)
+
+    def _probe(self, now: float) -> None:
+        subjects = self._subjects
+        slot = self._scaled(self.params.probe_interval_s) / max(1, len(subjects))
+        self._next_probe_at = now + slot
+        for _ in range(len(subjects)):
+            subject = subjects[self._probe_cursor % len(subjects)]
+            self._probe_cursor += 1
+            if self._view.get(subject, (ALIVE, 0))[0] < DEAD:
+                self._start_round(now, subject)
+                return
+
+    def _start_round(self, now: float, subject: MemberId) -> None:
+        p = self.params
+        seq = self._next_seq()
+        self._rounds[seq] = _Round(
+            subject, now, now + self._scaled(p.probe_timeout_s), now + self._scaled(p.round_timeout_s)
+        )
+        self.counters["probes"] += 1
+        self._send(subject, Ping(seq, self._piggyback(about=subject)))
+
+    def _on_ack(self, now: float, seq: int) -> None:
+        self._last_ack_at = now
+        if self.self_suspected:
+            self.self_suspected = False
+        rnd = self._rounds.pop(seq, None)
+        if rnd is not None:
+            self.counters["probe_acks"] += 1
+            self._failed_rounds.pop(rnd.subject, None)
+            self._last_ack_from[rnd.subject] = now
+            self._adjust_health(-1)
+            return
+        relay = self._relays.pop(seq, None)
+        if relay is not None:
+            self._send(relay.origin, Ack(relay.origin_seq, self._piggyback()))
+
+    def _on_ping_req(self, now: float, sender: MemberId, msg: PingReq) -> None:
+        if msg.target == self.id or msg.target not in self._config or self.left:
+            self.counters["dropped_ping_req"] += 1
+            return
+        p = self.params
+        seq = self._next_seq()
+        # Nack before the origin's round ends (Lifeguard sends it at 80 % of the probe timeout).
+        nack_at = now + 0.8 * (p.round_timeout_s - p.probe_timeout_s)
+        self._relays[seq] = _Relay(sender, msg.seq, msg.target, nack_at)
+        self._send(msg.target, Ping(seq, self._piggyback(about=msg.target)))
+
+    def _expire_rounds(self, now: float) -> None:
+        p = self.params
+        for seq, rnd in list(self._rounds.items()):
+            if not rnd.indirect_sent and now >= rnd.indirect_at:
+                relays = self._sample_members(p.indirect_probes, exclude=rnd.subject)
+                rnd.indirect_sent = True
+                rnd.relays_asked = len(relays)
+                for relay in relays:
+                    self._send(relay, PingReq(seq, rnd.subject, self._piggyback(about=rnd.subject)))
+            if now >= rnd.fails_at:
+                del self._rounds[seq]
+                self._round_failed(now, rnd, missed_nacks=max(0, rnd.relays_asked - rnd.nacks))
+
+    def _round_failed(self, now: float, rnd: _Round, missed_nacks: int) -> None:
+        # memberlist's awareness rule (Lifeguard IV-A): with relays, only missing nacks count
+        # against us (relays that nacked saw the subject silent too); without relays, +1.
+        self.counters["probe_rounds_failed"] += 1
+        self._adjust_health(missed_nacks if rnd.relays_asked > 0 else 1)
+        if self._isolated(now):
+            if not self.self_suspected:
+                self.self_suspected = True
+                self.counters["self_suspected"] += 1
+                self._emit(ev.SelfSuspected(now))
+            return
+        subject = rnd.subject
+        fails = self._failed_rounds.get(subject, 0) + 1
+        self._failed_rounds[subject] = fails
+        if fails < self.params.failed_rounds_to_alert:
+            return
+        state, inc = self._view.get(subject, (ALIVE, 0))
+        if state >= DEAD or self._alerted.get(subject) == inc:
+            return
+        self._alerted[subject] = inc
+        self.counters["alerts_raised"] += 1
+        alert = Alert(self.id, subject, inc)
+        self._learn(now, alert)
+        # Tell the subject straight away so it can refute if it is alive (memberlist does the
+        # same with suspect messages).
+        self._send(subject, Gossip((alert,)))
+
+    def _isolated(self, now: float) -> bool:
+        return (len(self._subjects) >= 2
+                and now - self._last_ack_at >= self._scaled(self.params.self_suspect_after_s))
+
+    def _expire_relays(self, now: float) -> None:
+        for seq, relay in list(self._relays.items()):
+            if now >= relay.nack_at:
+                del self._relays[seq]
+                self._send(relay.origin, Nack(relay.origin_seq, relay.target))
+
+    def _on_stall(self, now: float, late_s: float) -> None:
+        self.counters["stalls"] += 1
+        self.counters["rounds_voided"] += len(self._rounds)
+        self._rounds.clear()
+        self._failed_rounds.clear()
+        self._last_ack_at = now  # the silence was ours; do not suspect ourselves for it
+        self._adjust_health(+1)
+        self._next_probe_at = min(self._next_probe_at, now)
+
+    def _adjust_health(self, delta: int) -> None:
+        self.health = min(self.params.max_health_multiplier, max(0, self.health + delta))
+
+    # ------------------------------------------------------------------ suspicion
+
+    def _expire_suspicions(self, now: float) -> None:
+        for subject, susp in list(self._suspicions.items()):
+            if now < susp.deadline:
+                continue
+            if self._last_ack_from.get(subject, -_INF) > susp.started_at:
+                # We heard the subject answer since the suspicion began: it is alive, and its
+                # refutation is on its way. Wait another interval rather than convict.
+                susp.deadline = now + self._scaled(self.params.probe_interval_s)
+                self.counters["convictions_postponed"] += 1
+            elif len(susp.observers) >= min(self._min_alerts, susp.expected):
+                self._learn(now, Dead(subject, susp.incarnation, self.id))
+            else:
+                susp.deadline = _INF  # wait for more independent alerts
+
+    def _suspect(self, now: float, alert: Alert) -> bool:
+        subject, inc = alert.subject, alert.incarnation
+        susp = self._suspicions.get(subject)
+        if susp is None or susp.incarnation != inc:
+            expected = len(self._config.observers_of(subject))
+            susp = self._suspicions[subject] = _Suspicion(inc, now, expected)
+            self._set_view(subject, SUSPECT, inc)
+            self._emit(ev.MemberSuspected(now, subject, inc, alert.observer))
+        elif alert.observer in susp.observers:
+            return False
+        susp.observers[alert.observer] = None
+        if subject in self._subjects:
+            timeout = self.params.suspicion_timeout_s(len(susp.observers) - 1, susp.expected - 1)
+        else:
+            # Only observers convict on the Lifeguard timer: they are the ones the subject
+            # refutes to directly, and they can hear it answer. Everyone else waits for their
+            # Dead and convicts on its own only as a fallback, at the longest timeout.
+            timeout = self.params.suspicion_max_s
+        susp.deadline = susp.started_at + timeout
+        self._emit(ev.AlertRaised(now, alert.observer, subject, inc))
+        return True
+
+    # ------------------------------------------------------------------ updates
+
+    def _apply_all(self, now: float, updates: Iterable[Update]) -> None:
+        for update in updates:
+            self._learn(now, update)
+
+    def _learn(self, now: float, update: Update) -> None:
+        """Merge one update; if it is news, queue it for dissemination and push it now."""
+        if self._merge(now, update):
+            self._enqueue(update)
+
+    def _merge(self, now: float, update: Update) -> bool:
+        kind = type(update)
+        if kind is Alert:
+            return self._merge_alert(now, update)
+        member, inc = update.member, update.incarnation
+        if member not in self._config:
+            self.counters["dropped_unknown_member"] += 1
+            return False
+        if member == self.id:
+            return self._merge_about_self(now, update)
+        state, known = self._view.get(member, (ALIVE, 0))
+        if kind is Alive:
+            # A higher incarnation beats a stale conviction (memberlist's precedence), so views
+            # converge even where a refutation arrived after a Dead; Left is final.
+            if inc <= known or state == LEFT:
+                return False
+            self._suspicions.pop(member, None)
+            self._set_view(member, ALIVE, inc)
+            self._emit(ev.MemberAlive(now, member, inc))
+            return True
+        if state >= DEAD or inc < known:
+            return False
+        self._suspicions.pop(member, None)
+        if kind is Dead:
+            self._set_view(member, DEAD, inc)
+            self._emit(ev.MemberDead(now, member, inc, update.confirmer))
+        else:
+            self._set_view(member, LEFT, inc)
+            self._emit(ev.MemberLeft(now, member, inc))
+        self._rounds = {seq: r for seq, r in self._rounds.items() if r.subject != member}
+        return True
+
+    def _merge_about_self(self, now: float, update: Update) -> bool:
+        kind = type(update)
+        if kind is Left:
+            # Only we can leave; our own Left is news exactly once.
+            if self._view.get(self.id, (ALIVE, 0))[0] == LEFT:
+                return False
+            self._set_view(self.id, LEFT, self.incarnation)
+            return True
+        if kind is Dead and not self.removed:
+            if update.incarnation >= self.incarnation:
+                self.removed = True
+                self._rounds.clear()
+                self._relays.clear()
+                self._emit(ev.SelfRemoved(now, self.incarnation))
+            else:
+                # A conviction of an incarnation we already refuted: repeat the refutation.
+                self._enqueue(Alive(self.id, self.incarnation))
+        return False
+
+    def _merge_alert(self, now: float, alert: Alert) -> bool:
+        subject = alert.subject
+        if subject not in self._config or alert.observer not in self._config.observers_of(subject):
+            # Only assigned observers may accuse (Rapid); anything else is noise or hostile.
+            self.counters["dropped_invalid_alert"] += 1
+            return False
+        if subject == self.id:
+            if alert.incarnation >= self.incarnation and not self.left:
+                self._refute(now, alert.incarnation)
+            return False
+        state, known = self._view.get(subject, (ALIVE, 0))
+        if state >= DEAD or alert.incarnation < known:
+            return False
+        return self._suspect(now, alert)
+
+    def _refute(self, now: float, accused_incarnation: int) -> None:
+        self.incarnation = accused_incarnation + 1
+        self.counters["refutations"] += 1
+        self._adjust_health(+1)  # Lifeguard IV-A: having to refute is a sign of our own trouble
+        self._emit(ev.SelfRefuted(now, self.incarnation))
+        self._set_view(self.id, ALIVE, self.incarnation)
+        alive = Alive(self.id, self.incarnation)
+        self._enqueue(alive)
+        # Tell our observers directly: they are the ones whose timers convict us.
+        for observer in self._config.observers_of(self.id):
+            self._send(observer, Gossip((alive,)))
+
+    def _set_view(self, member: MemberId, state: MemberState, inc: int) -> None:
+        old = self._view.get(member)
+        if old is not None:
+            self._digest ^= _entry_hash(member, *old)
+        if state == ALIVE and inc == 0:
+            self._view.pop(member, None)
+            return
+        self._view[member] = (state, inc)
+        self._digest ^= _entry_hash(member, state, inc)
+
+    # ------------------------------------------------------------------ dissemination
+
+    def _enqueue(self, update: Update) -> None:
+        if type(update) is Alert:
+            key = (1, update.observer, update.subject)
+        else:
+            key = (0, update.member, 0)
+            # A newer fact about a member makes its queued alerts moot.
+            for k in [k for k, p in self._queue.items()
+                      if k[0] == 1 and k[2] == update.member]:
+                del self._queue[k]
+        self._queue_order += 1
+        self._queue[key] = _Pending(update, 0, self._queue_order)
+        self._gossip_at = self._now  # push news at once
+
+    def _piggyback(self, about: MemberId | None = None) -> tuple[Update, ...]:
+        queue = self._queue
+        if not queue:
+            return ()
+        limit = self.params.max_piggyback
+        picked = sorted(queue.items(), key=lambda kv: (kv[1].transmits, kv[1].order))[:limit]
+        if about is not None:
+            # Make sure a subject hears the alerts about itself first: it is the one who refutes.
+            urgent = [kv for kv in queue.items() if kv[0][0] == 1 and kv[0][2] == about]
+            if urgent:
+                picked = urgent + [kv for kv in picked if kv not in urgent]
+                picked = picked[:limit]
+        out = []
+        for key, pending in picked:
+            pending.transmits += 1
+            if pending.transmits >= self._transmit_limit:
+                del queue[key]
+            out.append(pending.update)
+        return tuple(out)
+
+    def _gossip(self, now: float) -> None:
+        if not self._queue:
+            self._gossip_at = _INF
+            return
+        self._gossip_at = now + self.params.gossip_interval_s
+        for target in self._sample_members(self.params.gossip_fanout):
+            updates = self._piggyback()
+            if not updates:
+                break
+            self._send(target, Gossip(updates))
+
+    # ------------------------------------------------------------------ anti-entropy
+
+    def _start_sync(self, now: float) -> None:
+        self._sync_at = now + self.params.sync_interval_s * (0.5 + self._rng.random())
+        peers = self._sample_members(1)
+        if peers:
+            digest, entries = self.view_digest()
+            self._send(peers[0], Digest(self._config.config_id, digest, entries))
+
+    def _on_digest(self, sender: MemberId, msg: Digest) -> None:
+        if msg.config_id != self._config.config_id:
+            self.counters["dropped_other_config"] += 1
+            return
+        if (msg.digest, msg.entries) != self.view_digest():
+            self.counters["sync_mismatches"] += 1
+            self._send_view(sender, reply=True)
+
+    def _on_sync_state(self, now: float, sender: MemberId, msg: SyncState) -> None:
+        if msg.config_id != self._config.config_id:
+            self.counters["dropped_other_config"] += 1
+            return
+        for entry in msg.entries:
+            if type(entry) is not Alert:
+                self._learn(now, entry)
+        if msg.reply and msg.page == msg.pages - 1:
+            self._send_view(sender, reply=False)
+
+    def _send_view(self, dest: MemberId, reply: bool) -> None:
+        entries: list[Update] = []
+        for member, (state, inc) in sorted(self._view.items()):
+            if state <= SUSPECT:
+                entries.append(Alive(member, inc))
+            elif state == DEAD:
+                entries.append(Dead(member, inc, self.id))
+            else:
+                entries.append(Left(member, inc))
+        size = self.params.sync_page_entries
+        pages = max(1, math.ceil(len(entries) / size))
+        cid = self._config.config_id
+        for page in range(pages):
+            chunk = tuple(entries[page * size:(page + 1) * size])
+            self._send(dest, SyncState(cid, page, pages, chunk, reply))
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _sample_members(self, count: int, exclude: MemberId | None = None) -> list[MemberId]:
+        """Up to ``count`` distinct random members that are not us, ``exclude``, dead or gone.
+        Rejection sampling over the shared member tuple: no per-member copy of the membership."""
+        members = self._config.members
+        n = len(members)
+        picked: list[MemberId] = []
+        for _ in range(4 * count + 8):
+            if len(picked) == count:
+                break
+            m = members[self._rng.randrange(n)]
+            if m == self.id or m == exclude or m in picked:
+                continue
+            if self._view.get(m, (ALIVE, 0))[0] >= DEAD:
+                continue
+            picked.append(m)
+        return picked
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) % _SEQ_MOD
+        return self._seq
+
+    def _send(self, dest: MemberId, message: Message) -> None:
+        if len(self._outbox) >= self.params.max_outbox:
+            self._outbox.popleft()
+            self.counters["outbox_dropped"] += 1
+        self._outbox.append((dest, message))
+        self.counters["sent"] += 1
+
+    def _emit(self, event: ev.Event) -> None:
+        if len(self._events) >= self.params.max_events:
+            self._events.popleft()
+            self.counters["events_dropped"] += 1
+        self._events.append(event)
+
+    def _advance(self, now: float) -> None:
+        if now < self._now:
+            raise LocalProtocolError(f"time went backwards: {now} < {self._now}")
+        self._now = now
+
+
+def _entry_hash(member: MemberId, state: MemberState, inc: int) -> int:
+    # SUSPECT is a transient local state; two members agree on a view when they agree on
+    # incarnations and on who is dead or gone, so it hashes like ALIVE.
+    return mix_triple(member, ALIVE if state == SUSPECT else int(state), inc)

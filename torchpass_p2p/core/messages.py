@@ -1,0 +1,167 @@
+"""Protocol messages of the membership core: plain frozen values, no behaviour.
+
+Two kinds of value live here:
+
+* **updates** (:class:`Alive`, :class:`Alert`, :class:`Dead`, :class:`Left`) are the facts that
+  gossip spreads. They ride piggyback on every datagram and in :class:`Gossip` pushes.
+* **messages** (:class:`Ping`, :class:`PingReq`, :class:`Ack`, :class:`Nack`, :class:`Gossip`,
+  :class:`Digest`, :class:`SyncState`) are what one datagram carries. The sender is not a field:
+  it comes from the authenticated datagram header (or, in the simulator, from the envelope).
+
+Member ids are unsigned 64-bit integers drawn fresh for every process start and never reused
+(DESIGN section 2), so a restarted process is a new member. Incarnations are unsigned 32-bit
+(SWIM section 4.2: a member raises its own incarnation to refute a suspicion of itself).
+
+The wire codec (:mod:`torchpass_p2p.core.codec`) maps each class to a type tag; the tags below
+are part of the wire format and never change meaning within a protocol version.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TypeAlias
+
+MemberId: TypeAlias = int
+"""A member's id: unsigned 64-bit, random per process start (DESIGN section 2)."""
+
+MAX_MEMBER_ID = (1 << 64) - 1
+MAX_INCARNATION = (1 << 32) - 1
+MAX_SEQ = (1 << 32) - 1
+
+
+def format_member_id(member: MemberId) -> str:
+    """The 16-hex-digit spelling used in logs, status pages and configuration files."""
+    return f"{member:016x}"
+
+
+class MemberState(IntEnum):
+    """A member's liveness as one member believes it.
+
+    Order matters: for the same incarnation a later state overrides an earlier one
+    (SWIM section 4.2; memberlist's ``aliveNode``/``suspectNode``/``deadNode`` precedence).
+    """
+
+    ALIVE = 0
+    SUSPECT = 1
+    DEAD = 2
+    LEFT = 3
+
+
+# --- updates: the facts gossip spreads -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Alive:
+    """``member`` is alive at ``incarnation``. A higher incarnation refutes every older alert."""
+
+    member: MemberId
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Alert:
+    """``observer`` failed to reach ``subject`` (at the subject's ``incarnation``) for M rounds.
+
+    Only an observer assigned to the subject by the configuration's rings may raise one; alerts
+    from anyone else are dropped (Rapid, ATC'18, section 4.1: K observers per subject).
+    """
+
+    observer: MemberId
+    subject: MemberId
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    """``member`` at ``incarnation`` was confirmed dead by ``confirmer`` after its suspicion
+    timed out with enough independent alerts. Final for that member id."""
+
+    member: MemberId
+    incarnation: int
+    confirmer: MemberId
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    """``member`` left on its own (graceful shutdown or drain). Final for that member id."""
+
+    member: MemberId
+    incarnation: int
+
+
+Update: TypeAlias = Alive | Alert | Dead | Left
+
+
+# --- messages: what one datagram carries ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Direct probe. The receiver answers ``Ack(seq)`` to the sender.
+
+    ``seq`` is the prober's own counter (uint32). ``updates`` are piggybacked gossip.
+    """
+
+    seq: int
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PingReq:
+    """Indirect probe (SWIM section 3.1): ask the receiver to ping ``target`` and relay
+    ``Ack(seq)`` back, or ``Nack(seq)`` if the target stays silent (Lifeguard section IV-A)."""
+
+    seq: int
+    target: MemberId
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Answer to ``Ping(seq)``, direct from the target or relayed by a ``PingReq`` helper."""
+
+    seq: int
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    """A relay reports that ``target`` did not answer its ping in time (Lifeguard section IV-A):
+    proof that the path prober -> relay works, so a missing nack counts against the prober."""
+
+    seq: int
+    target: MemberId
+
+
+@dataclass(frozen=True, slots=True)
+class Gossip:
+    """A push of updates to a few random members (eager on news, then periodic)."""
+
+    updates: tuple[Update, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    """Anti-entropy opener: a 64-bit order-independent hash of the sender's membership view for
+    ``config_id`` and the number of entries it covers. The receiver answers with
+    ``SyncState`` pages only when its own digest differs."""
+
+    config_id: int
+    digest: int
+    entries: int
+
+
+@dataclass(frozen=True, slots=True)
+class SyncState:
+    """One page of a membership view: every non-default entry (``Alive`` with incarnation > 0,
+    ``Dead``, ``Left``). ``reply`` asks the receiver to send its own pages back."""
+
+    config_id: int
+    page: int
+    pages: int
+    entries: tuple[Update, ...]
+    reply: bool = False
+
+
+Message: TypeAlias = Ping | PingReq | Ack | Nack | Gossip | Digest | SyncState

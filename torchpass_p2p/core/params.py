@@ -1,0 +1,118 @@
+"""Protocol parameters of the membership core, with the source of every default.
+
+All durations are seconds of the monotonic clock the host passes in as ``now``. The defaults are
+tuned for a LAN (about 1 ms round trips); ``configs/lan.toml`` lists the same values with one
+comment each, and :func:`torchpass_p2p.config.load_params` reads such a file.
+
+Sources quoted below:
+
+* SWIM: Das, Gupta, Motivala, "SWIM: Scalable Weakly-consistent Infection-style Process Group
+  Membership Protocol", DSN 2002.
+* Lifeguard: Dadgar, Phillips, Currey, "Lifeguard: Local Health Awareness for More Accurate
+  Failure Detection", arXiv:1707.00788 (2018).
+* Rapid: Suresh et al., "Stable and Consistent Membership at Scale with Rapid", USENIX ATC 2018.
+* memberlist: hashicorp/memberlist ``DefaultLANConfig`` (config.go).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """Every tunable of the membership core. Immutable; build a new one to change a value."""
+
+    # --- probing (SWIM section 3.1, with Rapid's fixed observers instead of random targets) ---
+    probe_interval_s: float = 1.0
+    """Each observer probes each of its subjects once per interval. memberlist LAN: 1 s."""
+    probe_timeout_s: float = 0.2
+    """Wait for a direct ack before asking relays. Our measurement: loopback RTT < 1 ms;
+    memberlist LAN uses 0.5 s for slower networks."""
+    round_timeout_s: float = 0.5
+    """A probe round (direct + indirect) fails if no ack arrived by then."""
+    indirect_probes: int = 3
+    """Relays asked per failed direct ping (SWIM's k; memberlist IndirectChecks = 3)."""
+    failed_rounds_to_alert: int = 2
+    """M: consecutive failed rounds of one observer->subject edge before the observer raises an
+    alert. Rapid section 4.1 counts consecutive probe failures per edge; 2 keeps a 1 % lossy link
+    (two-round failure odds ~1e-12 with 3 relays) from ever alerting."""
+
+    # --- observers (Rapid section 4.1) ---
+    observers: int = 10
+    """K: observers per subject, one per pseudo-random ring. Rapid: K = 10."""
+    min_alerts_to_confirm: int = 3
+    """L: fewer distinct observers' alerts than this never make a member dead, however long the
+    suspicion lasts. Rapid ignores fewer than L = 3 of K = 10 reports (about 0.3 K)."""
+
+    # --- suspicion (Lifeguard section IV-B) ---
+    suspicion_min_s: float = 1.0
+    """Suspicion timeout once all expected observers confirmed. Chosen so a member whose loop
+    stalls for 2 s can refute: first alert after >= 1.5 s, dead no sooner than 2.5 s."""
+    suspicion_max_s: float = 6.0
+    """Suspicion timeout with a single accuser. Lifeguard: beta = 6 times the minimum."""
+
+    # --- local health (Lifeguard section IV-A) ---
+    max_health_multiplier: int = 8
+    """S: the local health multiplier saturates at this value (Lifeguard: S = 8)."""
+    stall_tolerance_s: float = 0.25
+    """A timer that fires this much late means our own loop stalled: void open rounds."""
+    self_suspect_after_s: float = 1.5
+    """No ack from anyone for this long while probing >= 2 subjects: suspect ourselves, accuse
+    nobody (DESIGN section 4)."""
+
+    # --- dissemination (SWIM section 4.1, memberlist) ---
+    retransmit_mult: int = 4
+    """lambda: each update is piggybacked up to lambda * ceil(log10(N + 1)) times.
+    memberlist LAN RetransmitMult = 4."""
+    gossip_interval_s: float = 0.2
+    """Periodic push of pending updates. memberlist LAN GossipInterval = 200 ms."""
+    gossip_fanout: int = 3
+    """Members per push. memberlist LAN GossipNodes = 3."""
+    max_piggyback: int = 24
+    """Updates per datagram; keeps a sealed datagram under 1,400 bytes (codec limit)."""
+
+    # --- anti-entropy (memberlist push/pull, made digest-first) ---
+    sync_interval_s: float = 10.0
+    """Mean time between digest exchanges with one random peer (jittered +-50 %).
+    memberlist LAN PushPullInterval = 30 s; ours only sends a 30-byte digest."""
+    sync_page_entries: int = 32
+    """Entries per SyncState page."""
+
+    # --- bounds ---
+    max_events: int = 65_536
+    """Events held for the host; beyond it the oldest is dropped and counted."""
+    max_outbox: int = 65_536
+    """Datagrams held for the host; beyond it the oldest is dropped and counted."""
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"parameter {f.name} must be a positive number, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"parameter {f.name} must be finite, got {value!r}")
+        if self.probe_timeout_s >= self.round_timeout_s:
+            raise ValueError("probe_timeout_s must be shorter than round_timeout_s")
+        if self.round_timeout_s > self.probe_interval_s:
+            raise ValueError("round_timeout_s must not exceed probe_interval_s")
+        if self.suspicion_min_s > self.suspicion_max_s:
+            raise ValueError("suspicion_min_s must not exceed suspicion_max_s")
+
+    def transmit_limit(self, members: int) -> int:
+        """Times one update is piggybacked: ``retransmit_mult * ceil(log10(members + 1))``
+        (memberlist ``retransmitLimit``; SWIM section 4.1 shows lambda*log(N) suffices)."""
+        return self.retransmit_mult * max(1, math.ceil(math.log10(members + 1)))
+
+    def suspicion_timeout_s(self, confirmations: int, expected: int) -> float:
+        """Lifeguard section IV-B: ``max(min, max - (max - min) * log(C + 1) / log(K + 1))``.
+
+        ``confirmations`` (C) counts independent alerts after the first; ``expected`` (K) is how
+        many confirmations can arrive at all. Returns seconds since the suspicion started.
+        """
+        if expected < 1:
+            return self.suspicion_min_s
+        frac = math.log(confirmations + 1) / math.log(expected + 1)
+        span = self.suspicion_max_s - self.suspicion_min_s
+        return max(self.suspicion_min_s, self.suspicion_max_s - span * frac)
