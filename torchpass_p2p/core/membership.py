@@ -404,8 +404,10 @@ class Member:
         self._send(subject, Gossip((alert,)))
 
     def _isolated(self, now: float) -> bool:
+        # Not stretched by local health: health rises precisely while we are cut off, and a
+        # stretched window would let an isolated member keep accusing.
         return (len(self._subjects) >= 2
-                and now - self._last_ack_at >= self._scaled(self.params.self_suspect_after_s))
+                and now - self._last_ack_at >= self.params.self_suspect_after_s)
 
     def _expire_relays(self, now: float) -> None:
         for seq, relay in list(self._relays.items()):

@@ -58,9 +58,11 @@ class Params:
     """S: the local health multiplier saturates at this value (Lifeguard: S = 8)."""
     stall_tolerance_s: float = 0.25
     """A timer that fires this much late means our own loop stalled: void open rounds."""
-    self_suspect_after_s: float = 1.5
+    self_suspect_after_s: float = 1.0
     """No ack from anyone for this long while probing >= 2 subjects: suspect ourselves, accuse
-    nobody (DESIGN section 4)."""
+    nobody (DESIGN section 4). Shorter than the M failed rounds an alert needs, so an isolated
+    member always knows it before it could accuse; a healthy member hears an ack every
+    probe_interval / subjects, so a false self-suspicion (which only silences us) is rare."""
 
     # --- dissemination (SWIM section 4.1, memberlist) ---
     retransmit_mult: int = 4

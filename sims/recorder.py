@@ -1,0 +1,83 @@
+"""Measurements taken while a simulation runs: detection latencies and false removals.
+
+A :class:`DetectionRecorder` listens to every member's events. For each injected fault it keeps
+when the first alert, the first suspicion and the first conviction happened, and when each live
+member learned that the faulty member is dead. A conviction of a member that was never faulted is a
+false removal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from torchpass_p2p.core import MemberId
+from torchpass_p2p.core import events as ev
+
+from .cluster import Cluster, SimMember
+
+
+@dataclass(slots=True)
+class FaultRecord:
+    """Timeline of one fault, in virtual seconds."""
+
+    member: MemberId
+    at: float
+    first_alert: float | None = None
+    first_suspected: float | None = None
+    first_dead: float | None = None
+    dead_known: dict[MemberId, float] = field(default_factory=dict)
+
+    def all_know_s(self, live: Iterable[MemberId]) -> float | None:
+        """Seconds from the fault until every member in ``live`` knew it dead; None if some
+        never did."""
+        times = []
+        for m in live:
+            t = self.dead_known.get(m)
+            if t is None:
+                return None
+            times.append(t)
+        return max(times) - self.at if times else None
+
+
+class DetectionRecorder:
+    """Attach to a cluster before running it; call :meth:`fault` when injecting a fault."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.faults: dict[MemberId, FaultRecord] = {}
+        self.false_removals: dict[MemberId, float] = {}
+        self.suspicions = 0
+        self.refutations = 0
+        cluster.listeners.append(self._on_event)
+
+    def fault(self, sm: SimMember) -> None:
+        """Mark ``sm`` as faulty from now on (call right before crashing it)."""
+        self.faults[sm.id] = FaultRecord(sm.id, self.cluster.now)
+
+    def _on_event(self, sm: SimMember, event: ev.Event) -> None:
+        kind = type(event)
+        if kind is ev.AlertRaised:
+            rec = self.faults.get(event.subject)
+            if rec is not None and rec.first_alert is None:
+                rec.first_alert = event.at
+        elif kind is ev.MemberSuspected:
+            self.suspicions += 1
+            rec = self.faults.get(event.member)
+            if rec is not None and rec.first_suspected is None:
+                rec.first_suspected = event.at
+        elif kind is ev.MemberDead:
+            rec = self.faults.get(event.member)
+            if rec is None:
+                self.false_removals.setdefault(event.member, event.at)
+                return
+            if rec.first_dead is None:
+                rec.first_dead = event.at
+            rec.dead_known.setdefault(sm.id, event.at)
+        elif kind is ev.SelfRefuted:
+            self.refutations += 1
+
+    def live_ids(self) -> list[MemberId]:
+        """Members that are neither faulty nor removed."""
+        return [sm.id for sm in self.cluster.members
+                if sm.id not in self.faults and not sm.crashed and not sm.core.removed]
