@@ -13,8 +13,8 @@ import argparse
 import statistics
 import sys
 
-from torchpass_p2p.core import format_member_id
 from torchpass_p2p.core import events as ev
+from torchpass_p2p.core import format_member_id
 
 from .cluster import Cluster
 from .network import LinkModel

@@ -12,8 +12,8 @@ seed and the same inputs give the same trace.
 Probing. The configuration's K rings (:mod:`.configuration`) give each member up to K subjects. It
 pings them round-robin, one every ``probe_interval / len(subjects)``, so each subject is probed by
 each of its observers once per interval. A round is a direct ``Ping``; without an ``Ack`` by
-``probe_timeout`` the observer asks ``indirect_probes`` random relays with ``PingReq``; relays answer
-with the target's ``Ack`` or a ``Nack``. No ack by ``round_timeout`` fails the round.
+``probe_timeout`` the observer asks ``indirect_probes`` random relays with ``PingReq``; relays
+answer with the target's ``Ack`` or a ``Nack``. No ack by ``round_timeout`` fails the round.
 
 Evidence. An observer raises an :class:`Alert` only after M consecutive failed rounds of its edge
 (Rapid). A member whose own timer fired late (its loop stalled) voids its open rounds instead of
@@ -85,8 +85,8 @@ class _Round:
     indirect_at: float
     fails_at: float
     indirect_sent: bool = False
-    relays_asked: int = 0
-    nacks: int = 0
+    relays: tuple[MemberId, ...] = ()
+    nacked: dict[MemberId, None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -108,6 +108,7 @@ class _Suspicion:
     expected: int
     observers: dict[MemberId, None] = field(default_factory=dict)  # insertion-ordered set
     deadline: float = _INF
+    heard_since: float = 0.0  # an ack from the subject after this time postpones conviction
 
 
 @dataclass(slots=True)
@@ -157,6 +158,8 @@ class Member:
         self._now = now
         self._view: dict[MemberId, tuple[MemberState, int]] = {}
         self._digest = 0
+        self._digest_entries = 0
+        self._confirmers: dict[MemberId, MemberId] = {}  # dead member -> who convicted it
         self._suspicions: dict[MemberId, _Suspicion] = {}
         self._rounds: dict[int, _Round] = {}
         self._relays: dict[int, _Relay] = {}
@@ -190,7 +193,7 @@ class Member:
         kind = type(message)
         if kind is Ping:
             self._apply_all(now, message.updates)
-            if not self.left:
+            if not (self.left or self.removed):
                 self._send(sender, Ack(message.seq, self._piggyback()))
         elif kind is Ack:
             self._apply_all(now, message.updates)
@@ -200,8 +203,8 @@ class Member:
             self._on_ping_req(now, sender, message)
         elif kind is Nack:
             rnd = self._rounds.get(message.seq)
-            if rnd is not None and rnd.subject == message.target:
-                rnd.nacks += 1
+            if rnd is not None and rnd.subject == message.target and sender in rnd.relays:
+                rnd.nacked[sender] = None
         elif kind is Gossip:
             self._apply_all(now, message.updates)
         elif kind is Digest:
@@ -214,13 +217,11 @@ class Member:
     def handle_timer(self, now: float) -> None:
         """Run everything due at ``now``. Call it when ``now >= next_deadline()``.
 
-        A call that comes more than ``stall_tolerance_s`` after the deadline means this member's
-        own loop stalled: its open probe rounds are voided rather than failed (DESIGN section 4).
+        Any call (this one or :meth:`receive`) that comes more than ``stall_tolerance_s`` after
+        the deadline means this member's own loop stalled: its open probe rounds are voided
+        rather than failed (DESIGN section 4).
         """
-        due = self.next_deadline()
         self._advance(now)
-        if now - due > self.params.stall_tolerance_s:
-            self._on_stall(now, now - due)
         if self.removed:
             return
         self._expire_rounds(now)
@@ -239,11 +240,11 @@ class Member:
         member whose sends all fail ends up suspecting itself (scenario S07)."""
         self._advance(now)
         self.counters["send_errors"] += 1
-        self._adjust_health(+1)
-        for seq, rnd in list(self._rounds.items()):
-            if rnd.subject == dest:
-                del self._rounds[seq]
-                self._round_failed(now, rnd, missed_nacks=0)
+        failed = [seq for seq, rnd in self._rounds.items() if rnd.subject == dest]
+        if not failed:
+            self._adjust_health(+1)
+        for seq in failed:
+            self._round_failed(now, self._rounds.pop(seq), missed_nacks=0)  # +1 health each
 
     def leave(self, now: float) -> None:
         """Leave gracefully: announce :class:`Left` and stop probing. Idempotent."""
@@ -257,7 +258,11 @@ class Member:
     # ------------------------------------------------------------------ public: outputs
 
     def next_deadline(self) -> float:
-        """The earliest time (seconds) at which :meth:`handle_timer` has work; ``inf`` if none."""
+        """The earliest time (seconds) at which :meth:`handle_timer` has work; ``inf`` if none.
+
+        Never earlier than the ``now`` of the last call: work that an input made due in the past
+        is due at once, not late.
+        """
         if self.removed:
             return _INF
         t = min(self._gossip_at, self._sync_at)
@@ -269,7 +274,7 @@ class Member:
             t = min(t, relay.nack_at)
         for susp in self._suspicions.values():
             t = min(t, susp.deadline)
-        return t
+        return t if t > self._now else self._now
 
     def messages_to_send(self) -> list[tuple[MemberId, Message]]:
         """Pull every queued (destination, message) pair, oldest first."""
@@ -304,7 +309,7 @@ class Member:
 
     def view_digest(self) -> tuple[int, int]:
         """(digest, entries): the order-independent 64-bit hash anti-entropy compares."""
-        return self._digest, len(self._view)
+        return self._digest, self._digest_entries
 
     # ------------------------------------------------------------------ probing
 
@@ -331,9 +336,8 @@ class Member:
     def _start_round(self, now: float, subject: MemberId) -> None:
         p = self.params
         seq = self._next_seq()
-        self._rounds[seq] = _Round(
-            subject, now, now + self._scaled(p.probe_timeout_s), now + self._scaled(p.round_timeout_s)
-        )
+        indirect_at = now + self._scaled(p.probe_timeout_s)
+        self._rounds[seq] = _Round(subject, now, indirect_at, now + self._scaled(p.round_timeout_s))
         self.counters["probes"] += 1
         self._send(subject, Ping(seq, self._piggyback(about=subject)))
 
@@ -353,7 +357,8 @@ class Member:
             self._send(relay.origin, Ack(relay.origin_seq, self._piggyback()))
 
     def _on_ping_req(self, now: float, sender: MemberId, msg: PingReq) -> None:
-        if msg.target == self.id or msg.target not in self._config or self.left:
+        if (msg.target == self.id or msg.target not in self._config or self.left
+                or self.removed):
             self.counters["dropped_ping_req"] += 1
             return
         p = self.params
@@ -369,18 +374,18 @@ class Member:
             if not rnd.indirect_sent and now >= rnd.indirect_at:
                 relays = self._sample_members(p.indirect_probes, exclude=rnd.subject)
                 rnd.indirect_sent = True
-                rnd.relays_asked = len(relays)
+                rnd.relays = tuple(relays)
                 for relay in relays:
                     self._send(relay, PingReq(seq, rnd.subject, self._piggyback(about=rnd.subject)))
             if now >= rnd.fails_at:
                 del self._rounds[seq]
-                self._round_failed(now, rnd, missed_nacks=max(0, rnd.relays_asked - rnd.nacks))
+                self._round_failed(now, rnd, missed_nacks=len(rnd.relays) - len(rnd.nacked))
 
     def _round_failed(self, now: float, rnd: _Round, missed_nacks: int) -> None:
         # memberlist's awareness rule (Lifeguard IV-A): with relays, only missing nacks count
         # against us (relays that nacked saw the subject silent too); without relays, +1.
         self.counters["probe_rounds_failed"] += 1
-        self._adjust_health(missed_nacks if rnd.relays_asked > 0 else 1)
+        self._adjust_health(missed_nacks if rnd.relays else 1)
         if self._isolated(now):
             if not self.self_suspected:
                 self.self_suspected = True
@@ -433,9 +438,11 @@ class Member:
         for subject, susp in list(self._suspicions.items()):
             if now < susp.deadline:
                 continue
-            if self._last_ack_from.get(subject, -_INF) > susp.started_at:
-                # We heard the subject answer since the suspicion began: it is alive, and its
-                # refutation is on its way. Wait another interval rather than convict.
+            if self._last_ack_from.get(subject, -_INF) > susp.heard_since:
+                # We heard the subject answer since the suspicion began (or since we last
+                # postponed): it is alive and its refutation is on its way. Wait one more
+                # interval; if it falls silent meanwhile, we convict then.
+                susp.heard_since = now
                 susp.deadline = now + self._scaled(self.params.probe_interval_s)
                 self.counters["convictions_postponed"] += 1
             elif len(susp.observers) >= min(self._min_alerts, susp.expected):
@@ -448,7 +455,7 @@ class Member:
         susp = self._suspicions.get(subject)
         if susp is None or susp.incarnation != inc:
             expected = len(self._config.observers_of(subject))
-            susp = self._suspicions[subject] = _Suspicion(inc, now, expected)
+            susp = self._suspicions[subject] = _Suspicion(inc, now, expected, heard_since=now)
             self._set_view(subject, SUSPECT, inc)
             self._emit(ev.MemberSuspected(now, subject, inc, alert.observer))
         elif alert.observer in susp.observers:
@@ -501,6 +508,7 @@ class Member:
         self._suspicions.pop(member, None)
         if kind is Dead:
             self._set_view(member, DEAD, inc)
+            self._confirmers[member] = update.confirmer
             self._emit(ev.MemberDead(now, member, inc, update.confirmer))
         else:
             self._set_view(member, LEFT, inc)
@@ -512,7 +520,9 @@ class Member:
         kind = type(update)
         if kind is Left:
             # Only we can leave; our own Left is news exactly once.
-            if self._view.get(self.id, (ALIVE, 0))[0] == LEFT:
+            if not self.left or self._view.get(self.id, (ALIVE, 0))[0] == LEFT:
+                if not self.left:
+                    self.counters["dropped_forged_left"] += 1
                 return False
             self._set_view(self.id, LEFT, self.incarnation)
             return True
@@ -556,13 +566,16 @@ class Member:
 
     def _set_view(self, member: MemberId, state: MemberState, inc: int) -> None:
         old = self._view.get(member)
-        if old is not None:
+        if old is not None and _in_digest(*old):
             self._digest ^= _entry_hash(member, *old)
+            self._digest_entries -= 1
         if state == ALIVE and inc == 0:
             self._view.pop(member, None)
             return
         self._view[member] = (state, inc)
-        self._digest ^= _entry_hash(member, state, inc)
+        if _in_digest(state, inc):
+            self._digest ^= _entry_hash(member, state, inc)
+            self._digest_entries += 1
 
     # ------------------------------------------------------------------ dissemination
 
@@ -640,10 +653,12 @@ class Member:
     def _send_view(self, dest: MemberId, reply: bool) -> None:
         entries: list[Update] = []
         for member, (state, inc) in sorted(self._view.items()):
+            if not _in_digest(state, inc):
+                continue
             if state <= SUSPECT:
                 entries.append(Alive(member, inc))
             elif state == DEAD:
-                entries.append(Dead(member, inc, self.id))
+                entries.append(Dead(member, inc, self._confirmers.get(member, self.id)))
             else:
                 entries.append(Left(member, inc))
         size = self.params.sync_page_entries
@@ -692,7 +707,16 @@ class Member:
     def _advance(self, now: float) -> None:
         if now < self._now:
             raise LocalProtocolError(f"time went backwards: {now} < {self._now}")
+        due = self.next_deadline()
         self._now = now
+        if now - due > self.params.stall_tolerance_s:
+            self._on_stall(now, now - due)
+
+
+def _in_digest(state: MemberState, inc: int) -> bool:
+    """Whether a view entry differs from the default (alive at incarnation 0) for anti-entropy;
+    a suspicion is local and transient, so SUSPECT counts as ALIVE."""
+    return inc > 0 or state >= DEAD
 
 
 def _entry_hash(member: MemberId, state: MemberState, inc: int) -> int:
