@@ -1,0 +1,5 @@
+"""The discrete-event simulator: thousands of real protocol cores on a virtual clock."""
+
+from torchpass_p2p._native import drop_stale_extensions
+
+drop_stale_extensions(__path__[0])

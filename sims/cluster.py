@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from torchpass_p2p.core import Configuration, Member, MemberId, Params
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.messages import Message
+from torchpass_p2p.core.seal import Keyring
+from torchpass_p2p.core.wire import Wire
 
 from .engine import DELIVER, TIMER, Engine
 from .network import LinkModel, Network
@@ -42,7 +44,7 @@ class SimMember:
     recv_bytes: int = 0
     sent_packets: int = 0
     recv_packets: int = 0
-    wire: object | None = None
+    wire: Wire | None = None
     events: list[ev.Event] = field(default_factory=list)
 
     @property
@@ -101,15 +103,13 @@ class Cluster:
                           rng=random.Random(self.rng.getrandbits(64)), now=0.0)
             sm = SimMember(i, core)
             if sealed:
-                from torchpass_p2p.core.seal import Keyring
-                from torchpass_p2p.core.wire import Wire
                 sm.wire = Wire(f"sim-{seed}", Keyring(key), mid)
             self.members.append(sm)
             self.by_id[mid] = sm
-        self._encode: Callable[[Message], bytes] | None = None
+        self._size: Callable[[Message], int] | None = None
         if count_bytes and not sealed:
-            from torchpass_p2p.core.codec import encode
-            self._encode = encode
+            from torchpass_p2p.core.sizes import encoded_size
+            self._size = encoded_size
         self.engine.on(DELIVER, self._deliver)
         self.engine.on(TIMER, self._timer)
         for sm in self.members:
@@ -146,7 +146,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ host side
 
-    def _deliver(self, payload: tuple[SimMember, MemberId, object]) -> None:
+    def _deliver(self, payload: tuple[SimMember, MemberId, Message | bytes]) -> None:
         sm, sender, data = payload
         if sm.crashed:
             return
@@ -154,7 +154,9 @@ class Cluster:
         if sm.blocked_until > now:
             self.engine.push(sm.blocked_until, DELIVER, payload)
             return
-        if self.sealed:
+        message: Message
+        if isinstance(data, bytes):
+            assert sm.wire is not None
             opened = sm.wire.open(data)
             if opened is None:
                 self.counters["rejected"] += 1
@@ -207,13 +209,13 @@ class Cluster:
             target = by_id.get(dst)
             if target is None:
                 continue
-            if self.sealed:
+            data: Message | bytes
+            if sm.wire is not None:
                 data = sm.wire.seal(message, sm.core.incarnation)
                 size = len(data)
             else:
                 data = message
-                size = (len(self._encode(message)) + SEAL_OVERHEAD_BYTES
-                        if self._encode else 0)
+                size = self._size(message) + SEAL_OVERHEAD_BYTES if self._size else 0
             sm.sent_packets += 1
             sm.sent_bytes += size
             for delay in net.delays(src, dst):

@@ -5,7 +5,8 @@ Nothing here reads a clock, touches a socket, starts a thread or draws global ra
 """
 
 from .configuration import Address, Configuration
-from .membership import LocalProtocolError, Member
+from .errors import LocalProtocolError
+from .membership import Member
 from .messages import MemberId, MemberState, format_member_id
 from .params import Params
 

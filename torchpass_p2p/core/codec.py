@@ -42,7 +42,7 @@ not hold exactly one valid message (any msgpack width of an integer is accepted)
 
 from __future__ import annotations
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 
 from torchpass_p2p.core.messages import (
     Ack,
@@ -205,32 +205,31 @@ def _updates_array(updates: tuple[Update, ...], limit: int) -> tuple[tuple[int, 
 def to_array(message: Message) -> tuple:
     """The msgpack-ready nested tuple of ``message`` (see the module table). Raises
     ``ValueError`` for a message outside the limits."""
-    t = type(message)
-    if t is Ping or t is Ack:
+    if isinstance(message, (Ping, Ack)):
         return (
-            1 if t is Ping else 3,
+            1 if isinstance(message, Ping) else 3,
             _u32("seq", message.seq),
             _updates_array(message.updates, MAX_UPDATES),
         )
-    if t is PingReq:
+    if isinstance(message, PingReq):
         return (
             2,
             _u32("seq", message.seq),
             _u64("target", message.target),
             _updates_array(message.updates, MAX_UPDATES),
         )
-    if t is Nack:
+    if isinstance(message, Nack):
         return (4, _u32("seq", message.seq), _u64("target", message.target))
-    if t is Gossip:
+    if isinstance(message, Gossip):
         return (5, _updates_array(message.updates, MAX_UPDATES))
-    if t is Digest:
+    if isinstance(message, Digest):
         return (
             6,
             _u64("config_id", message.config_id),
             _u64("digest", message.digest),
             _u32("entries", message.entries),
         )
-    if t is SyncState:
+    if isinstance(message, SyncState):
         if type(message.reply) is not bool:
             raise ValueError(f"reply must be a bool, got {message.reply!r}")
         page, pages = message.page, message.pages
@@ -487,3 +486,4 @@ def decode(body: bytes) -> Message:
     if decoder is None:
         raise DecodeError("unknown_tag")
     return decoder(obj)
+

@@ -16,7 +16,6 @@ the subject's observers is recognised and dropped.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from functools import cached_property
 
 from .hashing import mix_pair
 from .messages import MemberId
@@ -38,9 +37,6 @@ class Configuration:
     Raises:
         ValueError: a member appears twice, or an id is outside uint64.
     """
-
-    __slots__ = ("config_id", "ranks", "spares", "members", "addresses", "observers",
-                 "_index", "__dict__")
 
     def __init__(
         self,
@@ -64,6 +60,13 @@ class Configuration:
         self._index = {m: i for i, m in enumerate(self.members)}
         self.addresses: Mapping[MemberId, Address] = dict(addresses or {})
         self.observers = observers
+        # Rings and neighbour tables are built on first use and then shared by every member
+        # holding this configuration (plain attributes, not functools.cached_property, so the
+        # mypyc build caches them too).
+        self._rings: tuple[tuple[MemberId, ...], ...] | None = None
+        self._ring_positions: tuple[dict[MemberId, int], ...] = ()
+        self._observer_table: dict[MemberId, tuple[MemberId, ...]] = {}
+        self._subject_table: dict[MemberId, tuple[MemberId, ...]] = {}
 
     def __contains__(self, member: object) -> bool:
         return member in self._index
@@ -82,32 +85,23 @@ class Configuration:
         except ValueError:
             return None
 
-    @cached_property
-    def _rings(self) -> tuple[tuple[MemberId, ...], ...]:
+    def _build_rings(self) -> tuple[tuple[MemberId, ...], ...]:
         rings = []
         for ring in range(min(self.observers, max(0, len(self.members) - 1))):
-            rings.append(tuple(sorted(self.members, key=lambda m, r=ring: mix_pair(r, m))))
-        return tuple(rings)
-
-    @cached_property
-    def _ring_positions(self) -> tuple[dict[MemberId, int], ...]:
-        return tuple({m: i for i, m in enumerate(ring)} for ring in self._rings)
+            keyed = sorted((mix_pair(ring, m), m) for m in self.members)
+            rings.append(tuple(m for _, m in keyed))
+        self._ring_positions = tuple({m: i for i, m in enumerate(r)} for r in rings)
+        self._rings = tuple(rings)
+        return self._rings
 
     def _neighbours(self, member: MemberId, step: int) -> tuple[MemberId, ...]:
+        rings = self._rings if self._rings is not None else self._build_rings()
         seen: dict[MemberId, None] = {}
-        for ring, pos in zip(self._rings, self._ring_positions, strict=True):
+        for ring, pos in zip(rings, self._ring_positions, strict=True):
             other = ring[(pos[member] + step) % len(ring)]
             if other != member:
                 seen.setdefault(other)
         return tuple(seen)
-
-    @cached_property
-    def _observer_table(self) -> dict[MemberId, tuple[MemberId, ...]]:
-        return {}
-
-    @cached_property
-    def _subject_table(self) -> dict[MemberId, tuple[MemberId, ...]]:
-        return {}
 
     def observers_of(self, subject: MemberId) -> tuple[MemberId, ...]:
         """The distinct observers of ``subject`` (its predecessor on each ring), ring order.

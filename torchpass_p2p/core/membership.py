@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 
 from . import events as ev
 from .configuration import Configuration
+from .errors import LocalProtocolError
 from .hashing import mix_triple
 from .messages import (
     Ack,
@@ -70,10 +71,6 @@ if TYPE_CHECKING:
 ALIVE, SUSPECT, DEAD, LEFT = MemberState
 _INF = math.inf
 _SEQ_MOD = 1 << 32
-
-
-class LocalProtocolError(RuntimeError):
-    """The host used the core wrongly (e.g. time went backwards). Never raised for peer input."""
 
 
 @dataclass(slots=True)
@@ -150,7 +147,11 @@ class Member:
         self.incarnation = 0
         self.health = 0
         """Lifeguard's local health multiplier, 0 (healthy) .. ``params.max_health_multiplier``."""
-        self.counters: Counter[str] = Counter()
+        self._counts: Counter[str] = Counter()
+        self._sent = 0  # hot counters kept as plain ints; see the counters property
+        self._received = 0
+        self._probes = 0
+        self._probe_acks = 0
         self.removed = False
         self.left = False
         self.self_suspected = False
@@ -187,32 +188,31 @@ class Member:
         """
         self._advance(now)
         if self.removed:
-            self.counters["dropped_after_removal"] += 1
+            self._counts["dropped_after_removal"] += 1
             return
-        self.counters["received"] += 1
-        kind = type(message)
-        if kind is Ping:
+        self._received += 1
+        if isinstance(message, Ping):
             self._apply_all(now, message.updates)
             if not (self.left or self.removed):
                 self._send(sender, Ack(message.seq, self._piggyback()))
-        elif kind is Ack:
+        elif isinstance(message, Ack):
             self._apply_all(now, message.updates)
             self._on_ack(now, message.seq)
-        elif kind is PingReq:
+        elif isinstance(message, PingReq):
             self._apply_all(now, message.updates)
             self._on_ping_req(now, sender, message)
-        elif kind is Nack:
+        elif isinstance(message, Nack):
             rnd = self._rounds.get(message.seq)
             if rnd is not None and rnd.subject == message.target and sender in rnd.relays:
                 rnd.nacked[sender] = None
-        elif kind is Gossip:
+        elif isinstance(message, Gossip):
             self._apply_all(now, message.updates)
-        elif kind is Digest:
+        elif isinstance(message, Digest):
             self._on_digest(sender, message)
-        elif kind is SyncState:
+        elif isinstance(message, SyncState):
             self._on_sync_state(now, sender, message)
         else:  # pragma: no cover - the codec only yields known types
-            self.counters["dropped_unknown_message"] += 1
+            self._counts["dropped_unknown_message"] += 1
 
     def handle_timer(self, now: float) -> None:
         """Run everything due at ``now``. Call it when ``now >= next_deadline()``.
@@ -239,7 +239,7 @@ class Member:
         probe of this member's own health, and fails an open round to ``dest`` at once, so a
         member whose sends all fail ends up suspecting itself (scenario S07)."""
         self._advance(now)
-        self.counters["send_errors"] += 1
+        self._counts["send_errors"] += 1
         failed = [seq for seq, rnd in self._rounds.items() if rnd.subject == dest]
         if not failed:
             self._adjust_health(+1)
@@ -265,19 +265,25 @@ class Member:
         """
         if self.removed:
             return _INF
-        t = min(self._gossip_at, self._sync_at)
-        if not self.left:
-            t = min(t, self._next_probe_at)
+        t = self._gossip_at if self._gossip_at < self._sync_at else self._sync_at
+        if not self.left and self._next_probe_at < t:
+            t = self._next_probe_at
         for rnd in self._rounds.values():
-            t = min(t, rnd.fails_at if rnd.indirect_sent else rnd.indirect_at)
+            d = rnd.fails_at if rnd.indirect_sent else rnd.indirect_at
+            if d < t:
+                t = d
         for relay in self._relays.values():
-            t = min(t, relay.nack_at)
+            if relay.nack_at < t:
+                t = relay.nack_at
         for susp in self._suspicions.values():
-            t = min(t, susp.deadline)
+            if susp.deadline < t:
+                t = susp.deadline
         return t if t > self._now else self._now
 
     def messages_to_send(self) -> list[tuple[MemberId, Message]]:
         """Pull every queued (destination, message) pair, oldest first."""
+        if not self._outbox:
+            return []
         out = list(self._outbox)
         self._outbox.clear()
         return out
@@ -287,6 +293,17 @@ class Member:
         return self._events.popleft() if self._events else None
 
     # ------------------------------------------------------------------ public: queries
+
+    @property
+    def counters(self) -> Counter[str]:
+        """Everything this member counted: datagrams sent and received, probes, acks, failed
+        rounds, alerts raised, refutations, stalls, drops by reason. A snapshot (a new Counter)."""
+        counts = Counter(self._counts)
+        for name, value in (("sent", self._sent), ("received", self._received),
+                            ("probes", self._probes), ("probe_acks", self._probe_acks)):
+            if value:
+                counts[name] = value
+        return counts
 
     @property
     def configuration(self) -> Configuration:
@@ -338,7 +355,7 @@ class Member:
         seq = self._next_seq()
         indirect_at = now + self._scaled(p.probe_timeout_s)
         self._rounds[seq] = _Round(subject, now, indirect_at, now + self._scaled(p.round_timeout_s))
-        self.counters["probes"] += 1
+        self._probes += 1
         self._send(subject, Ping(seq, self._piggyback(about=subject)))
 
     def _on_ack(self, now: float, seq: int) -> None:
@@ -347,7 +364,7 @@ class Member:
             self.self_suspected = False
         rnd = self._rounds.pop(seq, None)
         if rnd is not None:
-            self.counters["probe_acks"] += 1
+            self._probe_acks += 1
             self._failed_rounds.pop(rnd.subject, None)
             self._last_ack_from[rnd.subject] = now
             self._adjust_health(-1)
@@ -359,7 +376,7 @@ class Member:
     def _on_ping_req(self, now: float, sender: MemberId, msg: PingReq) -> None:
         if (msg.target == self.id or msg.target not in self._config or self.left
                 or self.removed):
-            self.counters["dropped_ping_req"] += 1
+            self._counts["dropped_ping_req"] += 1
             return
         p = self.params
         seq = self._next_seq()
@@ -384,12 +401,12 @@ class Member:
     def _round_failed(self, now: float, rnd: _Round, missed_nacks: int) -> None:
         # memberlist's awareness rule (Lifeguard IV-A): with relays, only missing nacks count
         # against us (relays that nacked saw the subject silent too); without relays, +1.
-        self.counters["probe_rounds_failed"] += 1
+        self._counts["probe_rounds_failed"] += 1
         self._adjust_health(missed_nacks if rnd.relays else 1)
         if self._isolated(now):
             if not self.self_suspected:
                 self.self_suspected = True
-                self.counters["self_suspected"] += 1
+                self._counts["self_suspected"] += 1
                 self._emit(ev.SelfSuspected(now))
             return
         subject = rnd.subject
@@ -401,7 +418,7 @@ class Member:
         if state >= DEAD or self._alerted.get(subject) == inc:
             return
         self._alerted[subject] = inc
-        self.counters["alerts_raised"] += 1
+        self._counts["alerts_raised"] += 1
         alert = Alert(self.id, subject, inc)
         self._learn(now, alert)
         # Tell the subject straight away so it can refute if it is alive (memberlist does the
@@ -421,8 +438,8 @@ class Member:
                 self._send(relay.origin, Nack(relay.origin_seq, relay.target))
 
     def _on_stall(self, now: float, late_s: float) -> None:
-        self.counters["stalls"] += 1
-        self.counters["rounds_voided"] += len(self._rounds)
+        self._counts["stalls"] += 1
+        self._counts["rounds_voided"] += len(self._rounds)
         self._rounds.clear()
         self._failed_rounds.clear()
         self._last_ack_at = now  # the silence was ours; do not suspect ourselves for it
@@ -444,7 +461,7 @@ class Member:
                 # interval; if it falls silent meanwhile, we convict then.
                 susp.heard_since = now
                 susp.deadline = now + self._scaled(self.params.probe_interval_s)
-                self.counters["convictions_postponed"] += 1
+                self._counts["convictions_postponed"] += 1
             elif len(susp.observers) >= min(self._min_alerts, susp.expected):
                 self._learn(now, Dead(subject, susp.incarnation, self.id))
             else:
@@ -484,17 +501,16 @@ class Member:
             self._enqueue(update)
 
     def _merge(self, now: float, update: Update) -> bool:
-        kind = type(update)
-        if kind is Alert:
+        if isinstance(update, Alert):
             return self._merge_alert(now, update)
         member, inc = update.member, update.incarnation
         if member not in self._config:
-            self.counters["dropped_unknown_member"] += 1
+            self._counts["dropped_unknown_member"] += 1
             return False
         if member == self.id:
             return self._merge_about_self(now, update)
         state, known = self._view.get(member, (ALIVE, 0))
-        if kind is Alive:
+        if isinstance(update, Alive):
             # A higher incarnation beats a stale conviction (memberlist's precedence), so views
             # converge even where a refutation arrived after a Dead; Left is final.
             if inc <= known or state == LEFT:
@@ -506,7 +522,7 @@ class Member:
         if state >= DEAD or inc < known:
             return False
         self._suspicions.pop(member, None)
-        if kind is Dead:
+        if isinstance(update, Dead):
             self._set_view(member, DEAD, inc)
             self._confirmers[member] = update.confirmer
             self._emit(ev.MemberDead(now, member, inc, update.confirmer))
@@ -516,17 +532,16 @@ class Member:
         self._rounds = {seq: r for seq, r in self._rounds.items() if r.subject != member}
         return True
 
-    def _merge_about_self(self, now: float, update: Update) -> bool:
-        kind = type(update)
-        if kind is Left:
+    def _merge_about_self(self, now: float, update: Alive | Dead | Left) -> bool:
+        if isinstance(update, Left):
             # Only we can leave; our own Left is news exactly once.
             if not self.left or self._view.get(self.id, (ALIVE, 0))[0] == LEFT:
                 if not self.left:
-                    self.counters["dropped_forged_left"] += 1
+                    self._counts["dropped_forged_left"] += 1
                 return False
             self._set_view(self.id, LEFT, self.incarnation)
             return True
-        if kind is Dead and not self.removed:
+        if isinstance(update, Dead) and not self.removed:
             if update.incarnation >= self.incarnation:
                 self.removed = True
                 self._rounds.clear()
@@ -541,7 +556,7 @@ class Member:
         subject = alert.subject
         if subject not in self._config or alert.observer not in self._config.observers_of(subject):
             # Only assigned observers may accuse (Rapid); anything else is noise or hostile.
-            self.counters["dropped_invalid_alert"] += 1
+            self._counts["dropped_invalid_alert"] += 1
             return False
         if subject == self.id:
             if alert.incarnation >= self.incarnation and not self.left:
@@ -554,7 +569,7 @@ class Member:
 
     def _refute(self, now: float, accused_incarnation: int) -> None:
         self.incarnation = accused_incarnation + 1
-        self.counters["refutations"] += 1
+        self._counts["refutations"] += 1
         self._adjust_health(+1)  # Lifeguard IV-A: having to refute is a sign of our own trouble
         self._emit(ev.SelfRefuted(now, self.incarnation))
         self._set_view(self.id, ALIVE, self.incarnation)
@@ -580,7 +595,8 @@ class Member:
     # ------------------------------------------------------------------ dissemination
 
     def _enqueue(self, update: Update) -> None:
-        if type(update) is Alert:
+        key: tuple[int, int, int]
+        if isinstance(update, Alert):
             key = (1, update.observer, update.subject)
         else:
             key = (0, update.member, 0)
@@ -634,18 +650,18 @@ class Member:
 
     def _on_digest(self, sender: MemberId, msg: Digest) -> None:
         if msg.config_id != self._config.config_id:
-            self.counters["dropped_other_config"] += 1
+            self._counts["dropped_other_config"] += 1
             return
         if (msg.digest, msg.entries) != self.view_digest():
-            self.counters["sync_mismatches"] += 1
+            self._counts["sync_mismatches"] += 1
             self._send_view(sender, reply=True)
 
     def _on_sync_state(self, now: float, sender: MemberId, msg: SyncState) -> None:
         if msg.config_id != self._config.config_id:
-            self.counters["dropped_other_config"] += 1
+            self._counts["dropped_other_config"] += 1
             return
         for entry in msg.entries:
-            if type(entry) is not Alert:
+            if not isinstance(entry, Alert):
                 self._learn(now, entry)
         if msg.reply and msg.page == msg.pages - 1:
             self._send_view(sender, reply=False)
@@ -694,23 +710,28 @@ class Member:
     def _send(self, dest: MemberId, message: Message) -> None:
         if len(self._outbox) >= self.params.max_outbox:
             self._outbox.popleft()
-            self.counters["outbox_dropped"] += 1
+            self._counts["outbox_dropped"] += 1
         self._outbox.append((dest, message))
-        self.counters["sent"] += 1
+        self._sent += 1
 
     def _emit(self, event: ev.Event) -> None:
         if len(self._events) >= self.params.max_events:
             self._events.popleft()
-            self.counters["events_dropped"] += 1
+            self._counts["events_dropped"] += 1
         self._events.append(event)
 
     def _advance(self, now: float) -> None:
         if now < self._now:
             raise LocalProtocolError(f"time went backwards: {now} < {self._now}")
-        due = self.next_deadline()
+        tolerance = self.params.stall_tolerance_s
+        # next_deadline() is never before the last input, so lateness <= now - self._now:
+        # only a gap longer than the tolerance can hide a stall (skips the scan on busy paths).
+        if now - self._now > tolerance:
+            due = self.next_deadline()
+            if now - due > tolerance:
+                self._now = now
+                self._on_stall(now, now - due)
         self._now = now
-        if now - due > self.params.stall_tolerance_s:
-            self._on_stall(now, now - due)
 
 
 def _in_digest(state: MemberState, inc: int) -> bool:

@@ -153,7 +153,7 @@ class Wire:
         """The message in datagram ``data``, or ``None`` (counted in ``rejected``). Never
         raises."""
         raw = _as_bytes(data, self.max_datagram_bytes)
-        if type(raw) is str:
+        if isinstance(raw, str):
             self.rejected[raw] += 1
             return None
         try:
@@ -230,7 +230,7 @@ class NullWire:
     def open(self, data: bytes) -> Opened | None:
         """As :meth:`Wire.open`, without authentication or replay checks. Never raises."""
         raw = _as_bytes(data, self.max_datagram_bytes)
-        if type(raw) is str:
+        if isinstance(raw, str):
             self.rejected[raw] += 1
             return None
         if len(raw) < OVERHEAD_BYTES:
