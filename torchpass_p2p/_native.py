@@ -8,8 +8,9 @@ was edited after the build, the extension no longer matches it; such an extensio
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import os
-import warnings
+import sys
 
 
 def drop_stale_extensions(package_dir: str) -> None:
@@ -27,9 +28,36 @@ def drop_stale_extensions(package_dir: str) -> None:
             except OSError:
                 continue
             if stale:
-                warnings.warn(f"removed stale compiled module {so} (its source changed; rerun "
-                              "scripts/build-native)", RuntimeWarning, stacklevel=2)
+                # Not a warning: under ``-W error`` a warning here would break the import it
+                # is protecting.
+                sys.stderr.write(f"torchpass_p2p: removed stale compiled module {so} (its "
+                                 "source changed; scripts/build-native rebuilds it)\n")
                 try:
                     os.remove(so)
                 except OSError:
                     pass
+
+
+class _SourceOnlyFinder:
+    """A meta-path finder that loads ``.py`` sources for our packages even where a compiled
+    module sits beside them (``TORCHPASS_PURE_PYTHON=1``: the reference path, and the baseline
+    benchmarks/sim_speed.py measures against)."""
+
+    PREFIXES = ("torchpass_p2p.", "sims.")
+
+    @classmethod
+    def find_spec(cls, fullname, path=None, target=None):  # noqa: ANN001, ANN206 - finder API
+        if not fullname.startswith(cls.PREFIXES) or not path:
+            return None
+        leaf = fullname.rpartition(".")[2]
+        for entry in path:
+            source = os.path.join(entry, leaf + ".py")
+            if os.path.isfile(source):
+                return importlib.util.spec_from_file_location(fullname, source)
+        return None
+
+
+def prefer_sources() -> None:
+    """Ignore compiled modules from now on if ``TORCHPASS_PURE_PYTHON=1``."""
+    if os.environ.get("TORCHPASS_PURE_PYTHON") == "1" and _SourceOnlyFinder not in sys.meta_path:
+        sys.meta_path.insert(0, _SourceOnlyFinder)  # type: ignore[arg-type]

@@ -493,6 +493,8 @@ class Member:
 
     def _apply_all(self, now: float, updates: Iterable[Update]) -> None:
         for update in updates:
+            if self.removed:
+                return  # the Dead about us came earlier in this batch: we are silent now
             self._learn(now, update)
 
     def _learn(self, now: float, update: Update) -> None:

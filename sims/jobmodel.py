@@ -1,0 +1,292 @@
+"""A training-step model on top of a simulated fleet: how long a fault stalls training.
+
+The ranks of ``cluster.configuration.ranks`` run a synchronous data-parallel loop (DESIGN
+section 6). Every step each rank computes for ``step_time_s`` x its slowdown x a small seeded
+jitter, then all ranks meet in an all-reduce: the step completes when the last rank finished
+computing, plus ``allreduce_s``. The all-reduce needs every rank of the world, so it cannot
+complete while a rank is crashed, removed, left, or cut off by the network (deaf, mute, clogged,
+or a cut link to another rank); it waits, and completes as soon as that ends (a clog that lifts).
+
+Replacement, until the agreement layer exists: once every live rank's core holds a rank's member
+as dead or gone, the configuration is taken to change: the current step is abandoned (the commit
+rule redoes it, DESIGN section 6), the first live spare takes the rank ``replace_s`` later (group
+rebuild and state transfer), and the step restarts. The membership cores are not told: the spare
+keeps its spare role there, and the old member is simply out of the world.
+
+Stragglers: each rank's compute time per step is known to all (the model's shortcut; a later
+issue gossips it) and goes through :class:`torchpass_p2p.core.straggler.StragglerDetector`. With
+``policy="migrate"`` a flagged rank hands its rank to a spare at the next step boundary, the job
+pausing ``replace_s`` (proactive: the slow member is its own state source, DESIGN section 4).
+
+Times are virtual seconds of the cluster's engine; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from torchpass_p2p.core import MemberId, MemberState
+from torchpass_p2p.core import events as ev
+from torchpass_p2p.core.straggler import StragglerDetector, StragglerFlag
+
+from .cluster import Cluster, SimMember
+
+POLICIES = ("report", "migrate")
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One completed step: when it began and ended, and each rank's compute seconds."""
+
+    step: int
+    started_at: float
+    ended_at: float
+    compute_s: tuple[float, ...]
+    """[world_size] seconds, by rank."""
+
+
+@dataclass(slots=True)
+class Replacement:
+    """A rank handed from ``old`` to ``new`` (None: no live spare was left)."""
+
+    rank: int
+    old: MemberId
+    new: MemberId | None
+    reason: str
+    """``"dead"``: every live rank held ``old`` dead or gone; ``"migrate"``: straggler policy."""
+    decided_at: float
+    ready_at: float
+
+
+@dataclass(slots=True)
+class _Slow:
+    start: float
+    factor: float
+    ramp_s: float
+
+    def at(self, t: float) -> float:
+        if t <= self.start:
+            return 1.0
+        frac = 1.0 if self.ramp_s <= 0 else min(1.0, (t - self.start) / self.ramp_s)
+        return 1.0 + (self.factor - 1.0) * frac
+
+
+class TrainingJob:
+    """Synchronous training on ``cluster``'s ranks, driven by the cluster's engine.
+
+    Args:
+        cluster: the fleet; its ranks train, its spares wait.
+        step_time_s: nominal compute time of one step on a healthy rank (seconds).
+        replace_s: from the decision to replace a rank until the job trains again: group
+            rebuild plus state transfer (seconds; DESIGN section 13 measured a 4-rank gloo group
+            re-forming in ~0.2 s after a kill, state transfer of a large model takes longer).
+        allreduce_s: the all-reduce after the slowest rank finished (seconds).
+        jitter: each step's compute time is scaled by a uniform draw in [1 - jitter, 1 + jitter]
+            (seeded from the cluster's seed, not its generator, so adding a job does not change
+            the membership trace).
+        straggler_factor, straggler_steps: the detector's rule
+            (:mod:`torchpass_p2p.core.straggler`).
+        policy: ``"report"`` (flag only) or ``"migrate"`` (flagged ranks move to a spare).
+        start_at: when step 0 begins (seconds).
+        poll_s: how often a stalled all-reduce rechecks whether it can complete (seconds); the
+            resolution of stalls that end without a replacement.
+
+    Raises:
+        ValueError: an unknown policy or a non-positive step time.
+    """
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        step_time_s: float,
+        *,
+        replace_s: float = 5.0,
+        allreduce_s: float = 0.0,
+        jitter: float = 0.0,
+        straggler_factor: float = 1.5,
+        straggler_steps: int = 5,
+        policy: str = "report",
+        start_at: float = 0.0,
+        poll_s: float = 0.05,
+    ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if not step_time_s > 0:
+            raise ValueError("step_time_s must be positive")
+        self.cluster = cluster
+        self.step_time_s = step_time_s
+        self.replace_s = replace_s
+        self.allreduce_s = allreduce_s
+        self.jitter = jitter
+        self.policy = policy
+        self.poll_s = poll_s
+        self.detector = StragglerDetector(straggler_factor, straggler_steps)
+        self.world: list[MemberId] = list(cluster.configuration.ranks)
+        self.spares: list[MemberId] = list(cluster.configuration.spares)
+        self.step = 0
+        """The step being computed (= steps completed so far)."""
+        self.history: list[StepRecord] = []
+        self.replacements: list[Replacement] = []
+        self.flags: list[tuple[float, int, StragglerFlag]] = []
+        """(time, rank, flag) for every straggler flag."""
+        self.faults: list[tuple[float, str]] = []
+        """(time, label) of the faults :meth:`slow` injected; see :meth:`stalls`."""
+        self._rng = random.Random(f"jobmodel-{cluster.seed}")
+        self._slow: dict[MemberId, _Slow] = {}
+        self._epoch = 0
+        self._started_at = start_at
+        self._compute: tuple[float, ...] = ()
+        self._vacant: dict[int, float] = {}  # rank -> when its replacement is ready
+        self._migrate: list[tuple[int, MemberId]] = []
+        cluster.listeners.append(self._on_event)
+        cluster.at(start_at, lambda: self._start_step(cluster.now))
+
+    # ------------------------------------------------------------------ faults
+
+    def slow(self, sm: SimMember, at: float, factor: float = 3.0, ramp_s: float = 180.0) -> None:
+        """From ``at`` on, ``sm``'s compute time ramps linearly to ``factor`` x nominal over
+        ``ramp_s`` seconds and stays there (thermal throttling: no error, just slower)."""
+        self._slow[sm.id] = _Slow(at, factor, ramp_s)
+        self.cluster.at(at, lambda: self.faults.append((at, f"slow #{sm.index}")))
+
+    def slowdown(self, member: MemberId, t: float) -> float:
+        """``member``'s compute-time multiplier at time ``t``."""
+        slow = self._slow.get(member)
+        return 1.0 if slow is None else slow.at(t)
+
+    # ------------------------------------------------------------------ the step loop
+
+    def _start_step(self, now: float) -> None:
+        self._epoch += 1
+        epoch = self._epoch
+        self._started_at = now
+        jitter = self.jitter
+        rng = self._rng
+        compute = []
+        for member in self.world:
+            scale = 1.0 + jitter * (2.0 * rng.random() - 1.0) if jitter else 1.0
+            compute.append(self.step_time_s * self.slowdown(member, now) * scale)
+        self._compute = tuple(compute)
+        end = now + max(compute) + self.allreduce_s
+        self.cluster.at(end, lambda: self._finish(epoch))
+
+    def _finish(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            return  # abandoned: a replacement restarted the step
+        now = self.cluster.now
+        blocked = [r for r, m in enumerate(self.world) if not self._can_train(m)]
+        if blocked:
+            for r in blocked:
+                self._check_replace(r)
+            if epoch == self._epoch:
+                self.cluster.at(now + self.poll_s, lambda: self._finish(epoch))
+            return
+        self.history.append(StepRecord(self.step, self._started_at, now, self._compute))
+        flags = self.detector.observe(self.step, dict(zip(self.world, self._compute,
+                                                          strict=True)))
+        self.step += 1
+        for flag in flags:
+            rank = self.world.index(flag.member)
+            self.flags.append((now, rank, flag))
+            if self.policy == "migrate":
+                self._vacate(rank, "migrate")
+        if not self._vacant:
+            self._start_step(now)
+
+    # ------------------------------------------------------------------ replacement
+
+    def _on_event(self, sm: SimMember, event: ev.Event) -> None:
+        kind = type(event)
+        if kind is ev.MemberDead or kind is ev.MemberLeft:
+            try:
+                rank = self.world.index(event.member)
+            except ValueError:
+                return
+            self._check_replace(rank)
+
+    def _check_replace(self, rank: int) -> None:
+        """Replace ``rank`` once every live rank holds its member dead or gone."""
+        if rank in self._vacant:
+            return
+        member = self.world[rank]
+        by_id = self.cluster.by_id
+        for other in self.world:
+            if other == member or not self._can_train(other):
+                continue
+            if by_id[other].core.state_of(member)[0] < MemberState.DEAD:
+                return
+        self._vacate(rank, "dead")
+
+    def _vacate(self, rank: int, reason: str) -> None:
+        now = self.cluster.now
+        self._epoch += 1  # abandon the step in flight; it is redone once the rank is filled
+        old = self.world[rank]
+        new = next((m for m in self.spares if self._can_train(m)), None)
+        ready = now + self.replace_s
+        self.replacements.append(Replacement(rank, old, new, reason, now, ready))
+        self.detector.forget(old)
+        if new is None:
+            self._vacant[rank] = float("inf")  # no spare left: the job waits (policy "wait")
+            return
+        self.spares.remove(new)
+        self._vacant[rank] = ready
+
+        def fill() -> None:
+            self.world[rank] = new
+            del self._vacant[rank]
+            if not self._vacant:
+                self._start_step(self.cluster.now)
+
+        self.cluster.at(ready, fill)
+
+    def _can_train(self, member: MemberId) -> bool:
+        sm = self.cluster.by_id[member]
+        if sm.crashed or sm.core.removed or sm.core.left:
+            return False
+        net = self.cluster.network
+        if member in net.deaf or member in net.mute or member in net.clogged:
+            return False
+        if net.cut:
+            world = self.world
+            return not any((a == member and b in world) or (b == member and a in world)
+                           for a, b in net.cut)
+        return True
+
+    # ------------------------------------------------------------------ reports
+
+    def completions(self) -> list[float]:
+        """End time of every completed step, in step order."""
+        return [rec.ended_at for rec in self.history]
+
+    def stalls(self, faults: Iterable[tuple[float, object]] | None = None) -> list[
+            tuple[float, str, float | None]]:
+        """Seconds of training each fault cost: from the fault to the first step completed
+        after it, minus one nominal step (a fault that costs nothing still waits for the step in
+        flight; clamped at zero). None: no step completed after it.
+
+        ``faults``: (time, label) pairs, e.g. a FaultInjector's ``log`` (its third field is a
+        member index) or this job's own :attr:`faults` (the default).
+        """
+        ends = self.completions()
+        out: list[tuple[float, str, float | None]] = []
+        for item in (self.faults if faults is None else faults):
+            at, label = item[0], " ".join(str(x) for x in item[1:])
+            after = next((t for t in ends if t > at), None)
+            stall = None if after is None else max(0.0, after - at - self.step_time_s)
+            out.append((at, label, stall))
+        return out
+
+    def summary(self, horizon_s: float | None = None) -> dict[str, object]:
+        """Plain numbers for a report: steps, nominal steps, replacements, flags."""
+        horizon = self.cluster.now if horizon_s is None else horizon_s
+        return {
+            "steps": self.step,
+            "nominal_steps": int(horizon // self.step_time_s),
+            "replacements": [(r.rank, r.reason, round(r.decided_at, 3)) for r in
+                             self.replacements],
+            "straggler_flags": [(rank, f.step, round(t, 3)) for t, rank, f in self.flags],
+            "stalls_s": [(round(at, 3), label, None if s is None else round(s, 3))
+                         for at, label, s in self.stalls()],
+        }
