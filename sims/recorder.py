@@ -52,8 +52,9 @@ class DetectionRecorder:
         cluster.listeners.append(self._on_event)
 
     def fault(self, sm: SimMember) -> None:
-        """Mark ``sm`` as faulty from now on (call right before crashing it)."""
-        self.faults[sm.id] = FaultRecord(sm.id, self.cluster.now)
+        """Mark ``sm`` as faulty from now on (call right before crashing it). A member already
+        marked keeps its first fault time: a second fault on a dead member changes nothing."""
+        self.faults.setdefault(sm.id, FaultRecord(sm.id, self.cluster.now))
 
     def _on_event(self, sm: SimMember, event: ev.Event) -> None:
         kind = type(event)
