@@ -1,6 +1,4 @@
 """The discrete-event simulator: thousands of real protocol cores on a virtual clock."""
 
-from torchpass_p2p._native import drop_stale_extensions, prefer_sources
-
-prefer_sources()
-drop_stale_extensions(__path__[0])
+# Importing torchpass_p2p first runs its guards for the compiled build, which cover sims too.
+import torchpass_p2p  # noqa: F401

@@ -62,5 +62,20 @@ class Engine:
         self.events += count
         self.now = max(self.now, until)
 
+    def pop_due(self, until: float) -> tuple[float, int, int, Any] | None:
+        """Pop the next entry due at or before ``until`` (advancing ``now`` to it and counting
+        it), or None. For owners that dispatch entries themselves, then call :meth:`settle`."""
+        heap = self._heap
+        if heap and heap[0][0] <= until:
+            entry = heapq.heappop(heap)
+            self.now = entry[0]
+            self.events += 1
+            return entry
+        return None
+
+    def settle(self, until: float) -> None:
+        """After dispatching everything up to ``until``, set the clock to ``until``."""
+        self.now = max(self.now, until)
+
     def __len__(self) -> int:
         return len(self._heap)

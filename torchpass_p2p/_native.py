@@ -1,8 +1,8 @@
 """Guard for the optional mypyc build (scripts/build-native): never run stale compiled code.
 
-Python imports ``membership.cpython-311-*.so`` in preference to ``membership.py``. If the source
-was edited after the build, the extension no longer matches it; such an extension is deleted
-(it is a build product, ignored by git) so the import falls back to the source.
+Python imports ``membership.cpython-311-*.so`` in preference to ``membership.py``. If a source
+was edited after the build, the extensions no longer match it; they are deleted (build products,
+ignored by git) so the imports fall back to the sources.
 """
 
 from __future__ import annotations
@@ -14,28 +14,36 @@ import sys
 
 
 def drop_stale_extensions(package_dir: str) -> None:
-    """Delete every compiled module under ``package_dir`` older than its ``.py`` source."""
-    suffixes = importlib.machinery.EXTENSION_SUFFIXES
-    for root, _dirs, files in os.walk(package_dir):
-        for name in files:
-            suffix = next((s for s in suffixes if name.endswith(s) and s != ".so"), None)
-            if suffix is None:
-                continue
-            so = os.path.join(root, name)
-            source = so[: -len(suffix)] + ".py"
-            try:
-                stale = os.path.getmtime(source) > os.path.getmtime(so)
-            except OSError:
-                continue
-            if stale:
-                # Not a warning: under ``-W error`` a warning here would break the import it
-                # is protecting.
-                sys.stderr.write(f"torchpass_p2p: removed stale compiled module {so} (its "
-                                 "source changed; scripts/build-native rebuilds it)\n")
+    """If any compiled module under ``package_dir`` or its sibling ``sims`` package (one mypyc
+    group: scripts/native_build.py) is older than its ``.py`` source, delete every compiled
+    module of the group: a partly removed group would mix old and new code."""
+    suffixes = [s for s in importlib.machinery.EXTENSION_SUFFIXES if s != ".so"]
+    roots = [package_dir, os.path.join(os.path.dirname(package_dir), "sims")]
+    compiled: list[str] = []
+    stale: list[str] = []
+    for top in roots:
+        for root, _dirs, files in os.walk(top):
+            for name in files:
+                suffix = next((s for s in suffixes if name.endswith(s)), None)
+                if suffix is None:
+                    continue
+                so = os.path.join(root, name)
+                compiled.append(so)
                 try:
-                    os.remove(so)
+                    if os.path.getmtime(so[: -len(suffix)] + ".py") > os.path.getmtime(so):
+                        stale.append(so)
                 except OSError:
-                    pass
+                    continue
+    if not stale:
+        return
+    # Not a warning: under ``-W error`` a warning here would break the import it protects.
+    sys.stderr.write(f"torchpass_p2p: {stale[0]} is older than its source; removed all "
+                     f"{len(compiled)} compiled modules (scripts/build-native rebuilds them)\n")
+    for so in compiled:
+        try:
+            os.remove(so)
+        except OSError:
+            pass
 
 
 class _SourceOnlyFinder:
