@@ -1091,3 +1091,41 @@ def test_events_beyond_max_events_drop_the_oldest_and_count():
     # MemberSuspected, then AlertRaised for each of the three observers: four events.
     assert events(x) == [ev.AlertRaised(0.1, b, SUBJECT, 0), ev.AlertRaised(0.1, c, SUBJECT, 0)]
     assert x.counters["events_dropped"] == 2
+
+
+def test_stalled_observer_reads_its_backlog_before_convicting():
+    fleet = Fleet(8, params=NO_ALERTS)
+    fleet.down.add(SUBJECT)
+    fleet.run_until(0.1)
+    x = fleet[1]
+    accusers = [o for o in OBSERVERS if o != 1]
+    for o in accusers:
+        x.receive(0.1, o, alert_from(o))
+    deadline = x.next_deadline()
+    assert deadline <= 0.1 + NO_ALERTS.suspicion_min_s
+    # Our loop stalls past the conviction deadline; the subject's refutation sits in our socket.
+    wake = 0.1 + NO_ALERTS.suspicion_max_s
+    x.handle_timer(wake)
+    assert x.counters["stalls"] == 1
+    assert x.state_of(SUBJECT) == (SUSPECT, 0)
+    x.receive(wake, SUBJECT, Gossip((Alive(SUBJECT, 1),)))
+    x.handle_timer(wake + NO_ALERTS.round_timeout_s)
+    assert x.state_of(SUBJECT) == (ALIVE, 1)
+    assert not [e for e in fleet.events(1) if type(e) is ev.MemberDead]
+
+
+def test_stalled_observer_still_convicts_a_silent_subject_after_the_grace():
+    fleet = Fleet(8, params=NO_ALERTS)
+    fleet.down.add(SUBJECT)
+    fleet.run_until(0.1)
+    x = fleet[1]
+    for o in [o for o in OBSERVERS if o != 1]:
+        x.receive(0.1, o, alert_from(o))
+    wake = 0.1 + NO_ALERTS.suspicion_max_s
+    x.handle_timer(wake)
+    assert x.state_of(SUBJECT) == (SUSPECT, 0)
+    # Back on time, with nothing from the subject in the backlog: it is convicted at the grace.
+    step_alone(x, wake + NO_ALERTS.round_timeout_s)
+    assert x.state_of(SUBJECT) == (DEAD, 0)
+    dead = [e for e in events(x) if type(e) is ev.MemberDead]
+    assert [(e.at, e.confirmer) for e in dead] == [(wake + NO_ALERTS.round_timeout_s, 1)]

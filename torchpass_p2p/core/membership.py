@@ -443,6 +443,12 @@ class Member:
         self._rounds.clear()
         self._failed_rounds.clear()
         self._last_ack_at = now  # the silence was ours; do not suspect ourselves for it
+        # A suspicion that ran out while we were stalled must not convict before we have read
+        # the backlog: the subject's refutation may be waiting in our socket.
+        grace = now + self.params.round_timeout_s
+        for susp in self._suspicions.values():
+            if susp.deadline < grace:
+                susp.deadline = grace
         self._adjust_health(+1)
         self._next_probe_at = min(self._next_probe_at, now)
 
