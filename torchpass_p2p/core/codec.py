@@ -370,28 +370,25 @@ def _dec_updates(a: object, limit: int) -> tuple[Update, ...]:
     return tuple(out)
 
 
-def _seq(x: object) -> int:
+def _ranged(x: object, top: int) -> int:
+    """``x`` if it is an int (not a bool) in 0..top, else DecodeError("type"/"range")."""
     if type(x) is not int:
         raise DecodeError("type")
-    if not 0 <= x <= MAX_U32:
+    if not 0 <= x <= top:  # type: ignore[operator]
         raise DecodeError("range")
-    return x
+    return x  # type: ignore[return-value]
+
+
+def _seq(x: object) -> int:
+    return _ranged(x, MAX_U32)
 
 
 def _u64_field(x: object) -> int:
-    if type(x) is not int:
-        raise DecodeError("type")
-    if not 0 <= x <= MAX_U64:
-        raise DecodeError("range")
-    return x
+    return _ranged(x, MAX_U64)
 
 
 def _page(x: object) -> int:
-    if type(x) is not int:
-        raise DecodeError("type")
-    if not 0 <= x <= MAX_PAGE:
-        raise DecodeError("range")
-    return x
+    return _ranged(x, MAX_PAGE)
 
 
 def _dec_ping(a: tuple) -> Message:
