@@ -6,11 +6,13 @@ returns plain numbers, so a test asserts on them and a report aggregates them ov
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from torchpass_p2p.core import Params
 
 from .cluster import Cluster
+from .faults import FaultInjector
 from .network import LinkModel
 from .recorder import DetectionRecorder, FaultRecord
 
@@ -93,19 +95,13 @@ def busy_run(
                       keep_events=False)
     recorder = DetectionRecorder(cluster)
     victims = cluster.rng.sample(cluster.members, busy)
-    blocks = 0
-
-    def schedule(sm, at: float) -> None:
-        def fire() -> None:
-            nonlocal blocks
-            blocks += 1
-            cluster.block(sm, block_s)
-            schedule(sm, cluster.now + period_s)
-        cluster.at(at, fire)
-
+    faults = FaultInjector(cluster, recorder)
     for sm in victims:
-        schedule(sm, 1.0 + cluster.rng.random() * period_s)
+        first = 1.0 + cluster.rng.random() * period_s
+        for k in range(math.ceil((horizon_s - first) / period_s)):
+            faults.pause(sm, first + k * period_s, block_s)
     cluster.run(horizon_s)
+    blocks = sum(1 for _, kind, _ in faults.log if kind == "pause")
     return BusyResult(
         members=members,
         seed=seed,
