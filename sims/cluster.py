@@ -158,6 +158,11 @@ class Cluster:
         buffer and its timers fire late, all at the end of the block (SIGSTOP, a GIL holder)."""
         sm.blocked_until = max(sm.blocked_until, self.now + duration_s)
 
+    def leave(self, sm: SimMember) -> None:
+        """The member leaves gracefully now (drain, shutdown): its Left goes out at once."""
+        sm.core.leave(self.now)
+        self._after(sm)
+
     # ------------------------------------------------------------------ host side
 
     def _deliver(self, payload: tuple[SimMember, MemberId, Message | bytes]) -> None:

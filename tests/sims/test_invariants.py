@@ -291,7 +291,7 @@ def test_real_faults_break_no_invariant(seed: int) -> None:
     faults.busy(m[4], 5.0, 40.0, (2.0, 3.2), 0.5)
     faults.gray(m[5], 5.0, 0.3)
     faults.clog(m[6], 20.0, 1.0)
-    cluster.at(25.0, lambda: (m[7].core.leave(cluster.now), cluster._after(m[7])))
+    cluster.at(25.0, lambda: cluster.leave(m[7]))
     cluster.at(40.0, lambda: cluster.network.member_loss.clear())
     cluster.run(90.0)
     assert checker.violations == []
