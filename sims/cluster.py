@@ -110,8 +110,6 @@ class Cluster:
         if count_bytes and not sealed:
             from torchpass_p2p.core.sizes import encoded_size
             self._size = encoded_size
-        self.engine.on(DELIVER, self._deliver)
-        self.engine.on(TIMER, self._timer)
         for sm in self.members:
             self._arm(sm)
 
@@ -122,10 +120,7 @@ class Cluster:
         return self.engine.now
 
     def run(self, until: float) -> None:
-        """Advance the virtual clock to ``until`` seconds, handling everything due.
-
-        Dispatches itself rather than through Engine.run's handler table: direct calls are
-        what the compiled build turns into native calls (benchmarks/sim_speed.py)."""
+        """Advance the virtual clock to ``until`` seconds, handling everything due."""
         engine = self.engine
         entry = engine.pop_due(until)
         while entry is not None:

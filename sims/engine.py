@@ -17,54 +17,34 @@ CALL = 2
 
 
 class Engine:
-    """A min-heap of timed entries. Handlers are registered per kind by the owner.
+    """A min-heap of timed entries and the virtual clock. The owner pops due entries with
+    :meth:`pop_due` and dispatches them itself (direct calls, which the compiled build turns into
+    native calls), then calls :meth:`settle`.
 
-    ``now`` only moves forward. ``events`` counts every entry popped and handled, the figure
-    ``events_per_s`` is computed from.
+    ``now`` only moves forward. ``events`` counts every entry popped, the figure ``events_per_s``
+    is computed from.
     """
 
-    __slots__ = ("now", "events", "_heap", "_seq", "_handlers")
+    __slots__ = ("now", "events", "_heap", "_seq")
 
     def __init__(self) -> None:
         self.now = 0.0
         self.events = 0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        self._handlers: dict[int, Callable[[Any], None]] = {}
-
-    def on(self, kind: int, handler: Callable[[Any], None]) -> None:
-        self._handlers[kind] = handler
 
     def push(self, at: float, kind: int, payload: Any) -> None:
-        """Schedule ``payload`` for the ``kind`` handler at virtual time ``at`` (seconds)."""
+        """Schedule ``payload`` of ``kind`` at virtual time ``at`` (seconds)."""
         self._seq += 1
         heapq.heappush(self._heap, (at, self._seq, kind, payload))
 
     def call_at(self, at: float, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` at virtual time ``at``: scripted faults and probes of the run."""
+        """Schedule ``fn()`` at virtual time ``at``: scripted faults and probes of the run."""
         self.push(at, CALL, fn)
-
-    def run(self, until: float) -> None:
-        """Pop and handle entries in time order until the next one is later than ``until``;
-        then set the clock to ``until``."""
-        heap = self._heap
-        handlers = self._handlers
-        pop = heapq.heappop
-        count = 0
-        while heap and heap[0][0] <= until:
-            at, _, kind, payload = pop(heap)
-            self.now = at
-            count += 1
-            if kind == CALL:
-                payload()
-            else:
-                handlers[kind](payload)
-        self.events += count
-        self.now = max(self.now, until)
 
     def pop_due(self, until: float) -> tuple[float, int, int, Any] | None:
         """Pop the next entry due at or before ``until`` (advancing ``now`` to it and counting
-        it), or None. For owners that dispatch entries themselves, then call :meth:`settle`."""
+        it), or None."""
         heap = self._heap
         if heap and heap[0][0] <= until:
             entry = heapq.heappop(heap)

@@ -626,8 +626,8 @@ class Member:
             # Make sure a subject hears the alerts about itself first: it is the one who refutes.
             urgent = [kv for kv in queue.items() if kv[0][0] == 1 and kv[0][2] == about]
             if urgent:
-                picked = urgent + [kv for kv in picked if kv not in urgent]
-                picked = picked[:limit]
+                keys = {key for key, _ in urgent}
+                picked = (urgent + [kv for kv in picked if kv[0] not in keys])[:limit]
         out = []
         for key, pending in picked:
             pending.transmits += 1
