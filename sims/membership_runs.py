@@ -112,12 +112,3 @@ def busy_run(
         blocks=blocks,
     )
 
-
-def quiet_run(members: int, seed: int, *, loss: float = 0.01, horizon_s: float = 600.0,
-              params: Params | None = None) -> int:
-    """No fault at all for ``horizon_s``; returns the number of false removals."""
-    cluster = Cluster(members, seed=seed, params=params, link=LinkModel(loss=loss),
-                      keep_events=False)
-    recorder = DetectionRecorder(cluster)
-    cluster.run(horizon_s)
-    return len(recorder.false_removals)
