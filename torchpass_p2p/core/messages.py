@@ -169,4 +169,98 @@ class SyncState:
     reply: bool = False
 
 
-Message: TypeAlias = Ping | PingReq | Ack | Nack | Gossip | Digest | SyncState
+
+
+# --- agreement: cuts, votes and the classic round (Rapid section 5, Fast Paxos) --------------
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Where a member runs, for the spare-to-rank affinity of the plan (DESIGN section 5).
+
+    ``host`` names the machine; ``domain`` the NVLink (or PCIe switch) domain within or across
+    hosts. Empty strings mean unknown and match nothing.
+    """
+
+    host: str = ""
+    domain: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Joiner:
+    """A process asking to join as a spare: its fresh member id, datagram address and topology."""
+
+    member: MemberId
+    host: str
+    port: int
+    topology: Topology = Topology()
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """One configuration change, decided as a whole (Rapid section 4.2): members removed and
+    spares admitted. Both tuples are sorted by member id, so equal cuts are equal values."""
+
+    removed: tuple[MemberId, ...] = ()
+    joined: tuple[Joiner, ...] = ()
+
+
+@dataclass(slots=True)
+class Vote:
+    """The senders' knowledge of who voted ``cut`` in ``round`` of ``config_id``'s agreement.
+
+    ``bits`` is one segment of a bitmap over the configuration's sorted member tuple: bit ``i``
+    of byte ``j`` of segment ``s`` stands for member ``(s * SEGMENT_BYTES + j) * 8 + i``.
+    Receivers OR segments together; a bitmap with a quorum of bits (fast quorum for round 0,
+    majority for classic rounds) is the decision's certificate, checkable by anyone.
+    ``max_step`` is the highest training step any voter in this bitmap reported committed (-1
+    when none), the roll-forward input of DESIGN section 6.
+    """
+
+    config_id: int
+    round: int
+    cut: Cut
+    segment: int
+    bits: bytes
+    max_step: int = -1
+
+
+@dataclass(slots=True)
+class Prepare:
+    """Classic round phase 1a: the sender coordinates ``round`` of ``config_id``'s agreement."""
+
+    config_id: int
+    round: int
+
+
+@dataclass(slots=True)
+class Promise:
+    """Classic round phase 1b: the sender promised ``round`` and last voted ``cut`` in
+    ``voted_round`` (-1 and no cut when it never voted)."""
+
+    config_id: int
+    round: int
+    voted_round: int
+    cut: Cut | None
+
+
+@dataclass(slots=True)
+class Accept:
+    """Classic round phase 2a: the coordinator of ``round`` asks everyone to vote ``cut``.
+    Acceptors answer with their bit in a :class:`Vote` for that round, on the gossip path."""
+
+    config_id: int
+    round: int
+    cut: Cut
+
+
+@dataclass(slots=True)
+class Join:
+    """A process outside the configuration asks the receiver to sponsor it as a new spare."""
+
+    joiner: Joiner
+    config_id: int
+
+
+Message: TypeAlias = (Ping | PingReq | Ack | Nack | Gossip | Digest | SyncState | Vote | Prepare
+                      | Promise | Accept | Join)
