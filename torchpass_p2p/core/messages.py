@@ -262,5 +262,19 @@ class Join:
     config_id: int
 
 
+
+
+@dataclass(slots=True)
+class Progress:
+    """Who of ``config_id``'s members reported their last committed training step, and the
+    highest such step (DESIGN section 6). Bits and segments as in :class:`Vote`; receivers OR
+    the bits and take the max. Complete once every surviving rank holder's bit is set."""
+
+    config_id: int
+    segment: int
+    bits: bytes
+    max_step: int = -1
+
+
 Message: TypeAlias = (Ping | PingReq | Ack | Nack | Gossip | Digest | SyncState | Vote | Prepare
-                      | Promise | Accept | Join)
+                      | Promise | Accept | Join | Progress)
