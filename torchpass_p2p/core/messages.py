@@ -262,8 +262,6 @@ class Join:
     config_id: int
 
 
-
-
 @dataclass(slots=True)
 class Progress:
     """Who of ``config_id``'s members reported their last committed training step, and the
