@@ -1,0 +1,101 @@
+"""Cut detection: which changes one member proposes, and when (Rapid, ATC 2018, section 4.2).
+
+Alerts about a subject are tallied per subject over its K observers. A subject is *stable* (in
+the proposal) when it was convicted (the Lifeguard suspicion timer ran out with at least L
+alerts, :mod:`.membership`), left on its own, or when at least H observers alerted and the
+shortest suspicion window has passed; it is *unstable* with L..H-1 alerts and no conviction yet;
+fewer than L alerts are noise. Rapid's implicit alerts count an observer that is itself stable or
+unstable as having alerted, so a subject whose observers failed with it (a whole host) still
+reaches H. Joiners are stable at once. A member proposes only while nothing is unstable, so
+failures that start together are decided as one cut; the caller also waits until the proposal has
+not changed for ``Params.cut_settle_s``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .configuration import Configuration
+from .messages import Cut, Joiner, MemberId
+
+
+@dataclass(frozen=True, slots=True)
+class Suspected:
+    """One subject's alerts as this member holds them."""
+
+    observers: tuple[MemberId, ...]
+    """Observers whose alerts about the subject's current incarnation arrived."""
+    started_at: float
+    """When the first of them arrived (seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """The outcome of :func:`propose_cut`: the cut (None when nothing is stable), the subjects
+    that still block it, and a reason the tests assert on."""
+
+    cut: Cut | None
+    unstable: tuple[MemberId, ...]
+    reason: str
+
+
+def propose_cut(
+    config: Configuration,
+    *,
+    gone: Iterable[MemberId],
+    suspected: Mapping[MemberId, Suspected],
+    joiners: Iterable[Joiner],
+    now: float,
+    high: int,
+    low: int,
+    min_window_s: float,
+    max_removed: int,
+    max_joined: int,
+) -> Proposal:
+    """This member's proposal for ``config``'s next change.
+
+    Args:
+        gone: members convicted dead or left, per the local view.
+        suspected: alerts held per subject (current incarnation only).
+        joiners: processes asking to join that are not in ``config``.
+        now: the current time, seconds.
+        high: H, alerts that make a subject stable on their own (Rapid: K - 1 = 9).
+        low: L, alerts below which a subject is noise (Rapid: about 0.3 K = 3).
+        min_window_s: a subject with H alerts still waits this long after its first alert, so
+            it keeps Lifeguard's shortest refutation window (``Params.suspicion_min_s``).
+        max_removed, max_joined: the most of each one cut carries (the codec's limits); the
+            rest waits for the next configuration, smallest member ids first.
+
+    Returns:
+        A :class:`Proposal`; ``cut`` is None when there is nothing to change or something is
+        unstable.
+    """
+    stable = {m for m in gone if m in config}
+    partial: dict[MemberId, int] = {}
+    for subject, s in suspected.items():
+        if subject in stable or subject not in config:
+            continue
+        alerts = len(s.observers)
+        if alerts >= high and now - s.started_at >= min_window_s:
+            stable.add(subject)
+        elif alerts >= low:
+            partial[subject] = alerts
+    # Implicit alerts (Rapid section 4.2): an observer that is itself failing cannot alert.
+    failing = stable | partial.keys()
+    for subject in list(partial):
+        s = suspected[subject]
+        explicit = set(s.observers)
+        implicit = sum(1 for o in config.observers_of(subject)
+                       if o in failing and o not in explicit)
+        if partial[subject] + implicit >= high and now - s.started_at >= min_window_s:
+            stable.add(subject)
+            del partial[subject]
+    joined = sorted((j for j in joiners if j.member not in config), key=lambda j: j.member)
+    if partial:
+        return Proposal(None, tuple(sorted(partial)), f"waiting: {len(partial)} unstable")
+    if not stable and not joined:
+        return Proposal(None, (), "nothing to change")
+    removed = tuple(sorted(stable))[:max_removed]
+    cut = Cut(removed, tuple(joined[:max_joined]))
+    return Proposal(cut, (), f"remove {len(removed)}, join {len(cut.joined)}")
