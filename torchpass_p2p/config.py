@@ -35,6 +35,18 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "health": ("max_health_multiplier", "stall_tolerance_s", "self_suspect_after_s"),
     "gossip": ("retransmit_mult", "gossip_interval_s", "gossip_fanout", "max_piggyback"),
     "sync": ("sync_interval_s", "sync_page_entries"),
+    "agreement": (
+        "alerts_to_remove",
+        "cut_settle_s",
+        "vote_push_interval_s",
+        "vote_resend_s",
+        "classic_timeout_s",
+        "classic_spread_s",
+        "lease_s",
+        "join_retry_s",
+        "certificate_log",
+        "max_pending_joins",
+    ),
     "bounds": ("max_events", "max_outbox"),
 }
 """TOML table -> the ``Params`` fields it holds, in file order. Each field is in exactly one."""

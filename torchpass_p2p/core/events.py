@@ -8,8 +8,12 @@ exception (DESIGN section 3).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .messages import MemberId
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +83,78 @@ class SelfRefuted:
 
 @dataclass(frozen=True, slots=True)
 class SelfRemoved:
-    """Another member confirmed this member dead: it must stop training and may come back only
-    as a new member id (DESIGN section 5)."""
+    """A decided configuration no longer holds this member (it was declared dead, it left, or
+    it lost a partition): it must stop training and may come back only as a new member id
+    (DESIGN section 5)."""
 
     at: float
     incarnation: int
 
 
+@dataclass(frozen=True, slots=True)
+class ConfigurationDecided:
+    """The configuration after ``plan.previous_config_id`` was decided (in ``round``: 0 is the
+    fast round) and this member now holds it. ``plan.resume_step`` is still None here; see
+    :class:`PlanReady`."""
+
+    at: float
+    config_id: int
+    round: int
+    plan: Plan
+
+
+@dataclass(frozen=True, slots=True)
+class PlanReady:
+    """Every surviving rank holder reported its last committed step: ``plan.resume_step`` is
+    fixed, and ``plan.hash`` is the same on every member (DESIGN section 6)."""
+
+    at: float
+    plan: Plan
+
+
+@dataclass(frozen=True, slots=True)
+class RankAssigned:
+    """This member, a spare, holds ``rank`` from ``config_id`` on."""
+
+    at: float
+    config_id: int
+    rank: int
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingForSpare:
+    """``config_id`` leaves ``vacant`` ranks empty: no spare was left (policy ``wait``)."""
+
+    at: float
+    config_id: int
+    vacant: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """This process, which asked to join, is a spare of ``config_id``."""
+
+    at: float
+    config_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class QuorumLost:
+    """This member has believed fewer than a majority of its configuration reachable for
+    ``Params.lease_s``: it must stop training until :class:`QuorumRegained` (fencing)."""
+
+    at: float
+    config_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class QuorumRegained:
+    """A majority of the configuration is reachable again."""
+
+    at: float
+    config_id: int
+
+
 Event = (MemberAlive | MemberSuspected | AlertRaised | MemberDead | MemberLeft | SelfSuspected
-         | SelfRefuted | SelfRemoved)
+         | SelfRefuted | SelfRemoved | ConfigurationDecided | PlanReady | RankAssigned
+         | WaitingForSpare | Joined | QuorumLost | QuorumRegained)

@@ -82,6 +82,38 @@ class Params:
     sync_page_entries: int = 32
     """Entries per SyncState page."""
 
+    # --- agreement (Rapid section 4.2 and 5; Fast Paxos) ---
+    alerts_to_remove: int = 9
+    """H: alerts from this many of a subject's observers make it part of a cut on their own, once
+    ``suspicion_min_s`` has passed since the first (Rapid: H = K - 1 = 9)."""
+    cut_settle_s: float = 0.1
+    """A member votes only for a cut that has not changed for this long and has nothing
+    unstable, so failures that begin together become one change (ours: detection times of one
+    crash spread over ~0.3 s at 1k members, the alerts of simultaneous crashes arrive together)."""
+    vote_push_interval_s: float = 0.05
+    """Shortest gap between two eager pushes of changed vote bitmaps by one member (ours: fast
+    enough that a bitmap crosses 16k members in ~10 hops within 0.5 s, slow enough that one
+    member does not send a push per received vote)."""
+    vote_resend_s: float = 0.5
+    """While undecided, every member sends all its tallies to one random peer this often (anti-
+    entropy for lost pushes)."""
+    classic_timeout_s: float = 1.5
+    """No decision this long after this member voted (or saw a vote): start a classic round
+    (Rapid falls back to classic Paxos on a timeout, section 5). Ours: fast rounds finish in
+    under 1 s at 16k members."""
+    classic_spread_s: float = 1.0
+    """Classic rounds start after ``classic_timeout_s`` plus a delay spread uniformly over this
+    by a hash of (config_id, attempt, member), so coordinators rarely collide."""
+    lease_s: float = 5.0
+    """A member that believes fewer than a majority of its configuration reachable for this
+    long stops training on its own (DESIGN section 5, fencing)."""
+    join_retry_s: float = 1.0
+    """A joining process re-sends its Join to the next seed this often until admitted."""
+    certificate_log: int = 16
+    """Decisions kept to let lagging members catch up."""
+    max_pending_joins: int = 64
+    """Joiners remembered while their admission is pending."""
+
     # --- bounds ---
     max_events: int = 65_536
     """Events held for the host; beyond it the oldest is dropped and counted."""
@@ -99,6 +131,8 @@ class Params:
             raise ValueError("probe_timeout_s must be shorter than round_timeout_s")
         if self.round_timeout_s > self.probe_interval_s:
             raise ValueError("round_timeout_s must not exceed probe_interval_s")
+        if self.alerts_to_remove < self.min_alerts_to_confirm:
+            raise ValueError("alerts_to_remove must be at least min_alerts_to_confirm")
         if self.suspicion_min_s > self.suspicion_max_s:
             raise ValueError("suspicion_min_s must not exceed suspicion_max_s")
 
