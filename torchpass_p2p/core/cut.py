@@ -60,7 +60,8 @@ def propose_cut(
         suspected: alerts held per subject (current incarnation only).
         joiners: processes asking to join that are not in ``config``.
         now: the current time, seconds.
-        high: H, alerts that make a subject stable on their own (Rapid: K - 1 = 9).
+        high: H, alerts that make a subject stable on their own (Rapid: K - 1 = 9); capped
+            at the subject's number of distinct observers.
         low: L, alerts below which a subject is noise (Rapid: about 0.3 K = 3).
         min_window_s: a subject with H alerts still waits this long after its first alert, so
             it keeps Lifeguard's shortest refutation window (``Params.suspicion_min_s``).
@@ -77,7 +78,7 @@ def propose_cut(
         if subject in stable or subject not in config:
             continue
         alerts = len(s.observers)
-        if alerts >= high and now - s.started_at >= min_window_s:
+        if alerts >= _high(config, subject, high) and now - s.started_at >= min_window_s:
             stable.add(subject)
         elif alerts >= low:
             partial[subject] = alerts
@@ -88,7 +89,7 @@ def propose_cut(
         explicit = set(s.observers)
         implicit = sum(1 for o in config.observers_of(subject)
                        if o in failing and o not in explicit)
-        if partial[subject] + implicit >= high and now - s.started_at >= min_window_s:
+        if partial[subject] + implicit >= _high(config, subject, high) and now - s.started_at >= min_window_s:
             stable.add(subject)
             del partial[subject]
     joined = sorted((j for j in joiners if j.member not in config), key=lambda j: j.member)
@@ -99,3 +100,8 @@ def propose_cut(
     removed = tuple(sorted(stable))[:max_removed]
     cut = Cut(removed, tuple(joined[:max_joined]))
     return Proposal(cut, (), f"remove {len(removed)}, join {len(cut.joined)}")
+
+
+def _high(config: Configuration, subject: MemberId, high: int) -> int:
+    # A small configuration gives a subject fewer than K distinct observers.
+    return min(high, len(config.observers_of(subject)))
