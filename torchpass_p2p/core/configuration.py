@@ -1,10 +1,16 @@
 """The agreed configuration and the observer rings derived from it.
 
 A :class:`Configuration` is the numbered, agreed view of the job (DESIGN section 2): which member
-holds each rank, the ordered spare pool, and every member's address. Configuration 0 is the
-launcher's initial member list; later ones are decided by the agreement layer. Configurations are
-immutable values, so one object can be shared by every member that holds it (the simulator relies on
-this to run 16k members without 16k copies of the member table).
+holds each rank, the ordered spare pool, every member's address and topology (host, NVLink
+domain). Configuration 0 is the launcher's initial member list; later ones are decided by the
+agreement layer and computed by :func:`torchpass_p2p.core.plan.next_configuration`.
+Configurations are immutable values, equal when their contents are equal, so one object can be
+shared by every member that holds it (the simulator relies on this to run 16k members without 16k
+copies of the member table).
+
+A rank whose holder was removed and that no spare could take (policy ``wait``, DESIGN section 5)
+is :data:`VACANT`: it keeps its place in ``ranks`` (the world size does not change) but has no
+member, so it is in no ring and observes nothing.
 
 Monitoring follows Rapid (Suresh et al., ATC 2018, section 4.1): K pseudo-random rings over the
 members, each ordered by a hash of (ring, member id). On every ring a member observes its successor,
@@ -16,12 +22,21 @@ the subject's observers is recognised and dropped.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Final, Literal, TypeAlias, cast
 
 from .hashing import mix_pair
-from .messages import MemberId
+from .messages import MemberId, Topology
 
 Address = tuple[str, int]
 """(host, port) of a member's datagram socket."""
+
+VACANT: Final = None
+"""The holder of a rank that nobody holds (its member was removed and no spare was left)."""
+
+Role: TypeAlias = Literal["rank", "spare"]
+"""A member's role (DESIGN section 2): it holds a rank of the training world, or is a spare."""
+
+_UNKNOWN_TOPOLOGY: Final = Topology()
 
 
 class Configuration:
@@ -29,28 +44,38 @@ class Configuration:
 
     Args:
         config_id: the configuration number, the fencing token (DESIGN section 5).
-        ranks: member id holding rank ``r`` at index ``r``; ``len(ranks)`` is the world size.
+        ranks: member id holding rank ``r`` at index ``r``, or :data:`VACANT`; ``len(ranks)`` is
+            the world size.
         spares: the ordered spare pool.
         addresses: every member's (host, port); may be empty in the simulator.
         observers: K, the number of observer rings.
+        topology: where members run; a member missing here has ``Topology()`` (unknown, matches
+            nothing). Entries equal to ``Topology()`` are dropped, so equal views compare equal.
 
     Raises:
-        ValueError: a member appears twice, or an id is outside uint64.
+        ValueError: a member appears twice, an id is outside uint64, or ``topology`` names
+            someone who is not a member.
     """
 
     def __init__(
         self,
         config_id: int,
-        ranks: Iterable[MemberId],
+        ranks: Iterable[MemberId | None],
         spares: Iterable[MemberId] = (),
         addresses: Mapping[MemberId, Address] | None = None,
         *,
         observers: int = 10,
+        topology: Mapping[MemberId, Topology] | None = None,
     ) -> None:
         self.config_id = config_id
-        self.ranks: tuple[MemberId, ...] = tuple(ranks)
+        self.ranks: tuple[MemberId | None, ...] = tuple(ranks)
         self.spares: tuple[MemberId, ...] = tuple(spares)
-        everyone = self.ranks + self.spares
+        self._vacant: tuple[int, ...] = tuple(r for r, m in enumerate(self.ranks) if m is None)
+        holders: tuple[MemberId, ...] = (
+            tuple(m for m in self.ranks if m is not None) if self._vacant
+            else cast(tuple[MemberId, ...], self.ranks)  # no VACANT in it
+        )
+        everyone = holders + self.spares
         if len(set(everyone)) != len(everyone):
             raise ValueError("a member appears twice in the configuration")
         if any(not 0 <= m < 1 << 64 for m in everyone):
@@ -60,6 +85,11 @@ class Configuration:
         self._index = {m: i for i, m in enumerate(self.members)}
         self.addresses: Mapping[MemberId, Address] = dict(addresses or {})
         self.observers = observers
+        where = {m: t for m, t in (topology or {}).items() if t != _UNKNOWN_TOPOLOGY}
+        if any(m not in self._index for m in where):
+            raise ValueError("topology names a member that is not in the configuration")
+        self.topology: Mapping[MemberId, Topology] = where
+        self._roles: dict[MemberId, int] | None = None
         # Rings and neighbour tables are built on first use and then shared by every member
         # holding this configuration (plain attributes, not functools.cached_property, so the
         # mypyc build caches them too).
@@ -75,15 +105,59 @@ class Configuration:
         return len(self.members)
 
     def __repr__(self) -> str:
+        vacant = f", vacant={len(self._vacant)}" if self._vacant else ""
         return (f"Configuration(config_id={self.config_id}, world_size={len(self.ranks)}, "
-                f"spares={len(self.spares)})")
+                f"spares={len(self.spares)}{vacant})")
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Configuration):
+            return NotImplemented
+        return (self.config_id == other.config_id and self.ranks == other.ranks
+                and self.spares == other.spares and self.observers == other.observers
+                and dict(self.addresses) == dict(other.addresses)
+                and dict(self.topology) == dict(other.topology))
+
+    def __hash__(self) -> int:
+        return hash((self.config_id, self.ranks, self.spares))
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks of the training world, vacant ones included."""
+        return len(self.ranks)
+
+    @property
+    def vacant_ranks(self) -> tuple[int, ...]:
+        """The ranks nobody holds (:data:`VACANT` in ``ranks``), ascending."""
+        return self._vacant
+
+    def topology_of(self, member: MemberId) -> Topology:
+        """Where ``member`` runs; ``Topology()`` (unknown) when not recorded."""
+        return self.topology.get(member, _UNKNOWN_TOPOLOGY)
+
+    def _role_table(self) -> dict[MemberId, int]:
+        # member -> rank, or -1 for a spare; built on first use (plain attribute, see below).
+        table = self._roles
+        if table is None:
+            table = {m: -1 for m in self.spares}
+            for r, m in enumerate(self.ranks):
+                if m is not None:
+                    table[m] = r
+            self._roles = table
+        return table
 
     def rank_of(self, member: MemberId) -> int | None:
         """The rank ``member`` holds, or None for a spare or a stranger."""
-        try:
-            return self.ranks.index(member)
-        except ValueError:
+        rank = self._role_table().get(member, -1)
+        return None if rank < 0 else rank
+
+    def role_of(self, member: MemberId) -> Role | None:
+        """``"rank"`` or ``"spare"`` (DESIGN section 2), or None for a stranger."""
+        rank = self._role_table().get(member)
+        if rank is None:
             return None
+        return "spare" if rank < 0 else "rank"
 
     def _build_rings(self) -> tuple[tuple[MemberId, ...], ...]:
         rings = []
