@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from torchpass_p2p.core.configuration import VACANT, Configuration
@@ -71,7 +73,7 @@ def test_two_vacancies_are_not_a_duplicate() -> None:
 
 
 def test_value_equality() -> None:
-    def make(**kw: object) -> Configuration:
+    def make(**kw: Any) -> Configuration:
         args: dict = {"config_id": 1, "ranks": [1, VACANT], "spares": [3],
                       "addresses": {1: ("h", 1)}, "observers": 4, "topology": {1: GPU0}}
         args.update(kw)
@@ -81,8 +83,9 @@ def test_value_equality() -> None:
     assert base == make()
     assert hash(base) == hash(make())
     assert base == make(topology={1: GPU0, 3: Topology()})  # unknown is the default
-    for change in [{"config_id": 2}, {"ranks": [1, 2]}, {"spares": []},
-                   {"addresses": {}}, {"observers": 5}, {"topology": {}}]:
+    changes: list[dict[str, Any]] = [{"config_id": 2}, {"ranks": [1, 2]}, {"spares": []},
+                                     {"addresses": {}}, {"observers": 5}, {"topology": {}}]
+    for change in changes:
         assert base != make(**change), change
     assert base != "not a configuration"
 
