@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from torchpass_p2p.core import Configuration, Member, MemberId, Params
 from torchpass_p2p.core import events as ev
-from torchpass_p2p.core.messages import Message
+from torchpass_p2p.core.messages import Joiner, Message, Topology
+from torchpass_p2p.core.plan import Policy
 from torchpass_p2p.core.seal import Keyring
 from torchpass_p2p.core.wire import Wire
 
@@ -64,6 +65,7 @@ class Cluster:
         sealed: send real sealed datagrams (slow; small runs and tests).
         count_bytes: measure datagram sizes with the real codec (objects mode).
         keep_events: keep each member's events in ``SimMember.events``.
+        policy: what a decided change does when no spare is left (every member's).
     """
 
     def __init__(
@@ -77,8 +79,12 @@ class Cluster:
         sealed: bool = False,
         count_bytes: bool = False,
         keep_events: bool = True,
+        policy: Policy = Policy.WAIT,
     ) -> None:
         self.seed = seed
+        self.policy = policy
+        self.started_in: dict[MemberId, int] = {}
+        """Joiners: the config_id of the configuration each was handed when it started."""
         self.params = params or Params()
         self.rng = random.Random(seed)
         ids = sorted({self.rng.getrandbits(64) for _ in range(members)})
@@ -97,15 +103,10 @@ class Cluster:
         self.sealed = sealed
         self.listeners: list[Callable[[SimMember, ev.Event], None]] = []
         self.counters: Counter[str] = Counter()
-        key = self.rng.randbytes(32)
-        for i, mid in enumerate(self.configuration.members):
-            core = Member(mid, self.configuration, params=self.params,
-                          rng=random.Random(self.rng.getrandbits(64)), now=0.0)
-            sm = SimMember(i, core)
-            if sealed:
-                sm.wire = Wire(f"sim-{seed}", Keyring(key), mid)
-            self.members.append(sm)
-            self.by_id[mid] = sm
+        self._key = self.rng.randbytes(32)
+        for mid in self.configuration.members:
+            self._add(Member(mid, self.configuration, params=self.params, policy=policy,
+                             rng=random.Random(self.rng.getrandbits(64)), now=0.0))
         self._size: Callable[[Message], int] | None = None
         if count_bytes and not sealed:
             from torchpass_p2p.core.sizes import encoded_size
@@ -153,12 +154,37 @@ class Cluster:
         buffer and its timers fire late, all at the end of the block (SIGSTOP, a GIL holder)."""
         sm.blocked_until = max(sm.blocked_until, self.now + duration_s)
 
+    def spawn_joiner(self, via: SimMember, *, host: str = "") -> SimMember:
+        """Start a new process now that asks to join as a spare. Like a real one, it fetched
+        the configuration ``via`` holds (the runtime serves it over HTTP) and sends its Join to
+        that member's peers. Its member id is fresh, never one used before."""
+        mid = self.rng.getrandbits(64)
+        while mid in self.by_id:  # pragma: no cover - 64-bit collisions
+            mid = self.rng.getrandbits(64)
+        config = via.core.configuration
+        joiner = Joiner(mid, "sim", 1 + len(self.members) % 65535, Topology(host))
+        seeds = tuple(m for m in config.members if not self.by_id[m].crashed)[:8] or (via.id,)
+        core = Member(mid, config, params=self.params, policy=self.policy, joining=joiner,
+                      seeds=seeds, rng=random.Random(self.rng.getrandbits(64)), now=self.now)
+        self.started_in[mid] = config.config_id
+        sm = self._add(core)
+        self._arm(sm)
+        return sm
+
     def leave(self, sm: SimMember) -> None:
         """The member leaves gracefully now (drain, shutdown): its Left goes out at once."""
         sm.core.leave(self.now)
         self._after(sm)
 
     # ------------------------------------------------------------------ host side
+
+    def _add(self, core: Member) -> SimMember:
+        sm = SimMember(len(self.members), core)
+        if self.sealed:
+            sm.wire = Wire(f"sim-{self.seed}", Keyring(self._key), core.id)
+        self.members.append(sm)
+        self.by_id[core.id] = sm
+        return sm
 
     def _deliver(self, payload: tuple[SimMember, MemberId, Message | bytes]) -> None:
         sm, sender, data = payload

@@ -37,7 +37,9 @@ Accusation and conviction (Rapid section 4.1, Lifeguard section IV-B):
   (``suspicion_max_s`` when it does not observe the subject itself: the fallback).
 * [dead-has-origin] every other ``MemberDead`` follows the named confirmer's own conviction at
   that incarnation.
-* [removed-after-conviction] ``SelfRemoved`` follows a conviction at the member's incarnation.
+* [removed-by-decision] ``SelfRemoved`` comes right after the member's own
+  ``ConfigurationDecided`` for a configuration that does not hold it: a verdict alone removes
+  nobody (DESIGN section 5); the agreement rules live in :mod:`sims.safety`.
 * [left-by-self] ``MemberLeft`` names a member that did leave.
 
 The brief for this module also proposed "the confirmer is one of the subject's observers"; that
@@ -105,8 +107,9 @@ class InvariantChecker:
         self._suspected_at: dict[tuple[MemberId, MemberId, int], float] = {}
         self._held_alerts: dict[tuple[MemberId, MemberId, int], set[MemberId]] = {}
         self._raised: set[tuple[MemberId, MemberId, int]] = set()  # (observer, subject, inc)
+        self._raised_about: set[tuple[MemberId, int]] = set()  # (subject, inc)
         self._convicted: set[tuple[MemberId, MemberId, int]] = set()  # (confirmer, subject, inc)
-        self._convicted_inc: dict[MemberId, set[int]] = {}
+        self._last_decided: dict[MemberId, ev.ConfigurationDecided] = {}
         self._observer_cache: dict[tuple[int, MemberId], frozenset[MemberId]] = {}
         cluster.listeners.append(self)
 
@@ -156,10 +159,12 @@ class InvariantChecker:
             self._self_refuted(me, event, who)
         elif kind is ev.SelfRemoved:
             self._removed.add(me)
-            if event.incarnation not in self._convicted_inc.get(me, ()):
-                self._fail("removed-after-conviction",
-                           f"{who} SelfRemoved at incarnation {event.incarnation}, but nobody "
-                           "convicted it at that incarnation")
+            last = self._last_decided.get(me)
+            if last is None or me in last.configuration:
+                self._fail("removed-by-decision",
+                           f"{who} SelfRemoved without a decided configuration that drops it")
+        elif kind is ev.ConfigurationDecided:
+            self._last_decided[me] = event
 
     def _self_refuted(self, me: MemberId, event: ev.SelfRefuted, who: str) -> None:
         before = self._incarnation.get(me, 0)
@@ -168,8 +173,7 @@ class InvariantChecker:
             self._fail("refute-by-one",
                        f"{who} refuted from incarnation {before} to {event.incarnation}")
         accused = event.incarnation - 1
-        if not any((obs, me, accused) in self._raised
-                   for obs in self._observers(self.cluster.configuration, me)):
+        if (me, accused) not in self._raised_about:
             self._fail("refute-real-alert",
                        f"{who} refuted incarnation {accused}, which no observer accused")
 
@@ -222,6 +226,7 @@ class InvariantChecker:
             self._fail("alert-by-observer", f"{what}, which is not one of its observers")
         if observer == me:
             self._raised.add((observer, subject, inc))
+            self._raised_about.add((subject, inc))
         elif (observer, subject, inc) not in self._raised:
             self._fail("alert-has-origin", f"{what}, which that observer never raised")
         if state != _SUSPECT or known != inc:
@@ -239,7 +244,6 @@ class InvariantChecker:
                 self._fail("dead-has-origin", f"{what}, who never convicted it")
             return
         self._convicted.add((me, subject, inc))
-        self._convicted_inc.setdefault(subject, set()).add(inc)
         config = sm.core.configuration
         observers = self._observers(config, subject)
         needed = min(self._min_alerts, len(observers))
@@ -284,6 +288,8 @@ class InvariantChecker:
             self._check_agreement(compared)
         for holder in compared:
             for sm in gone:
+                if sm.id not in holder.core.configuration:
+                    continue  # removed by a decided configuration: gone for good
                 state, inc = holder.core.state_of(sm.id)
                 if state < MemberState.DEAD:
                     self._fail("complete",

@@ -21,6 +21,7 @@ from typing import Any
 from .cluster import Cluster
 from .faults import FaultInjector
 from .recorder import DetectionRecorder
+from .safety import SafetyChecker
 
 
 def nearest_rank(values: Sequence[float | None], pct: float) -> float | None:
@@ -63,7 +64,12 @@ class Sampler:
     def sample(self, t: float) -> None:
         """Record the slice that ends at ``t`` (the cluster has just run until ``t``)."""
         faults = self.recorder.faults
-        live = [sm for sm in self.cluster.members
+        members = self.cluster.members
+        grown = len(members) - len(self._last_bytes)  # joiners spawned since the last sample
+        if grown > 0:
+            self._last_bytes += [0] * grown
+            self._last_packets += [0] * grown
+        live = [sm for sm in members
                 if not sm.crashed and not sm.core.removed and sm.id not in faults]
         dt = t - self._last_t
         sent_bytes = sum(sm.sent_bytes - self._last_bytes[sm.index] for sm in live)
@@ -82,8 +88,8 @@ class Sampler:
 
 
 def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: FaultInjector,
-                     sampler: Sampler, *, virtual_s: float, warmup_s: float, wall_s: float,
-                     series: bool = False) -> dict[str, Any]:
+                     sampler: Sampler, safety: SafetyChecker, *, virtual_s: float,
+                     warmup_s: float, wall_s: float, series: bool = False) -> dict[str, Any]:
     """Every figure of one finished run, as a JSON-ready dict.
 
     Detection (seconds after each fault's ``at``):
@@ -94,6 +100,13 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         * ``detect_member`` = until that member knew it dead, for every (fault, live member)
           pair; ``detect_member_p50_s``/``_p99_s`` over the pairs.
         * ``faults`` = how many; ``detected_by_all`` = how many every live member knew.
+    Agreement (seconds after each fault's ``at``):
+        * ``decided_all`` = until the last member live at the end that held a configuration with
+          the fault in it at the fault's time held a decided one without it;
+          ``decided_all_p50_s``/``_p99_s`` over the faults (None: never).
+        * ``decisions`` = configuration changes decided; ``fast_path_fraction`` = those whose
+          first decision anywhere came from the fast round (None without decisions);
+          ``safety_violations`` = violations of sims/safety.py's rules.
     Accuracy: ``false_removals`` = distinct members convicted (by anyone, ever) that were not a
     fault; ``suspicions``/``refutations`` = counts of those events over all members.
     Cost (members live at the end, from ``warmup_s`` to ``virtual_s``):
@@ -109,9 +122,12 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
     first: list[float | None] = []
     every: list[float | None] = []
     pairs: list[float | None] = []
+    decided: list[float | None] = []
     for rec in recorder.faults.values():
         first.append(None if rec.first_dead is None else rec.first_dead - rec.at)
         every.append(rec.all_know_s(live))
+        held = [m for m in live if cluster.started_in.get(m, 0) == 0 or m in rec.decided]
+        decided.append(rec.all_decided_s(held))
         known = rec.dead_known
         pairs.extend(known[m] - rec.at if m in known else None for m in live)
     measured_s = virtual_s - warmup_s
@@ -119,7 +135,7 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
     totals = [0, 0, 0, 0]
     for sm in cluster.members:
         if sm.id in live:
-            b = base[sm.index]
+            b = base[sm.index] if sm.index < len(base) else (0, 0, 0, 0)
             totals[0] += sm.sent_bytes - b[0]
             totals[1] += sm.recv_bytes - b[1]
             totals[2] += sm.sent_packets - b[2]
@@ -146,6 +162,11 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         "detect_all_p99_s": _r(nearest_rank(every, 99)),
         "detect_member_p50_s": _r(nearest_rank(pairs, 50)),
         "detect_member_p99_s": _r(nearest_rank(pairs, 99)),
+        "decided_all_p50_s": _r(nearest_rank(decided, 50)),
+        "decided_all_p99_s": _r(nearest_rank(decided, 99)),
+        "decisions": len(safety.first_round),
+        "fast_path_fraction": _r(safety.fast_path_fraction()),
+        "safety_violations": safety.count,
         "false_removals": len(recorder.false_removals),
         "suspicions": recorder.suspicions,
         "refutations": recorder.refutations,
@@ -167,6 +188,7 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
             "faults": [[t, kind, arg] for t, kind, arg in injector.log],
             "detect_first_s": [_r(x) for x in first],
             "detect_all_s": [_r(x) for x in every],
+            "decided_all_s": [_r(x) for x in decided],
             "detect_member_s": sorted(_r(x) for x in pairs if x is not None),
             "detect_member_never": sum(1 for x in pairs if x is None),
         }

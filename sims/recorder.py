@@ -1,8 +1,9 @@
 """Measurements taken while a simulation runs: detection latencies and false removals.
 
 A :class:`DetectionRecorder` listens to every member's events. For each injected fault it keeps
-when the first alert, the first suspicion and the first conviction happened, and when each live
-member learned that the faulty member is dead. A conviction of a member that was never faulted is a
+when the first alert, the first suspicion and the first conviction happened, when each live
+member learned that the faulty member is dead, and when each held a decided configuration without
+it. A conviction of a member that was never faulted is a
 false removal.
 """
 
@@ -27,6 +28,8 @@ class FaultRecord:
     first_suspected: float | None = None
     first_dead: float | None = None
     dead_known: dict[MemberId, float] = field(default_factory=dict)
+    decided: dict[MemberId, float] = field(default_factory=dict)
+    """When each member first held a decided configuration without the faulty member."""
 
     def all_know_s(self, live: Iterable[MemberId]) -> float | None:
         """Seconds from the fault until every member in ``live`` knew it dead; None if some
@@ -34,6 +37,17 @@ class FaultRecord:
         times = []
         for m in live:
             t = self.dead_known.get(m)
+            if t is None:
+                return None
+            times.append(t)
+        return max(times) - self.at if times else None
+
+    def all_decided_s(self, live: Iterable[MemberId]) -> float | None:
+        """Seconds from the fault until every member in ``live`` held a configuration without
+        the faulty member; None if some never did."""
+        times = []
+        for m in live:
+            t = self.decided.get(m)
             if t is None:
                 return None
             times.append(t)
@@ -77,8 +91,14 @@ class DetectionRecorder:
             rec.dead_known.setdefault(sm.id, event.at)
         elif kind is ev.SelfRefuted:
             self.refutations += 1
+        elif kind is ev.ConfigurationDecided:
+            config = event.configuration
+            for member, rec in self.faults.items():
+                if member not in config:
+                    rec.decided.setdefault(sm.id, event.at)
 
     def live_ids(self) -> list[MemberId]:
-        """Members that are neither faulty nor removed."""
+        """Members that are neither faulty nor removed (joiners still joining excluded)."""
         return [sm.id for sm in self.cluster.members
-                if sm.id not in self.faults and not sm.crashed and not sm.core.removed]
+                if sm.id not in self.faults and not sm.crashed and not sm.core.removed
+                and sm.core.joining is None]

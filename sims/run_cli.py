@@ -34,6 +34,11 @@ _TABLE: tuple[tuple[str, str], ...] = (
     ("detect_all_p99_s", "s"),
     ("detect_member_p50_s", "s"),
     ("detect_member_p99_s", "s"),
+    ("decided_all_p50_s", "s"),
+    ("decided_all_p99_s", "s"),
+    ("decisions", "changes"),
+    ("fast_path_fraction", ""),
+    ("safety_violations", ""),
     ("false_removals", "members"),
     ("suspicions", ""),
     ("refutations", ""),
@@ -55,7 +60,8 @@ def format_table(result: dict[str, Any]) -> str:
     for key, unit in _TABLE:
         value = result.get(key)
         if value is None:
-            text = "never" if key.startswith("detect_") and result.get("faults") else "-"
+            text = ("never" if key.startswith(("detect_", "decided_")) and result.get("faults")
+                    else "-")
             unit = ""
         elif isinstance(value, float):
             text = f"{value:,.3f}" if abs(value) < 1e6 else f"{value:,.0f}"
@@ -63,8 +69,6 @@ def format_table(result: dict[str, Any]) -> str:
             text = f"{value:,}"
         else:
             text = str(value)
-        if key == "invariant_violations" and not result.get("invariants_checked"):
-            text, unit = "not checked", "(no sims/invariants.py)"
         lines.append(f"  {key:<{width}}  {text:>14} {unit}".rstrip())
     lines.extend(f"  ! {text}" for text in result.get("invariant_examples", ()))
     return "\n".join(lines)
@@ -96,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write("\n")
         result.pop("series")
     print(json.dumps(result) if args.json else format_table(result))
-    return 1 if result["invariant_violations"] else 0
+    return 1 if result["invariant_violations"] or result["safety_violations"] else 0
 
 
 if __name__ == "__main__":

@@ -50,9 +50,11 @@ from torchpass_p2p.core import Params
 
 from .cluster import Cluster
 from .faults import FaultInjector
+from .invariants import InvariantChecker
 from .metrics import Sampler, scenario_metrics
 from .network import LinkModel
 from .recorder import DetectionRecorder
+from .safety import SafetyChecker
 from .scenario_faults import FaultSpec, ScenarioError, parse_fault, schedule_faults
 from .tomlcheck import boolean, check_keys, integer, number, string
 
@@ -214,7 +216,8 @@ def run_scenario(scenario: Scenario, *, members: int | None = None, seed: int | 
                       link=dataclasses.replace(scenario.link), sealed=scenario.sealed,
                       count_bytes=scenario.count_bytes, keep_events=False)
     recorder = DetectionRecorder(cluster)
-    checker = _invariant_checker(cluster, recorder)
+    checker = InvariantChecker(cluster, recorder)
+    safety = SafetyChecker(cluster)
     injector = FaultInjector(cluster, recorder)
     schedule_faults(scenario, injector)
     sampler = Sampler(cluster, recorder, warmup_s=scenario.warmup_s)
@@ -231,7 +234,7 @@ def run_scenario(scenario: Scenario, *, members: int | None = None, seed: int | 
     wall_s = time.perf_counter() - started
     result: dict[str, Any] = {"scenario": scenario.name, "seed": run_seed, "members": n,
                               "spares": spares}
-    result.update(scenario_metrics(cluster, recorder, injector, sampler,
+    result.update(scenario_metrics(cluster, recorder, injector, sampler, safety,
                                    virtual_s=scenario.virtual_s, warmup_s=scenario.warmup_s,
                                    wall_s=wall_s, series=series))
     result.update(_invariant_figures(checker, scenario.check_convergence))
@@ -247,27 +250,13 @@ def _boundaries(virtual_s: float, warmup_s: float) -> list[float]:
     return sorted(t for t in ends if 0 < t <= virtual_s)
 
 
-def _invariant_checker(cluster: Cluster, recorder: DetectionRecorder) -> Any | None:
-    """The checker of sims/invariants.py (it attaches itself as a cluster listener when
-    built); None while that module does not exist."""
-    try:
-        from .invariants import InvariantChecker
-    except ImportError:
-        return None
-    return InvariantChecker(cluster, recorder)
-
-
-def _invariant_figures(checker: Any | None, check_convergence: bool) -> dict[str, Any]:
-    """``invariants_checked``, ``invariant_violations`` (how many, all rules) and the first
-    few violation messages, ``invariant_examples``."""
-    if checker is None:
-        return {"invariants_checked": False, "invariant_violations": 0,
-                "invariant_examples": []}
-    if check_convergence and hasattr(checker, "check_end"):
+def _invariant_figures(checker: InvariantChecker, check_convergence: bool) -> dict[str, Any]:
+    """``invariant_violations`` (how many, all rules) and the first few violation messages,
+    ``invariant_examples``."""
+    if check_convergence:
         checker.check_end()
     # ``count`` keeps counting after the checker stops keeping messages.
-    count = getattr(checker, "count", len(checker.violations))
-    return {"invariants_checked": True, "invariant_violations": count,
+    return {"invariant_violations": checker.count,
             "invariant_examples": list(checker.violations[:_EXAMPLES])}
 
 

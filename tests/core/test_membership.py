@@ -853,7 +853,7 @@ def test_leave_spreads_left_and_stops_probing():
     assert m.incarnation == 0
 
 
-def test_receivers_of_left_stop_probing_the_leaver():
+def test_a_graceful_leave_is_decided_as_a_configuration_without_the_leaver():
     fleet = Fleet(8)
     fleet.run_until(1.5)
     fleet[SUBJECT].leave(1.5)
@@ -861,44 +861,48 @@ def test_receivers_of_left_stop_probing_the_leaver():
     for i, m in fleet.members.items():
         if i == SUBJECT:
             continue
-        assert m.state_of(SUBJECT) == (LEFT, 0), i
-        assert ev.MemberLeft(1.5, SUBJECT, 0) in fleet.events(i), i
+        got = fleet.events(i)  # drains
+        assert ev.MemberLeft(1.5, SUBJECT, 0) in got, i
+        assert m.configuration.config_id == 1 and SUBJECT not in m.configuration, i
+        decided = [e for e in got if isinstance(e, ev.ConfigurationDecided)]
+        assert [(e.round, e.plan.removed) for e in decided] == [(0, (SUBJECT,))], i
+    leaver = fleet[SUBJECT]
+    assert leaver.removed
+    assert isinstance(fleet.events(SUBJECT)[-1], ev.SelfRemoved)
     later = [e for e in fleet.trace if e[0] > 1.5 and e[2] == SUBJECT and type(e[3]) is Ping]
     assert later == []
 
 
-def test_dead_about_self_removes_the_member_and_it_goes_quiet():
+def test_dead_about_self_is_evidence_and_gets_refuted():
+    # Only a decided configuration removes a member (DESIGN section 5); a verdict is refuted.
     m = make_member(SUBJECT, CONFIG)
     m.receive(0.1, 1, Gossip((Dead(SUBJECT, 0, 1),)))
-    assert m.removed
-    assert events(m) == [ev.SelfRemoved(0.1, 0)]
-    assert drain(m) == []
-    assert m.next_deadline() == math.inf
-    m.receive(0.2, 2, Ping(5, ()))
-    m.receive(0.2, 2, alert_from(2))
-    assert m.counters["dropped_after_removal"] == 2
-    assert drain(m) == [] and events(m) == []
-    m.handle_timer(10.0)
-    m.leave(10.0)
-    assert drain(m) == [] and events(m) == [] and not m.left
+    assert not m.removed and m.incarnation == 1
+    assert events(m) == [ev.SelfRefuted(0.1, 1)]
+    refutations = of_type(drain(m), Gossip)
+    assert {dest for dest, _ in refutations} == set(CONFIG.observers_of(SUBJECT))
+    assert all(msg == Gossip((Alive(SUBJECT, 1),)) for _, msg in refutations)
 
 
-def test_dead_about_an_older_incarnation_does_not_remove():
+def test_dead_about_an_older_incarnation_repeats_the_refutation():
     m = make_member(SUBJECT, CONFIG)
     m.receive(0.1, 1, alert_from(1))
+    assert m.incarnation == 1
+    drain(m), events(m)
     m.receive(0.2, 1, Gossip((Dead(SUBJECT, 0, 1),)))
-    assert not m.removed
-    m.receive(0.3, 1, Gossip((Dead(SUBJECT, 1, 1),)))
-    assert m.removed
-    assert events(m)[-1] == ev.SelfRemoved(0.3, 1)
+    assert m.incarnation == 1 and not m.removed and events(m) == []
+    m.receive(0.3, 2, Ping(9, ()))
+    (_, ack), = drain(m)
+    assert isinstance(ack, Ack) and Alive(SUBJECT, 1) in ack.updates
 
 
-def test_removed_member_does_not_answer_the_ping_that_removed_it():
+def test_a_member_keeps_answering_pings_that_carry_a_verdict_about_it():
     m = make_member(SUBJECT, CONFIG)
     m.receive(0.1, 1, Ping(9, (Dead(SUBJECT, 0, 1),)))
-    m.receive(0.1, 2, PingReq(10, 3, (Dead(SUBJECT, 0, 1),)))
-    assert m.removed
-    assert drain(m) == []
+    assert not m.removed
+    acks = of_type(drain(m), Ack)
+    assert [(dest, msg.seq) for dest, msg in acks] == [(1, 9)]
+    assert Alive(SUBJECT, 1) in acks[0][1].updates
 
 
 # ---------------------------------------------------------------------------- anti-entropy
@@ -974,11 +978,12 @@ def test_empty_view_mismatch_sends_one_empty_page():
     assert drain(a) == [(2, SyncState(0, 0, 1, (), True))]
 
 
-def test_anti_entropy_for_another_configuration_is_dropped_and_counted():
+def test_anti_entropy_from_a_newer_configuration_asks_to_be_caught_up():
     a = make_member(1, CONFIG)
-    a.receive(0.1, 2, Digest(1, 12345, 3))
+    a.receive(0.1, 2, Digest(1, 12345, 3))  # the sender holds configuration 1, we hold 0
+    assert drain(a) == [(2, Digest(0, *a.view_digest()))]  # it answers with certificates
     a.receive(0.1, 2, SyncState(1, 0, 1, (Dead(5, 0, 2),), True))
-    assert a.counters["dropped_other_config"] == 2
+    assert a.counters["dropped_other_config"] == 1
     assert drain(a) == [] and events(a) == []
     assert a.state_of(5) == (ALIVE, 0)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from .messages import MemberId
 
 if TYPE_CHECKING:
+    from .configuration import Configuration
     from .plan import Plan
 
 
@@ -93,13 +94,16 @@ class SelfRemoved:
 
 @dataclass(frozen=True, slots=True)
 class ConfigurationDecided:
-    """The configuration after ``plan.previous_config_id`` was decided (in ``round``: 0 is the
-    fast round) and this member now holds it. ``plan.resume_step`` is still None here; see
-    :class:`PlanReady`."""
+    """``configuration`` succeeded ``plan.previous_config_id`` and this member now holds it.
+
+    ``round`` is the deciding round (0: the fast round); ``votes`` the bits in the certificate
+    this member decided on. ``plan.resume_step`` is still None here; see :class:`PlanReady`.
+    """
 
     at: float
-    config_id: int
+    configuration: Configuration
     round: int
+    votes: int
     plan: Plan
 
 

@@ -30,8 +30,17 @@ on every datagram (fewest-sent first) until each was sent ``lambda * ceil(log10(
 Every ``sync_interval`` a member sends one random peer a digest of its view; on mismatch the peer
 answers with its view in pages and asks for ours.
 
-Removing a member from the configuration and promoting a spare are the agreement layer's decisions;
-this layer produces the evidence (alerts) and the liveness view.
+Agreement. Removing a member and promoting a spare are decided, never assumed (DESIGN section 5).
+A :class:`Dead` verdict is evidence for the cut detector (:mod:`.cut`), not a removal: a member
+that hears one about itself refutes it like an alert. Once its proposal settles, a member votes in
+the fast round of :class:`~.agreement.Consensus`; vote bitmaps ride the gossip path; a quorum
+decides; every member computes the next configuration and plan
+(:func:`~.plan.next_configuration`) and installs it. A member learns it was removed only from a
+decided configuration. Members behind catch up from a peer's log of certificates (on any
+message from a newer configuration, and through the anti-entropy digest, which carries
+``config_id``). After a decision the surviving rank holders
+gossip their last committed step (:class:`Progress`) until the plan's ``resume_step`` is fixed.
+A member that believes less than a majority reachable for ``lease_s`` raises ``QuorumLost``.
 """
 
 from __future__ import annotations
@@ -43,16 +52,29 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import events as ev
+from .agreement import (
+    SEGMENT_BITS,
+    Certificate,
+    Consensus,
+    Tally,
+    classic_quorum,
+    progress_messages,
+)
 from .configuration import Configuration
+from .cut import Suspected, propose_cut
 from .errors import LocalProtocolError
 from .hashing import mix_triple
 from .messages import (
+    Accept,
     Ack,
     Alert,
     Alive,
+    Cut,
     Dead,
     Digest,
     Gossip,
+    Join,
+    Joiner,
     Left,
     MemberId,
     MemberState,
@@ -60,10 +82,15 @@ from .messages import (
     Nack,
     Ping,
     PingReq,
+    Prepare,
+    Progress,
+    Promise,
     SyncState,
     Update,
+    Vote,
 )
 from .params import Params
+from .plan import Plan, Policy, next_configuration, with_resume_step
 
 if TYPE_CHECKING:
     from random import Random
@@ -71,6 +98,10 @@ if TYPE_CHECKING:
 ALIVE, SUSPECT, DEAD, LEFT = MemberState
 _INF = math.inf
 _SEQ_MOD = 1 << 32
+_MAX_CUT_REMOVED = 32  # the codec's limits on one cut
+_MAX_CUT_JOINED = 4
+_MAX_FUTURE = 64  # messages held for a configuration this member has not reached yet
+_CATCHUP_GAP_S = 0.2  # at most one catch-up reply per peer this often
 
 
 @dataclass(slots=True)
@@ -126,9 +157,14 @@ class Member:
         params: protocol parameters.
         rng: the only source of randomness (relay and gossip targets, sync jitter).
         now: the current time in seconds (monotonic).
+        policy: what a decided change does with a rank no spare is left for (DESIGN section 5).
+        joining: this process is not in ``configuration`` and asks to join it as a spare; it
+            sends its :class:`Join` to ``seeds`` in turn until a decided configuration holds it.
+        seeds: members of ``configuration`` to ask, with ``joining``.
 
     Raises:
-        ValueError: ``member_id`` is not in ``configuration``.
+        ValueError: ``member_id`` is not in ``configuration`` (or is, with ``joining``), or
+            ``joining`` comes without seeds or names another member id.
     """
 
     def __init__(
@@ -139,9 +175,15 @@ class Member:
         params: Params,
         rng: Random,
         now: float,
+        policy: Policy = Policy.WAIT,
+        joining: Joiner | None = None,
+        seeds: tuple[MemberId, ...] = (),
     ) -> None:
-        if member_id not in configuration:
+        if joining is None and member_id not in configuration:
             raise ValueError("member_id is not part of the configuration")
+        if joining is not None and (member_id in configuration or joining.member != member_id
+                                    or not seeds):
+            raise ValueError("a joiner needs its own id, outside the configuration, and seeds")
         self.id = member_id
         self.params = params
         self.incarnation = 0
@@ -177,7 +219,37 @@ class Member:
         self._sync_at = now + params.sync_interval_s * (0.5 + rng.random())
         self._probe_cursor = 0
         self._next_probe_at = now + params.probe_interval_s * rng.random()
+        # --- agreement ---
+        self.policy = Policy(policy)
+        self.joining = joining
+        self._seeds = seeds
+        self._join_at = now if joining is not None else _INF
+        self.last_committed_step = -1
+        """Set by the host (:meth:`report_progress`); voted and reported for the plan."""
+        self.fenced = False
+        """True while :class:`~.events.QuorumLost` holds: the host must not train."""
+        self.plan: Plan | None = None
+        """The plan of the last decided change; ``resume_step`` is set once it is ready."""
+        self._certificates: deque[tuple[Certificate, int]] = deque(
+            maxlen=params.certificate_log)  # (certificate, members of its configuration)
+        self._joiners: dict[MemberId, Joiner] = {}
+        self._future: deque[tuple[MemberId, Message]] = deque(maxlen=_MAX_FUTURE)
+        self._catchup_sent: dict[MemberId, float] = {}
+        self._cut_dirty = False
+        self._proposal: Cut | None = None
+        self._settle_at = _INF
+        self._classic_at = _INF
+        self._classic_attempt = 0
+        self._vote_push_at = _INF
+        self._last_vote_push = -_INF
+        self._vote_resend_at = _INF
+        self._lease_at = _INF
+        self._unreachable = 0  # members of the configuration our view holds suspect or worse
+        self._progress: Tally | None = None
+        self._survivors = 0  # bitmap of the members whose progress the plan waits for
         self._set_configuration(configuration)
+        self._cut_dirty = False
+        self._consensus = Consensus(configuration, None if joining else member_id)
 
     # ------------------------------------------------------------------ public: inputs
 
@@ -191,28 +263,41 @@ class Member:
             self._counts["dropped_after_removal"] += 1
             return
         self._received += 1
+        if self.joining is not None and not isinstance(message, Vote | Progress):
+            self._counts["dropped_while_joining"] += 1
+            return
+        if isinstance(message, Ping | Ack | PingReq | Gossip) and message.updates:
+            if sender in self._config:
+                self._apply_all(now, message.updates)
+            else:
+                # A member that a configuration we hold removed (or one never in it) gossips a
+                # stale world: its verdicts must not touch ours.
+                self._counts["dropped_stranger_updates"] += 1
         if isinstance(message, Ping):
-            self._apply_all(now, message.updates)
             if not (self.left or self.removed):
                 self._send(sender, Ack(message.seq, self._piggyback()))
         elif isinstance(message, Ack):
-            self._apply_all(now, message.updates)
             self._on_ack(now, message.seq)
         elif isinstance(message, PingReq):
-            self._apply_all(now, message.updates)
             self._on_ping_req(now, sender, message)
         elif isinstance(message, Nack):
             rnd = self._rounds.get(message.seq)
             if rnd is not None and rnd.subject == message.target and sender in rnd.relays:
                 rnd.nacked[sender] = None
         elif isinstance(message, Gossip):
-            self._apply_all(now, message.updates)
+            pass  # its updates were applied above
         elif isinstance(message, Digest):
             self._on_digest(sender, message)
         elif isinstance(message, SyncState):
             self._on_sync_state(now, sender, message)
+        elif isinstance(message, Vote | Prepare | Promise | Accept | Progress):
+            self._on_agreement(now, sender, message)
+        elif isinstance(message, Join):
+            self._on_join(sender, message)
         else:  # pragma: no cover - the codec only yields known types
             self._counts["dropped_unknown_message"] += 1
+        if self._cut_dirty:
+            self._consider_cut(now)
 
     def handle_timer(self, now: float) -> None:
         """Run everything due at ``now``. Call it when ``now >= next_deadline()``.
@@ -224,6 +309,10 @@ class Member:
         self._advance(now)
         if self.removed:
             return
+        if now >= self._agree_at():
+            self._agreement_timer(now)
+        if self.joining is not None:
+            return
         self._expire_rounds(now)
         self._expire_relays(now)
         self._expire_suspicions(now)
@@ -233,6 +322,8 @@ class Member:
             self._gossip(now)
         if now >= self._sync_at:
             self._start_sync(now)
+        if self._cut_dirty:
+            self._consider_cut(now)
 
     def report_send_error(self, now: float, dest: MemberId) -> None:
         """The host failed to send to ``dest`` (e.g. "network unreachable"). Counts as a failed
@@ -265,7 +356,13 @@ class Member:
         """
         if self.removed:
             return _INF
-        t = self._gossip_at if self._gossip_at < self._sync_at else self._sync_at
+        t = self._agree_at()
+        if self.joining is not None:
+            return t if t > self._now else self._now
+        if self._gossip_at < t:
+            t = self._gossip_at
+        if self._sync_at < t:
+            t = self._sync_at
         if not self.left and self._next_probe_at < t:
             t = self._next_probe_at
         for rnd in self._rounds.values():
@@ -332,9 +429,23 @@ class Member:
 
     def _set_configuration(self, config: Configuration) -> None:
         self._config = config
-        self._subjects = config.subjects_of(self.id)
+        self._subjects = config.subjects_of(self.id) if self.id in config else ()
         self._transmit_limit = self.params.transmit_limit(len(config))
         self._min_alerts = self.params.min_alerts_to_confirm
+        # Forget everyone the configuration no longer holds; keep what we know of the others.
+        for member in [m for m in self._view if m not in config]:
+            self._set_view(member, ALIVE, 0)
+        for table in (self._suspicions, self._failed_rounds, self._last_ack_from, self._alerted,
+                      self._confirmers):
+            for member in [m for m in table if m not in config]:
+                del table[member]
+        self._rounds = {seq: r for seq, r in self._rounds.items() if r.subject in config}
+        for key in [k for k, p in self._queue.items() if _about(p.update) not in config]:
+            del self._queue[key]
+        for member in [m for m in self._joiners if m in config]:
+            del self._joiners[member]
+        self._catchup_sent.clear()
+        self._cut_dirty = True
 
     def _scaled(self, seconds: float) -> float:
         return seconds * (self.health + 1)
@@ -362,6 +473,7 @@ class Member:
         self._last_ack_at = now
         if self.self_suspected:
             self.self_suspected = False
+            self._cut_dirty = True
         rnd = self._rounds.pop(seq, None)
         if rnd is not None:
             self._probe_acks += 1
@@ -406,6 +518,7 @@ class Member:
         if self._isolated(now):
             if not self.self_suspected:
                 self.self_suspected = True
+                self._cut_dirty = True
                 self._counts["self_suspected"] += 1
                 self._emit(ev.SelfSuspected(now))
             return
@@ -484,6 +597,7 @@ class Member:
         elif alert.observer in susp.observers:
             return False
         susp.observers[alert.observer] = None
+        self._cut_dirty = True
         if subject in self._subjects:
             timeout = self.params.suspicion_timeout_s(len(susp.observers) - 1, susp.expected - 1)
         else:
@@ -549,12 +663,10 @@ class Member:
                 return False
             self._set_view(self.id, LEFT, self.incarnation)
             return True
-        if isinstance(update, Dead) and not self.removed:
+        if isinstance(update, Dead) and not self.left:
+            # A verdict is evidence, not a removal: only a decided configuration removes us.
             if update.incarnation >= self.incarnation:
-                self.removed = True
-                self._rounds.clear()
-                self._relays.clear()
-                self._emit(ev.SelfRemoved(now, self.incarnation))
+                self._refute(now, update.incarnation)
             else:
                 # A conviction of an incarnation we already refuted: repeat the refutation.
                 self._enqueue(Alive(self.id, self.incarnation))
@@ -588,7 +700,10 @@ class Member:
             self._send(observer, Gossip((alive,)))
 
     def _set_view(self, member: MemberId, state: MemberState, inc: int) -> None:
+        self._cut_dirty = True
         old = self._view.get(member)
+        if member != self.id:
+            self._unreachable += (state != ALIVE) - (old is not None and old[0] != ALIVE)
         if old is not None and _in_digest(*old):
             self._digest ^= _entry_hash(member, *old)
             self._digest_entries -= 1
@@ -647,6 +762,285 @@ class Member:
                 break
             self._send(target, Gossip(updates))
 
+    # ------------------------------------------------------------------ agreement
+
+    def report_progress(self, step: int) -> None:
+        """The host's training loop completed the commit of ``step`` (DESIGN section 6). The
+        latest value goes into this member's vote and its progress report after a decision."""
+        self.last_committed_step = step
+
+    def _agree_at(self) -> float:
+        t = self._settle_at
+        for d in (self._classic_at, self._vote_push_at, self._vote_resend_at, self._lease_at,
+                  self._join_at):
+            if d < t:
+                t = d
+        return t
+
+    def _agreement_timer(self, now: float) -> None:
+        if self.joining is not None:
+            if now >= self._join_at:
+                self._join_at = now + self.params.join_retry_s
+                seed = self._seeds[int(self._rng.random() * len(self._seeds))]
+                self._send(seed, Join(self.joining, self._config.config_id))
+            return
+        if now >= self._settle_at:
+            self._consider_cut(now)
+        consensus = self._consensus
+        if now >= self._classic_at:
+            self._start_classic(now)
+        if now >= self._vote_push_at:
+            self._push_votes(now)
+        if now >= self._vote_resend_at:
+            self._vote_resend_at = now + self.params.vote_resend_s
+            peers = self._sample_members(1)
+            if peers and consensus.decision is None:
+                for vote in consensus.all_votes():
+                    self._send(peers[0], vote)
+        if now >= self._lease_at:
+            self._lease_at = _INF
+            self.fenced = True
+            self._emit(ev.QuorumLost(now, self._config.config_id))
+
+    def _consider_cut(self, now: float) -> None:
+        """Re-run cut detection; vote once the proposal has been stable for ``cut_settle_s``."""
+        self._cut_dirty = False
+        if self.joining is not None or self.removed:
+            return
+        self._check_lease(now)
+        p = self.params
+        gone = [m for m, (state, _) in self._view.items() if state >= DEAD and m != self.id]
+        if self.left:
+            gone.append(self.id)
+        suspected = {subject: Suspected(tuple(susp.observers), susp.started_at)
+                     for subject, susp in self._suspicions.items()}
+        proposal = propose_cut(
+            self._config, gone=gone, suspected=suspected, joiners=self._joiners.values(),
+            now=now, high=p.alerts_to_remove, low=p.min_alerts_to_confirm,
+            min_window_s=p.suspicion_min_s, max_removed=_MAX_CUT_REMOVED,
+            max_joined=_MAX_CUT_JOINED)
+        if proposal.cut != self._proposal:
+            self._proposal = proposal.cut
+            self._settle_at = now + p.cut_settle_s if proposal.cut is not None else _INF
+            return
+        if proposal.cut is None or now < self._settle_at:
+            return
+        self._settle_at = _INF
+        if self.self_suspected:
+            return  # cut off ourselves: our view of the others is not evidence
+        if self._consensus.vote_fast(proposal.cut, self.last_committed_step):
+            self._counts["votes_cast"] += 1
+            self._after_consensus_input(now)
+
+    def _on_agreement(self, now: float, sender: MemberId,
+                      msg: Vote | Prepare | Promise | Accept | Progress) -> None:
+        cid = self._config.config_id
+        if msg.config_id < cid:
+            self._counts["agreement_behind_peer"] += 1
+            self._send_certificates(now, sender, msg.config_id)
+            return
+        if msg.config_id > cid:
+            # We missed a decision: keep the message for later and ask the sender to catch us
+            # up (it answers an older digest with its certificates).
+            self._counts["agreement_ahead_peer"] += 1
+            self._future.append((sender, msg))
+            if now - self._catchup_sent.get(sender, -_INF) >= _CATCHUP_GAP_S:
+                self._catchup_sent[sender] = now
+                digest, entries = self.view_digest()
+                self._send(sender, Digest(cid, digest, entries))
+            return
+        consensus = self._consensus
+        if isinstance(msg, Vote):
+            if consensus.merge_vote(msg):
+                self._after_consensus_input(now)
+        elif isinstance(msg, Progress):
+            self._merge_progress(now, msg)
+        elif sender not in self._config:
+            self._counts["dropped_stranger_agreement"] += 1
+        elif isinstance(msg, Prepare):
+            consensus.on_prepare(sender, msg)
+            # Someone coordinates: give its round time before starting our own.
+            self._classic_at = max(self._classic_at if self._classic_at < _INF else 0.0,
+                                   now + 2 * self.params.classic_timeout_s)
+            self._after_consensus_input(now)
+        elif isinstance(msg, Promise):
+            consensus.on_promise(sender, msg)
+            self._after_consensus_input(now)
+        else:
+            consensus.on_accept(sender, msg)
+            self._after_consensus_input(now)
+
+    def _after_consensus_input(self, now: float) -> None:
+        consensus = self._consensus
+        for dest, message in consensus.outbox:
+            self._send(dest, message)
+        consensus.outbox.clear()
+        if consensus.decision is not None:
+            self._decide(now, consensus.decision)
+            return
+        if consensus.active:
+            if self._classic_at == _INF:
+                u = mix_triple(self._config.config_id, self._classic_attempt, self.id) / 2.0**64
+                self._classic_at = (now + self.params.classic_timeout_s
+                                    + u * self.params.classic_spread_s)
+            if self._vote_resend_at == _INF:
+                self._vote_resend_at = now + self.params.vote_resend_s
+        self._schedule_vote_push(now)
+
+    def _schedule_vote_push(self, now: float) -> None:
+        if self._vote_push_at == _INF:
+            self._vote_push_at = max(now, self._last_vote_push + self.params.vote_push_interval_s)
+
+    def _push_votes(self, now: float) -> None:
+        self._vote_push_at = _INF
+        self._last_vote_push = now
+        votes: list[Vote | Progress] = list(self._consensus.dirty_votes())
+        if self._progress is not None and self._progress.dirty:
+            votes += progress_messages(self._config.config_id, self._progress,
+                                       len(self._config), self._progress.dirty)
+            self._progress.dirty = 0
+        if not votes:
+            return
+        for peer in self._sample_members(self.params.gossip_fanout):
+            for vote in votes:
+                self._send(peer, vote)
+
+    def _start_classic(self, now: float) -> None:
+        consensus = self._consensus
+        self._classic_at = _INF
+        if consensus.decision is not None or consensus.index < 0:
+            return
+        fallback = self._proposal or consensus.voted_cut or consensus.leading_cut()
+        if fallback is None:
+            return  # nothing to propose; someone with a proposal will coordinate
+        consensus.prepare(self._classic_attempt, fallback)
+        self._classic_attempt += 1
+        self._counts["classic_rounds_started"] += 1
+        self._after_consensus_input(now)
+        self._classic_at = now + 2 * self.params.classic_timeout_s  # retry if this one stalls
+
+    def _decide(self, now: float, cert: Certificate) -> None:
+        """Install the decided successor of the current configuration."""
+        old = self._config
+        new, plan, _reason = next_configuration(old, cert.cut, policy=self.policy)
+        self._certificates.append((cert, len(old)))
+        self._counts["decisions_fast" if cert.fast else "decisions_classic"] += 1
+        # Push the certificate so that members still counting learn it from us.
+        for peer in self._sample_members(self.params.gossip_fanout):
+            for vote in cert.votes(len(old)):
+                self._send(peer, vote)
+        was_rank = old.rank_of(self.id)
+        self._set_configuration(new)
+        self._consensus = Consensus(new, self.id if self.id in new else None)
+        self._proposal = None
+        self._settle_at = self._classic_at = self._vote_push_at = self._vote_resend_at = _INF
+        self._classic_attempt = 0
+        self.plan = plan
+        self._emit(ev.ConfigurationDecided(now, new, cert.round, cert.bits.bit_count(), plan))
+        if self.id not in new:
+            self.removed = True
+            self._rounds.clear()
+            self._relays.clear()
+            self._emit(ev.SelfRemoved(now, self.incarnation))
+            return
+        if self.joining is not None:
+            self.joining = None
+            self._join_at = _INF
+            self._next_probe_at = now
+            self._emit(ev.Joined(now, new.config_id))
+        rank = new.rank_of(self.id)
+        if rank is not None and was_rank is None:
+            self._emit(ev.RankAssigned(now, new.config_id, rank))
+        if plan.vacant:
+            self._emit(ev.WaitingForSpare(now, new.config_id, plan.vacant))
+        # The plan waits for the last committed step of every rank holder that survived.
+        survivors = 0
+        for i, member in enumerate(new.members):
+            if old.rank_of(member) is not None:
+                survivors |= 1 << i
+        self._survivors = survivors
+        self._progress = Tally()
+        if was_rank is not None:
+            index = new.members.index(self.id)
+            self._progress.merge(index // SEGMENT_BITS, 1 << index, self.last_committed_step)
+            self._schedule_vote_push(now)
+        self._check_plan(now)
+        future = list(self._future)
+        self._future.clear()
+        for sender, message in future:
+            if not self.removed:
+                self._on_agreement(now, sender, message)
+
+    def _merge_progress(self, now: float, msg: Progress) -> None:
+        progress = self._progress
+        if progress is None:
+            return
+        n = len(self._config)
+        first = msg.segment * SEGMENT_BITS
+        bits = int.from_bytes(msg.bits, "little")
+        if first >= n or bits >> min(SEGMENT_BITS, n - first):
+            self._counts["dropped_invalid_progress"] += 1
+            return
+        if progress.merge(msg.segment, bits << first, msg.max_step):
+            self._schedule_vote_push(now)
+            self._check_plan(now)
+
+    def _check_plan(self, now: float) -> None:
+        plan, progress = self.plan, self._progress
+        if plan is None or progress is None or plan.resume_step is not None:
+            return
+        if progress.bits & self._survivors == self._survivors:
+            self.plan = with_resume_step(plan, progress.max_step)
+            self._emit(ev.PlanReady(now, self.plan))
+
+    def _send_certificates(self, now: float, dest: MemberId, since: int) -> None:
+        """Catch ``dest`` up from configuration ``since``: our certificates from there on."""
+        if now - self._catchup_sent.get(dest, -_INF) < _CATCHUP_GAP_S:
+            return
+        if len(self._catchup_sent) > 4 * self.params.max_pending_joins:
+            self._catchup_sent.clear()  # a bound, not a cache: forgetting only allows a resend
+        self._catchup_sent[dest] = now
+        sent = 0
+        for cert, members in self._certificates:
+            if cert.config_id >= since and sent < 4:
+                for vote in cert.votes(members):
+                    self._send(dest, vote)
+                sent += 1
+        if sent:
+            self._counts["catchups_sent"] += 1
+        else:
+            self._counts["catchup_unavailable"] += 1
+
+    def _on_join(self, sender: MemberId, msg: Join) -> None:
+        joiner = msg.joiner
+        if sender == joiner.member and msg.config_id < self._config.config_id:
+            self._send_certificates(self._now, sender, msg.config_id)
+        if (joiner.member in self._config or joiner.member in self._joiners
+                or self.joining is not None):
+            return
+        if len(self._joiners) >= self.params.max_pending_joins:
+            self._counts["dropped_join_overflow"] += 1
+            return
+        self._joiners[joiner.member] = joiner
+        self._cut_dirty = True
+        # Flood it once, so that every member proposes the same cut.
+        for peer in self._sample_members(self.params.gossip_fanout):
+            self._send(peer, Join(joiner, self._config.config_id))
+
+    def _check_lease(self, now: float) -> None:
+        """Fencing (DESIGN section 5): a member that believes fewer than a majority of its
+        configuration reachable for ``lease_s`` must stop training until that changes. Runs on
+        every view change; the lease itself is a deadline, not a poll."""
+        n = len(self._config)
+        ok = not self.self_suspected and n - self._unreachable >= classic_quorum(n)
+        if ok:
+            self._lease_at = _INF
+            if self.fenced:
+                self.fenced = False
+                self._emit(ev.QuorumRegained(now, self._config.config_id))
+        elif self._lease_at == _INF and not self.fenced:
+            self._lease_at = now + self.params.lease_s
+
     # ------------------------------------------------------------------ anti-entropy
 
     def _start_sync(self, now: float) -> None:
@@ -657,8 +1051,16 @@ class Member:
             self._send(peers[0], Digest(self._config.config_id, digest, entries))
 
     def _on_digest(self, sender: MemberId, msg: Digest) -> None:
-        if msg.config_id != self._config.config_id:
-            self._counts["dropped_other_config"] += 1
+        cid = self._config.config_id
+        if msg.config_id < cid:
+            self._send_certificates(self._now, sender, msg.config_id)
+            return
+        if msg.config_id > cid:
+            # We are behind: answer with our digest, so the sender sends its certificates.
+            if self._now - self._catchup_sent.get(sender, -_INF) >= _CATCHUP_GAP_S:
+                self._catchup_sent[sender] = self._now
+                digest, entries = self.view_digest()
+                self._send(sender, Digest(cid, digest, entries))
             return
         if (msg.digest, msg.entries) != self.view_digest():
             self._counts["sync_mismatches"] += 1
@@ -740,6 +1142,10 @@ class Member:
                 self._now = now
                 self._on_stall(now, now - due)
         self._now = now
+
+
+def _about(update: Update) -> MemberId:
+    return update.subject if isinstance(update, Alert) else update.member
 
 
 def _in_digest(state: MemberState, inc: int) -> bool:
