@@ -8,22 +8,41 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from torchpass_p2p.core.codec import MAX_PAGE, MAX_SYNC_ENTRIES, MAX_UPDATES
+from torchpass_p2p.core.codec import (
+    MAX_CUT_JOINED,
+    MAX_CUT_REMOVED,
+    MAX_LABEL_BYTES,
+    MAX_PAGE,
+    MAX_PORT,
+    MAX_SEGMENT,
+    MAX_STEP,
+    MAX_SYNC_ENTRIES,
+    MAX_UPDATES,
+    SEGMENT_BYTES,
+)
 from torchpass_p2p.core.messages import (
     MAX_INCARNATION,
     MAX_MEMBER_ID,
     MAX_SEQ,
+    Accept,
     Ack,
     Alert,
     Alive,
+    Cut,
     Dead,
     Digest,
     Gossip,
+    Join,
+    Joiner,
     Left,
     Nack,
     Ping,
     PingReq,
+    Prepare,
+    Promise,
     SyncState,
+    Topology,
+    Vote,
 )
 
 # Edge values first: hypothesis shrinks toward them and draws them often.
@@ -56,7 +75,61 @@ digests = st.builds(Digest, u64s, u64s, st.integers(0, (1 << 32) - 1))
 sync_states = st.builds(
     SyncState, u64s, pages, pages, update_lists(MAX_SYNC_ENTRIES), st.booleans()
 )
-messages = st.one_of(pings, ping_reqs, acks, nacks, gossips, digests, sync_states)
+
+# --- agreement values ---------------------------------------------------------------------------
+
+u32s = st.integers(0, (1 << 32) - 1)
+rounds = st.one_of(st.sampled_from([0, 1, (1 << 32) - 1]), u32s)
+steps = st.one_of(st.sampled_from([-1, 0, MAX_STEP]), st.integers(-1, MAX_STEP))
+
+# Any Unicode text (no lone surrogates: they have no UTF-8 spelling) of at most MAX_LABEL_BYTES
+# UTF-8 bytes. Up to 16 characters always fit (4 bytes each at most); edge strings sit exactly
+# on the limit with 1-, 2-, 3- and 4-byte characters.
+_edge_labels = ["x" * MAX_LABEL_BYTES, "\u00e9" * (MAX_LABEL_BYTES // 2),
+                "\u20ac" * (MAX_LABEL_BYTES // 3) + "x", "\U0001f600" * (MAX_LABEL_BYTES // 4)]
+labels = st.one_of(
+    st.just(""),
+    st.sampled_from(_edge_labels),
+    st.text(max_size=16),
+    st.text(st.characters(max_codepoint=127), max_size=MAX_LABEL_BYTES),
+)
+hosts = labels.filter(bool)
+ports = st.one_of(st.sampled_from([1, MAX_PORT]), st.integers(1, MAX_PORT))
+topologies = st.builds(Topology, labels, labels)
+joiners = st.builds(Joiner, member_ids, hosts, ports, topologies)
+
+
+def _sorted_joiners(items: list[Joiner]) -> tuple[Joiner, ...]:
+    return tuple(sorted(items, key=lambda j: j.member))
+
+
+cuts = st.builds(
+    Cut,
+    st.lists(member_ids, max_size=MAX_CUT_REMOVED, unique=True).map(sorted).map(tuple),
+    st.lists(joiners, max_size=MAX_CUT_JOINED, unique_by=lambda j: j.member).map(_sorted_joiners),
+)
+"""Canonical cuts: both tuples strictly increasing by member id, within the codec's limits."""
+segment_bits = st.one_of(st.sampled_from([b"", b"\xff" * SEGMENT_BYTES]),
+                         st.binary(max_size=SEGMENT_BYTES))
+segments = st.integers(0, MAX_SEGMENT)
+
+
+def _promise(config_id: int, round_: int, voted: tuple[int, Cut] | None) -> Promise:
+    return Promise(config_id, round_, -1, None) if voted is None else Promise(
+        config_id, round_, voted[0], voted[1]
+    )
+
+
+votes = st.builds(Vote, u64s, rounds, cuts, segments, segment_bits, steps)
+prepares = st.builds(Prepare, u64s, rounds)
+promises = st.builds(_promise, u64s, rounds, st.none() | st.tuples(rounds, cuts))
+accepts = st.builds(Accept, u64s, rounds, cuts)
+joins = st.builds(Join, joiners, u64s)
+
+messages = st.one_of(
+    pings, ping_reqs, acks, nacks, gossips, digests, sync_states,
+    votes, prepares, promises, accepts, joins,
+)  # fmt: skip
 
 MESSAGE_STRATEGIES = {
     Ping: pings,
@@ -66,5 +139,10 @@ MESSAGE_STRATEGIES = {
     Gossip: gossips,
     Digest: digests,
     SyncState: sync_states,
+    Vote: votes,
+    Prepare: prepares,
+    Promise: promises,
+    Accept: accepts,
+    Join: joins,
 }
 """One strategy per message class, for tests parametrised over every message type."""

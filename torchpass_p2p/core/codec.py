@@ -1,8 +1,11 @@
 """Wire codec of the membership core: message dataclasses <-> msgpack bodies.
 
-A body is one msgpack array ``[tag, field, ...]``; updates nest as ``[utag, field, ...]``. Only
-non-negative integers, booleans and arrays ever appear: no maps, strings, binaries, floats, nil
-or extension types, so the decoder can forbid all of them.
+A body is one msgpack array ``[tag, field, ...]``; updates nest as ``[utag, field, ...]``. The
+membership messages (tags 1..7) hold only non-negative integers, booleans and arrays. The
+agreement messages (tags 8..12) add, in named fields only: UTF-8 strings (host names and
+topology labels), one binary (``Vote.bits``), nil (``Promise.cut`` of a member that never voted)
+and the value -1 (``max_step``, ``voted_round``). Maps, floats and extension types never occur,
+so the decoder forbids them outright, and every string or binary is bounded before it is read.
 
 =========  ===  ==================================================================
 message    tag  array
@@ -14,6 +17,11 @@ Nack         4  ``[4, seq, target]``
 Gossip       5  ``[5, updates]``
 Digest       6  ``[6, config_id, digest, entries]``
 SyncState    7  ``[7, config_id, page, pages, entries, reply]``
+Vote         8  ``[8, config_id, round, cut, segment, bits, max_step]``
+Prepare      9  ``[9, config_id, round]``
+Promise     10  ``[10, config_id, round, voted_round, cut or nil]``
+Accept      11  ``[11, config_id, round, cut]``
+Join        12  ``[12, joiner, config_id]``
 =========  ===  ==================================================================
 
 =========  ===  ==================================================================
@@ -25,14 +33,28 @@ Dead         3  ``[3, member, incarnation, confirmer]``
 Left         4  ``[4, member, incarnation]``
 =========  ===  ==================================================================
 
+Agreement values (no tag: their place in the message says what they are)::
+
+    cut     [removed, joined]        removed: [member, ...]  joined: [joiner, ...]
+    joiner  [member, host, port, topology.host, topology.domain]
+
 Field ranges: member ids (``member``, ``observer``, ``subject``, ``confirmer``, ``target``)
 uint64; ``incarnation``, ``seq`` and ``entries`` (of :class:`Digest`) uint32; ``config_id`` and
 ``digest`` uint64; ``page`` and ``pages`` 0..65535; ``reply`` a msgpack bool. Update lists hold
 at most :data:`MAX_UPDATES` (``SyncState.entries``: :data:`MAX_SYNC_ENTRIES`) items.
 
+Agreement fields: ``round`` uint32; ``voted_round`` -1..2**32-1, -1 exactly when ``cut`` is nil
+(the sender never voted); ``max_step`` -1..2**63-1; ``segment`` 0..:data:`MAX_SEGMENT`; ``bits``
+a binary of at most :data:`SEGMENT_BYTES`; ``port`` 1..65535; ``host`` a string of 1 to
+:data:`MAX_LABEL_BYTES` UTF-8 bytes, topology labels 0 to :data:`MAX_LABEL_BYTES`. A cut's
+``removed`` (at most :data:`MAX_CUT_REMOVED`) and ``joined`` (at most :data:`MAX_CUT_JOINED`)
+are strictly increasing by member id: the one canonical form, so equal cuts have equal bytes
+(votes for a cut are compared and counted by value) and no id appears twice.
+
 Speed: an update is piggybacked on many datagrams, so both directions keep a bounded cache of
 updates already validated (:data:`ENCODE_CACHE_SIZE`, :data:`UPDATE_CACHE_SIZE`); it returns
 equal immutable values only and changes no result. ``python -m benchmarks.wire`` measures it.
+Agreement messages are rare (a few per configuration change) and are not cached.
 
 :func:`encode` raises ``ValueError`` for a message outside these limits (local misuse: the caller
 built it). :func:`decode` raises :class:`DecodeError`, and nothing else, for any body that does
@@ -45,19 +67,27 @@ from __future__ import annotations
 import msgpack  # type: ignore[import-untyped]
 
 from torchpass_p2p.core.messages import (
+    Accept,
     Ack,
     Alert,
     Alive,
+    Cut,
     Dead,
     Digest,
     Gossip,
+    Join,
+    Joiner,
     Left,
     Message,
     Nack,
     Ping,
     PingReq,
+    Prepare,
+    Promise,
     SyncState,
+    Topology,
     Update,
+    Vote,
 )
 
 # --- the tables: part of the wire format, never change a number's meaning ------------------
@@ -70,6 +100,11 @@ MESSAGE_TAGS: dict[type, int] = {
     Gossip: 5,
     Digest: 6,
     SyncState: 7,
+    Vote: 8,
+    Prepare: 9,
+    Promise: 10,
+    Accept: 11,
+    Join: 12,
 }
 UPDATE_TAGS: dict[type, int] = {Alive: 1, Alert: 2, Dead: 3, Left: 4}
 
@@ -91,23 +126,59 @@ MAX_SYNC_ENTRIES = 64
 """Entries per :class:`SyncState` page, for the same reason as :data:`MAX_UPDATES`."""
 MAX_UPDATE_BYTES = 25
 """Largest encoded update: array header 1 + tag 1 + uint64 9 + uint32 5 + uint64 9 bytes."""
+
+MAX_STEP = (1 << 63) - 1
+"""``Vote.max_step``: a training step, signed 64-bit like torch's own step counters; -1 means no
+voter has committed a step yet."""
+MAX_PORT = 65535
+"""``Joiner.port``: a UDP port, 1..65535 (0 is "any port" to ``bind``, never an address)."""
+MAX_LABEL_BYTES = 64
+"""UTF-8 bytes of ``Joiner.host`` and of each :class:`Topology` label. An IPv6 literal is at
+most 45 characters and a DNS label 63 bytes, so any address and any short host name fits; a
+longer fully qualified name must be given as an address. Bounds what one joiner costs to parse
+and to keep (three labels: 3 * 66 bytes on the wire)."""
+SEGMENT_BYTES = 256
+"""Bytes of one :class:`Vote` bitmap segment (``bits``; shorter is allowed, never longer):
+2,048 members per segment, so the 16,384-member job of DESIGN section 1 is 8 segments. A full
+segment is 259 bytes on the wire, small enough that a vote with a typical cut rides in one
+1,400-byte datagram, large enough that a few datagrams carry a whole configuration's votes."""
+MAX_SEGMENT = 255
+"""``Vote.segment``: 256 segments of 2,048 members cover 524,288 members, 32 times the
+16,384-member job. Bounds the bitmap a receiver may be asked to grow to (64 KiB)."""
+MAX_CUT_REMOVED = 32
+"""Member ids a :class:`Cut` removes. Rapid batches concurrent failures into one cut; 32 covers
+four 8-GPU hosts (a switch or a rack) failing together. More failures are decided over several
+configuration changes, so a cut stays small enough to vote on (32 ids: 291 bytes)."""
+MAX_CUT_JOINED = 4
+"""Spares a :class:`Cut` admits. Joins are not urgent and a joiner is the costliest item on the
+wire (up to 211 bytes with three 64-byte labels); more join in the next configuration change."""
+MAX_CUT_BYTES = 1137
+"""Largest encoded cut: array 1 + removed (array16 header 3 + 32 * 9) + joined (array 1 +
+4 * joiner 211), a joiner being array 1 + member 9 + port 3 + 3 * (str8 header 2 + 64)."""
 MAX_BODY_BYTES = 2048
 """Largest body :func:`decode` reads. The largest valid body is a full ``SyncState``:
-1 (array) + 1 (tag) + 9 + 3 + 3 + 3 (array16 header) + 64 * 25 + 1 = 1,621 bytes; anything longer
-is rejected before msgpack sees it, so a hostile body costs at most this much parsing."""
+1 (array) + 1 (tag) + 9 + 3 + 3 + 3 (array16 header) + 64 * 25 + 1 = 1,621 bytes. The largest
+agreement body is a ``Vote`` with a full cut and a full segment: 1 (array) + 1 (tag) + 9
+(config_id) + 5 (round) + 1,137 (cut) + 2 (segment) + 3 + 256 (bin16 bits) + 9 (max_step) =
+1,423 bytes (sealed, 1,457: over the default 1,400-byte datagram, where the sender's size check in
+``Wire.seal`` binds). Anything longer than this limit is rejected before msgpack sees it, so a
+hostile body costs at most this much parsing."""
 
 # msgpack's own limits, checked while parsing and before allocating (a 4-byte length prefix can
-# claim 4 GB). Arrays: no array of ours is longer than 64. Strings, binaries, maps and extension
-# types never occur, so their limit is zero.
+# claim 4 GB). Arrays: no array of ours is longer than 64 items. Strings are only ever labels and
+# binaries only ever vote segments, so their limits are exactly those maxima (in bytes; msgpack
+# checks them before decoding or copying). Maps and extension types never occur: limit zero.
+# ``raw=False`` keeps strings and binaries apart (str vs bytes) and decodes strings as strict
+# UTF-8: invalid sequences, overlong forms and surrogates raise UnicodeDecodeError.
 _UNPACK_LIMITS = {
-    "max_bin_len": 0,
-    "max_str_len": 0,
-    "max_array_len": max(MAX_UPDATES, MAX_SYNC_ENTRIES),
+    "max_bin_len": SEGMENT_BYTES,
+    "max_str_len": MAX_LABEL_BYTES,
+    "max_array_len": max(MAX_UPDATES, MAX_SYNC_ENTRIES, MAX_CUT_REMOVED, MAX_CUT_JOINED, 7),
     "max_map_len": 0,
     "max_ext_len": 0,
     "strict_map_key": True,
     "use_list": False,
-    "raw": True,
+    "raw": False,
 }
 
 
@@ -115,15 +186,22 @@ class DecodeError(ValueError):
     """A body that no valid peer could have sent. ``reason`` is a short snake_case token:
 
     * ``too_long``: the body is over :data:`MAX_BODY_BYTES`, or a length prefix over its limit
-      (an array over 64 items; any non-empty string, binary, map or extension value);
+      (an array over 64 items, a string over :data:`MAX_LABEL_BYTES` bytes, a binary over
+      :data:`SEGMENT_BYTES`; any non-empty map or extension value), or a list over its field's
+      limit (updates, cut ids, cut joiners);
     * ``msgpack``: not exactly one complete msgpack value (truncated, trailing bytes, a reserved
       byte, nesting deeper than msgpack's stack);
+    * ``utf8``: a string (anywhere in the body) that is not valid UTF-8;
     * ``shape``: an array of the wrong length for its tag, or empty;
     * ``type``: a value of the wrong type (``true`` or a float where an integer belongs, a map
-      where an array belongs, an integer where ``reply``'s bool belongs), or ``body`` is not
-      bytes-like;
+      where an array belongs, an integer where ``reply``'s bool belongs, a binary where a string
+      belongs or the reverse, nil anywhere but ``Promise.cut``), or ``body`` is not bytes-like;
     * ``unknown_tag``: a message or update tag not in the tables above (or not an integer);
-    * ``range``: an integer outside its field's range.
+    * ``range``: an integer outside its field's range, or an empty ``host``;
+    * ``order``: a cut's ``removed`` or ``joined`` not strictly increasing by member id (out of
+      order or repeated: not the canonical form);
+    * ``mismatch``: a ``Promise`` whose ``cut`` is nil while ``voted_round`` is not -1, or the
+      reverse.
     """
 
     def __init__(self, reason: str) -> None:
@@ -202,6 +280,72 @@ def _updates_array(updates: tuple[Update, ...], limit: int) -> tuple[tuple[int, 
     return tuple(out)
 
 
+def _signed(name: str, value: int, top: int) -> int:
+    """``value`` if it is an int (not a bool) in -1..top."""
+    if type(value) is not int or not -1 <= value <= top:
+        raise _bad(name, value)
+    return value
+
+
+def _label(name: str, value: str, *, nonempty: bool = False) -> str:
+    if type(value) is not str:
+        raise ValueError(f"{name} must be a str, got {value!r}")
+    try:
+        size = len(value.encode("utf-8"))
+    except UnicodeEncodeError:  # a lone surrogate: no UTF-8 spelling
+        raise ValueError(f"{name} is not valid Unicode: {value!r}") from None
+    if size > MAX_LABEL_BYTES or (nonempty and not size):
+        low = 1 if nonempty else 0
+        raise ValueError(f"{name} is {size} UTF-8 bytes, outside {low}..{MAX_LABEL_BYTES}")
+    return value
+
+
+def _joiner_array(joiner: Joiner) -> tuple:
+    if type(joiner) is not Joiner:
+        raise ValueError(f"not a Joiner: {joiner!r}")
+    topology = joiner.topology
+    if type(topology) is not Topology:
+        raise ValueError(f"not a Topology: {topology!r}")
+    port = joiner.port
+    if type(port) is not int or not 1 <= port <= MAX_PORT:
+        raise _bad("port", port)
+    return (
+        _u64("joiner member", joiner.member),
+        _label("host", joiner.host, nonempty=True),
+        port,
+        _label("topology.host", topology.host),
+        _label("topology.domain", topology.domain),
+    )
+
+
+def _cut_array(cut: Cut) -> tuple:
+    """``[removed, joined]``; raises ``ValueError`` unless both are tuples in canonical order."""
+    if type(cut) is not Cut:
+        raise ValueError(f"not a Cut: {cut!r}")
+    removed, joined = cut.removed, cut.joined
+    if type(removed) is not tuple or type(joined) is not tuple:
+        raise ValueError("cut.removed and cut.joined must be tuples")
+    if len(removed) > MAX_CUT_REMOVED or len(joined) > MAX_CUT_JOINED:
+        raise ValueError(
+            f"cut of {len(removed)} removed / {len(joined)} joined exceeds the limits of "
+            f"{MAX_CUT_REMOVED} / {MAX_CUT_JOINED}"
+        )
+    previous = -1
+    for member in removed:
+        if _u64("removed member", member) <= previous:
+            raise ValueError(f"cut.removed must be strictly increasing: {removed!r}")
+        previous = member
+    joiners = []
+    previous = -1
+    for joiner in joined:
+        array = _joiner_array(joiner)
+        if array[0] <= previous:
+            raise ValueError("cut.joined must be strictly increasing by member id")
+        previous = array[0]
+        joiners.append(array)
+    return (removed, tuple(joiners))
+
+
 def to_array(message: Message) -> tuple:
     """The msgpack-ready nested tuple of ``message`` (see the module table). Raises
     ``ValueError`` for a message outside the limits."""
@@ -245,6 +389,44 @@ def to_array(message: Message) -> tuple:
             _updates_array(message.entries, MAX_SYNC_ENTRIES),
             message.reply,
         )
+    if isinstance(message, Vote):
+        segment, bits = message.segment, message.bits
+        if type(segment) is not int or not 0 <= segment <= MAX_SEGMENT:
+            raise _bad("segment", segment)
+        if type(bits) is not bytes or len(bits) > SEGMENT_BYTES:
+            raise ValueError(f"bits must be bytes of at most {SEGMENT_BYTES}, got {bits!r}")
+        return (
+            8,
+            _u64("config_id", message.config_id),
+            _u32("round", message.round),
+            _cut_array(message.cut),
+            segment,
+            bits,
+            _signed("max_step", message.max_step, MAX_STEP),
+        )
+    if isinstance(message, Prepare):
+        return (9, _u64("config_id", message.config_id), _u32("round", message.round))
+    if isinstance(message, Promise):
+        voted_round = _signed("voted_round", message.voted_round, MAX_U32)
+        cut = message.cut
+        if (cut is None) != (voted_round == -1):
+            raise ValueError(f"cut must be None exactly when voted_round is -1: {message!r}")
+        return (
+            10,
+            _u64("config_id", message.config_id),
+            _u32("round", message.round),
+            voted_round,
+            None if cut is None else _cut_array(cut),
+        )
+    if isinstance(message, Accept):
+        return (
+            11,
+            _u64("config_id", message.config_id),
+            _u32("round", message.round),
+            _cut_array(message.cut),
+        )
+    if isinstance(message, Join):
+        return (12, _joiner_array(message.joiner), _u64("config_id", message.config_id))
     raise ValueError(f"not a message: {message!r}")
 
 
@@ -438,6 +620,111 @@ def _dec_sync_state(a: tuple) -> Message:
     )
 
 
+def _signed_field(x: object, top: int) -> int:
+    """``x`` if it is an int (not a bool) in -1..top, else DecodeError("type"/"range")."""
+    if type(x) is not int:
+        raise DecodeError("type")
+    if not -1 <= x <= top:  # type: ignore[operator]
+        raise DecodeError("range")
+    return x  # type: ignore[return-value]
+
+
+def _dec_label(x: object) -> str:
+    # msgpack's max_str_len (MAX_LABEL_BYTES) bounded its UTF-8 length, raw=False checked it.
+    if type(x) is not str:
+        raise DecodeError("type")
+    return x
+
+
+def _dec_joiner(a: object) -> Joiner:
+    if type(a) is not tuple:
+        raise DecodeError("type")
+    if len(a) != 5:
+        raise DecodeError("shape")
+    member, host, port, topology_host, topology_domain = a
+    if not _dec_label(host):
+        raise DecodeError("range")
+    if _ranged(port, MAX_PORT) == 0:
+        raise DecodeError("range")
+    return Joiner(
+        _u64_field(member),
+        host,
+        port,  # type: ignore[arg-type]
+        Topology(_dec_label(topology_host), _dec_label(topology_domain)),
+    )
+
+
+def _dec_cut(a: object) -> Cut:
+    if type(a) is not tuple:
+        raise DecodeError("type")
+    if len(a) != 2:
+        raise DecodeError("shape")
+    removed, joined = a
+    if type(removed) is not tuple or type(joined) is not tuple:
+        raise DecodeError("type")
+    if len(removed) > MAX_CUT_REMOVED or len(joined) > MAX_CUT_JOINED:
+        raise DecodeError("too_long")
+    previous = -1
+    for member in removed:
+        if _u64_field(member) <= previous:
+            raise DecodeError("order")
+        previous = member
+    joiners = []
+    previous = -1
+    for item in joined:
+        joiner = _dec_joiner(item)
+        if joiner.member <= previous:
+            raise DecodeError("order")
+        previous = joiner.member
+        joiners.append(joiner)
+    return Cut(removed, tuple(joiners))
+
+
+def _dec_vote(a: tuple) -> Message:
+    if len(a) != 7:
+        raise DecodeError("shape")
+    bits = a[5]
+    # msgpack's max_bin_len (SEGMENT_BYTES) bounded its length.
+    if type(bits) is not bytes:
+        raise DecodeError("type")
+    return Vote(
+        _u64_field(a[1]),
+        _seq(a[2]),
+        _dec_cut(a[3]),
+        _ranged(a[4], MAX_SEGMENT),
+        bits,
+        _signed_field(a[6], MAX_STEP),
+    )
+
+
+def _dec_prepare(a: tuple) -> Message:
+    if len(a) != 3:
+        raise DecodeError("shape")
+    return Prepare(_u64_field(a[1]), _seq(a[2]))
+
+
+def _dec_promise(a: tuple) -> Message:
+    if len(a) != 5:
+        raise DecodeError("shape")
+    config_id, round_, voted_round = _u64_field(a[1]), _seq(a[2]), _signed_field(a[3], MAX_U32)
+    cut = None if a[4] is None else _dec_cut(a[4])
+    if (cut is None) != (voted_round == -1):
+        raise DecodeError("mismatch")
+    return Promise(config_id, round_, voted_round, cut)
+
+
+def _dec_accept(a: tuple) -> Message:
+    if len(a) != 4:
+        raise DecodeError("shape")
+    return Accept(_u64_field(a[1]), _seq(a[2]), _dec_cut(a[3]))
+
+
+def _dec_join(a: tuple) -> Message:
+    if len(a) != 3:
+        raise DecodeError("shape")
+    return Join(_dec_joiner(a[1]), _u64_field(a[2]))
+
+
 _MESSAGE_DECODERS = {
     1: _dec_ping,
     2: _dec_ping_req,
@@ -446,6 +733,11 @@ _MESSAGE_DECODERS = {
     5: _dec_gossip,
     6: _dec_digest,
     7: _dec_sync_state,
+    8: _dec_vote,
+    9: _dec_prepare,
+    10: _dec_promise,
+    11: _dec_accept,
+    12: _dec_join,
 }
 assert sorted(_MESSAGE_DECODERS) == sorted(MESSAGE_TAGS.values())
 
@@ -469,6 +761,8 @@ def decode(body: bytes) -> Message:
         raise DecodeError("too_long")
     try:
         obj = msgpack.unpackb(body, **_UNPACK_LIMITS)
+    except UnicodeDecodeError:  # a ValueError too: must come first
+        raise DecodeError("utf8") from None
     except ValueError as exc:  # every msgpack parse error subclasses ValueError
         # "N exceeds max_array_len(64)" and friends: a length prefix over our limits.
         raise DecodeError("too_long" if "exceeds max_" in str(exc) else "msgpack") from None

@@ -8,17 +8,24 @@ is several times cheaper than building the msgpack body.
 from __future__ import annotations
 
 from .messages import (
+    Accept,
     Ack,
     Alert,
+    Cut,
     Dead,
     Digest,
     Gossip,
+    Join,
+    Joiner,
     Message,
     Nack,
     Ping,
     PingReq,
+    Prepare,
+    Promise,
     SyncState,
     Update,
+    Vote,
 )
 
 
@@ -31,6 +38,30 @@ def _uint_size(x: int) -> int:
     if x < 65536:
         return 3
     return 5 if x < 4294967296 else 9
+
+
+def _int_size(x: int) -> int:
+    # msgpack's smallest encoding of any int: negative fixint (-32..-1), int8, 16, 32, 64.
+    if x >= 0:
+        return _uint_size(x)
+    if x >= -32:
+        return 1
+    if x >= -128:
+        return 2
+    if x >= -32768:
+        return 3
+    return 5 if x >= -2147483648 else 9
+
+
+def _str_size(s: str) -> int:
+    # fixstr (under 32 bytes), str8, str16, str32: header plus the UTF-8 bytes.
+    n = len(s.encode("utf-8"))
+    return n + (1 if n < 32 else 2 if n < 256 else 3 if n < 65536 else 5)
+
+
+def _bin_size(n: int) -> int:
+    # bin8, bin16, bin32: header plus the bytes (there is no fixbin).
+    return n + (2 if n < 256 else 3 if n < 65536 else 5)
 
 
 def _array_header_size(n: int) -> int:
@@ -46,6 +77,20 @@ def _updates_size(updates: tuple[Update, ...]) -> int:
             size += 2 + _uint_size(u.member) + _uint_size(u.incarnation) + _uint_size(u.confirmer)
         else:
             size += 2 + _uint_size(u.member) + _uint_size(u.incarnation)
+    return size
+
+
+def _joiner_size(j: Joiner) -> int:
+    return (1 + _uint_size(j.member) + _str_size(j.host) + _uint_size(j.port)
+            + _str_size(j.topology.host) + _str_size(j.topology.domain))
+
+
+def _cut_size(cut: Cut) -> int:
+    size = 1 + _array_header_size(len(cut.removed)) + _array_header_size(len(cut.joined))
+    for member in cut.removed:
+        size += _uint_size(member)
+    for joiner in cut.joined:
+        size += _joiner_size(joiner)
     return size
 
 
@@ -67,4 +112,19 @@ def encoded_size(message: Message) -> int:
     if isinstance(message, SyncState):
         return (3 + _uint_size(message.config_id) + _uint_size(message.page)
                 + _uint_size(message.pages) + _updates_size(message.entries))
+    if isinstance(message, Vote):
+        return (2 + _uint_size(message.config_id) + _uint_size(message.round)
+                + _cut_size(message.cut) + _uint_size(message.segment)
+                + _bin_size(len(message.bits)) + _int_size(message.max_step))
+    if isinstance(message, Prepare):
+        return 2 + _uint_size(message.config_id) + _uint_size(message.round)
+    if isinstance(message, Promise):
+        return (2 + _uint_size(message.config_id) + _uint_size(message.round)
+                + _int_size(message.voted_round)
+                + (1 if message.cut is None else _cut_size(message.cut)))
+    if isinstance(message, Accept):
+        return (2 + _uint_size(message.config_id) + _uint_size(message.round)
+                + _cut_size(message.cut))
+    if isinstance(message, Join):
+        return 2 + _joiner_size(message.joiner) + _uint_size(message.config_id)
     raise ValueError(f"not a message: {message!r}")
