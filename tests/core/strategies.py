@@ -39,6 +39,7 @@ from torchpass_p2p.core.messages import (
     Ping,
     PingReq,
     Prepare,
+    Progress,
     Promise,
     SyncState,
     Topology,
@@ -125,10 +126,11 @@ prepares = st.builds(Prepare, u64s, rounds)
 promises = st.builds(_promise, u64s, rounds, st.none() | st.tuples(rounds, cuts))
 accepts = st.builds(Accept, u64s, rounds, cuts)
 joins = st.builds(Join, joiners, u64s)
+progresses = st.builds(Progress, u64s, segments, segment_bits, steps)
 
 messages = st.one_of(
     pings, ping_reqs, acks, nacks, gossips, digests, sync_states,
-    votes, prepares, promises, accepts, joins,
+    votes, prepares, promises, accepts, joins, progresses,
 )  # fmt: skip
 
 MESSAGE_STRATEGIES = {
@@ -144,5 +146,6 @@ MESSAGE_STRATEGIES = {
     Promise: promises,
     Accept: accepts,
     Join: joins,
+    Progress: progresses,
 }
 """One strategy per message class, for tests parametrised over every message type."""

@@ -49,6 +49,7 @@ from torchpass_p2p.core.messages import (
     Ping,
     PingReq,
     Prepare,
+    Progress,
     Promise,
     SyncState,
     Topology,
@@ -91,7 +92,7 @@ def test_round_trip_every_message_type(cls: type, data: st.DataObject) -> None:
 def test_tag_tables_cover_every_class() -> None:
     assert MESSAGE_TAGS == {
         Ping: 1, PingReq: 2, Ack: 3, Nack: 4, Gossip: 5, Digest: 6, SyncState: 7,
-        Vote: 8, Prepare: 9, Promise: 10, Accept: 11, Join: 12,
+        Vote: 8, Prepare: 9, Promise: 10, Accept: 11, Join: 12, Progress: 13,
     }  # fmt: skip
     assert UPDATE_TAGS == {Alive: 1, Alert: 2, Dead: 3, Left: 4}
 
@@ -117,6 +118,8 @@ def test_tag_tables_cover_every_class() -> None:
             "94 0b 03 02 92 90 91 95 07 a1 68 cd 23 28 a2 6e 31 a2 c3 a9",
         ),
         (Join(Joiner(7, "10.0.0.1", 1), 3), "93 0c 95 07 a8 31 30 2e 30 2e 30 2e 31 01 a0 a0 03"),
+        (Progress(3, 1, b"\x01\x80", 1000), "95 0d 03 01 c4 02 01 80 cd 03 e8"),
+        (Progress(3, 0, b"", -1), "95 0d 03 00 c4 00 ff"),
     ],
     ids=lambda v: type(v).__name__ if not isinstance(v, str) else "",
 )
@@ -209,6 +212,9 @@ _LARGEST_CUT = Cut(
         'Join(JOINER, -1)',
         'Prepare(1, True)',
         'Prepare(None, 0)',
+        'Progress(1, 0, bytearray(1))',
+        'Progress(1, -1, b"")',
+        'Progress(1, 0, b"", -2)',
     ],
 )
 def test_encode_rejects_invalid_messages(source: str) -> None:
@@ -325,7 +331,11 @@ _65_UPDATES = tuple((1, i, 0) for i in range(MAX_UPDATES + 1))
         (_pack((12, (7, "h", True, "", ""), 1)), "type"),
         (_pack((12, ("7", "h", 1, "", ""), 1)), "type"),
         (_pack((12, (7, "h", 1, "", ""), -1)), "range"),
-        (_pack((13, 1)), "unknown_tag"),
+        (_pack((13, 1, 0, b"")), "shape"),
+        (_pack((13, 1, 0, "", -1)), "type"),
+        (_pack((13, 1, 0, None, -1)), "type"),
+        (_pack((13, 1, 0, b"", False)), "type"),
+        (_pack((14, 1)), "unknown_tag"),
         ("not bytes", "type"),
         (None, "type"),
     ],
@@ -541,12 +551,15 @@ def _wire(m: object) -> tuple:
         return (10, m.config_id, m.round, m.voted_round, cut)
     if isinstance(m, Accept):
         return (11, m.config_id, m.round, _wire_cut(m.cut))
-    assert isinstance(m, Join)
-    return (12, _wire_joiner(m.joiner), m.config_id)
+    if isinstance(m, Join):
+        return (12, _wire_joiner(m.joiner), m.config_id)
+    assert isinstance(m, Progress)
+    return (13, m.config_id, m.segment, m.bits, m.max_step)
 
 
 @FAST
-@given(st.one_of(*(MESSAGE_STRATEGIES[c] for c in (Vote, Prepare, Promise, Accept, Join))))
+@given(st.one_of(*(MESSAGE_STRATEGIES[c] for c in (Vote, Prepare, Promise, Accept, Join,
+                                                    Progress))))
 def test_agreement_layout_matches_the_module_table(message: object) -> None:
     assert encode(message) == _pack(_wire(message))  # type: ignore[arg-type]
 
@@ -622,6 +635,17 @@ _BOUNDARIES = {
         "too_long",
     ),
     "config_id_max": (Join(_joiner(), MAX_MEMBER_ID), Join(_joiner(), -1), "range"),
+    "progress_segment": (
+        Progress(1, MAX_SEGMENT, b""), Progress(1, MAX_SEGMENT + 1, b""), "range"
+    ),
+    "progress_bits": (
+        Progress(1, 0, b"\xa5" * SEGMENT_BYTES), Progress(1, 0, b"\xa5" * (SEGMENT_BYTES + 1)),
+        "too_long",
+    ),
+    "progress_step_max": (
+        Progress(1, 0, b"", MAX_STEP), Progress(1, 0, b"", MAX_STEP + 1), "range"
+    ),
+    "progress_step_min": (Progress(1, 0, b"", -1), Progress(1, 0, b"", -2), "range"),
 }
 
 

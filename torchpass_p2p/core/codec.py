@@ -2,10 +2,11 @@
 
 A body is one msgpack array ``[tag, field, ...]``; updates nest as ``[utag, field, ...]``. The
 membership messages (tags 1..7) hold only non-negative integers, booleans and arrays. The
-agreement messages (tags 8..12) add, in named fields only: UTF-8 strings (host names and
-topology labels), one binary (``Vote.bits``), nil (``Promise.cut`` of a member that never voted)
-and the value -1 (``max_step``, ``voted_round``). Maps, floats and extension types never occur,
-so the decoder forbids them outright, and every string or binary is bounded before it is read.
+agreement messages (tags 8..13) add, in named fields only: UTF-8 strings (host names and
+topology labels), binaries (``bits`` of :class:`Vote` and :class:`Progress`), nil
+(``Promise.cut`` of a member that never voted) and the value -1 (``max_step``,
+``voted_round``). Maps, floats and extension types never occur, so the decoder forbids them
+outright, and every string or binary is bounded before it is read.
 
 =========  ===  ==================================================================
 message    tag  array
@@ -22,6 +23,7 @@ Prepare      9  ``[9, config_id, round]``
 Promise     10  ``[10, config_id, round, voted_round, cut or nil]``
 Accept      11  ``[11, config_id, round, cut]``
 Join        12  ``[12, joiner, config_id]``
+Progress    13  ``[13, config_id, segment, bits, max_step]``
 =========  ===  ==================================================================
 
 =========  ===  ==================================================================
@@ -43,7 +45,8 @@ uint64; ``incarnation``, ``seq`` and ``entries`` (of :class:`Digest`) uint32; ``
 ``digest`` uint64; ``page`` and ``pages`` 0..65535; ``reply`` a msgpack bool. Update lists hold
 at most :data:`MAX_UPDATES` (``SyncState.entries``: :data:`MAX_SYNC_ENTRIES`) items.
 
-Agreement fields: ``round`` uint32; ``voted_round`` -1..2**32-1, -1 exactly when ``cut`` is nil
+Agreement fields (:class:`Progress` shares ``segment``, ``bits`` and ``max_step`` with
+:class:`Vote`): ``round`` uint32; ``voted_round`` -1..2**32-1, -1 exactly when ``cut`` is nil
 (the sender never voted); ``max_step`` -1..2**63-1; ``segment`` 0..:data:`MAX_SEGMENT`; ``bits``
 a binary of at most :data:`SEGMENT_BYTES`; ``port`` 1..65535; ``host`` a string of 1 to
 :data:`MAX_LABEL_BYTES` UTF-8 bytes, topology labels 0 to :data:`MAX_LABEL_BYTES`. A cut's
@@ -83,6 +86,7 @@ from torchpass_p2p.core.messages import (
     Ping,
     PingReq,
     Prepare,
+    Progress,
     Promise,
     SyncState,
     Topology,
@@ -105,6 +109,7 @@ MESSAGE_TAGS: dict[type, int] = {
     Promise: 10,
     Accept: 11,
     Join: 12,
+    Progress: 13,
 }
 UPDATE_TAGS: dict[type, int] = {Alive: 1, Alert: 2, Dead: 3, Left: 4}
 
@@ -287,6 +292,18 @@ def _signed(name: str, value: int, top: int) -> int:
     return value
 
 
+def _segment(value: int) -> int:
+    if type(value) is not int or not 0 <= value <= MAX_SEGMENT:
+        raise _bad("segment", value)
+    return value
+
+
+def _bits(value: bytes) -> bytes:
+    if type(value) is not bytes or len(value) > SEGMENT_BYTES:
+        raise ValueError(f"bits must be bytes of at most {SEGMENT_BYTES}, got {value!r}")
+    return value
+
+
 def _label(name: str, value: str, *, nonempty: bool = False) -> str:
     if type(value) is not str:
         raise ValueError(f"{name} must be a str, got {value!r}")
@@ -390,18 +407,13 @@ def to_array(message: Message) -> tuple:
             message.reply,
         )
     if isinstance(message, Vote):
-        segment, bits = message.segment, message.bits
-        if type(segment) is not int or not 0 <= segment <= MAX_SEGMENT:
-            raise _bad("segment", segment)
-        if type(bits) is not bytes or len(bits) > SEGMENT_BYTES:
-            raise ValueError(f"bits must be bytes of at most {SEGMENT_BYTES}, got {bits!r}")
         return (
             8,
             _u64("config_id", message.config_id),
             _u32("round", message.round),
             _cut_array(message.cut),
-            segment,
-            bits,
+            _segment(message.segment),
+            _bits(message.bits),
             _signed("max_step", message.max_step, MAX_STEP),
         )
     if isinstance(message, Prepare):
@@ -427,6 +439,14 @@ def to_array(message: Message) -> tuple:
         )
     if isinstance(message, Join):
         return (12, _joiner_array(message.joiner), _u64("config_id", message.config_id))
+    if isinstance(message, Progress):
+        return (
+            13,
+            _u64("config_id", message.config_id),
+            _segment(message.segment),
+            _bits(message.bits),
+            _signed("max_step", message.max_step, MAX_STEP),
+        )
     raise ValueError(f"not a message: {message!r}")
 
 
@@ -680,19 +700,22 @@ def _dec_cut(a: object) -> Cut:
     return Cut(removed, tuple(joiners))
 
 
+def _dec_bits(x: object) -> bytes:
+    # msgpack's max_bin_len (SEGMENT_BYTES) bounded its length.
+    if type(x) is not bytes:
+        raise DecodeError("type")
+    return x
+
+
 def _dec_vote(a: tuple) -> Message:
     if len(a) != 7:
         raise DecodeError("shape")
-    bits = a[5]
-    # msgpack's max_bin_len (SEGMENT_BYTES) bounded its length.
-    if type(bits) is not bytes:
-        raise DecodeError("type")
     return Vote(
         _u64_field(a[1]),
         _seq(a[2]),
         _dec_cut(a[3]),
         _ranged(a[4], MAX_SEGMENT),
-        bits,
+        _dec_bits(a[5]),
         _signed_field(a[6], MAX_STEP),
     )
 
@@ -725,6 +748,14 @@ def _dec_join(a: tuple) -> Message:
     return Join(_dec_joiner(a[1]), _u64_field(a[2]))
 
 
+def _dec_progress(a: tuple) -> Message:
+    if len(a) != 5:
+        raise DecodeError("shape")
+    return Progress(
+        _u64_field(a[1]), _ranged(a[2], MAX_SEGMENT), _dec_bits(a[3]), _signed_field(a[4], MAX_STEP)
+    )
+
+
 _MESSAGE_DECODERS = {
     1: _dec_ping,
     2: _dec_ping_req,
@@ -738,6 +769,7 @@ _MESSAGE_DECODERS = {
     10: _dec_promise,
     11: _dec_accept,
     12: _dec_join,
+    13: _dec_progress,
 }
 assert sorted(_MESSAGE_DECODERS) == sorted(MESSAGE_TAGS.values())
 

@@ -22,6 +22,7 @@ from .messages import (
     Ping,
     PingReq,
     Prepare,
+    Progress,
     Promise,
     SyncState,
     Update,
@@ -127,4 +128,7 @@ def encoded_size(message: Message) -> int:
                 + _cut_size(message.cut))
     if isinstance(message, Join):
         return 2 + _joiner_size(message.joiner) + _uint_size(message.config_id)
+    if isinstance(message, Progress):
+        return (2 + _uint_size(message.config_id) + _uint_size(message.segment)
+                + _bin_size(len(message.bits)) + _int_size(message.max_step))
     raise ValueError(f"not a message: {message!r}")
