@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from torchpass_p2p.core import Configuration, Member, MemberId, Params
 from torchpass_p2p.core import events as ev
+from torchpass_p2p.core.membership import Transitions
 from torchpass_p2p.core.messages import Joiner, Message, Topology
 from torchpass_p2p.core.plan import Policy
 from torchpass_p2p.core.seal import Keyring
@@ -104,8 +105,10 @@ class Cluster:
         self.listeners: list[Callable[[SimMember, ev.Event], None]] = []
         self.counters: Counter[str] = Counter()
         self._key = self.rng.randbytes(32)
+        self._transitions: Transitions = {}  # one next configuration per change, shared
         for mid in self.configuration.members:
             self._add(Member(mid, self.configuration, params=self.params, policy=policy,
+                             transitions=self._transitions,
                              rng=random.Random(self.rng.getrandbits(64)), now=0.0))
         self._size: Callable[[Message], int] | None = None
         if count_bytes and not sealed:
@@ -165,7 +168,8 @@ class Cluster:
         joiner = Joiner(mid, "sim", 1 + len(self.members) % 65535, Topology(host))
         seeds = tuple(m for m in config.members if not self.by_id[m].crashed)[:8] or (via.id,)
         core = Member(mid, config, params=self.params, policy=self.policy, joining=joiner,
-                      seeds=seeds, rng=random.Random(self.rng.getrandbits(64)), now=self.now)
+                      seeds=seeds, transitions=self._transitions,
+                      rng=random.Random(self.rng.getrandbits(64)), now=self.now)
         self.started_in[mid] = config.config_id
         sm = self._add(core)
         self._arm(sm)

@@ -21,6 +21,7 @@ from __future__ import annotations
 from torchpass_p2p.core import Configuration, MemberId
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.agreement import classic_quorum, fast_quorum
+from torchpass_p2p.core.plan import Plan
 
 from .cluster import Cluster, SimMember
 
@@ -35,8 +36,10 @@ class SafetyChecker:
         self.count = 0
         self.decisions = 0
         self.configurations: dict[int, Configuration] = {0: cluster.configuration}
-        self.plan_hash: dict[int, int] = {}
-        self.ready_hash: dict[int, int] = {}
+        self.plans: dict[int, Plan] = {}
+        """config_id -> the plan of its first decision (members of one simulation share plan
+        objects, so the hash is compared only when the object differs)."""
+        self.ready: dict[int, Plan] = {}
         self.first_round: dict[int, int] = {}
         """config_id -> the round of the first decision of it anywhere (0: fast path)."""
         self.decided_at: dict[int, float] = {}
@@ -64,19 +67,20 @@ class SafetyChecker:
             self._decided(sm, event)
         elif isinstance(event, ev.PlanReady):
             plan = event.plan
-            known = self.ready_hash.setdefault(plan.config_id, plan.hash)
-            if known != plan.hash:
+            known = self.ready.setdefault(plan.config_id, plan)
+            if known is not plan and known.hash != plan.hash:
                 self._fail("same-plan", f"t={event.at:.3f} #{sm.index} holds plan {plan.hash:x} "
-                                        f"for {plan.config_id}, others {known:x}")
+                                        f"for {plan.config_id}, others {known.hash:x}")
 
     def _decided(self, sm: SimMember, event: ev.ConfigurationDecided) -> None:
         self.decisions += 1
         config, plan = event.configuration, event.plan
         cid = config.config_id
         who = f"t={event.at:.3f} #{sm.index} config {cid}"
-        known = self.plan_hash.setdefault(cid, plan.hash)
-        if known != plan.hash:
-            self._fail("one-decision", f"{who}: plan {plan.hash:x}, others decided {known:x}")
+        known = self.plans.setdefault(cid, plan)
+        if known is not plan and known.hash != plan.hash:
+            self._fail("one-decision", f"{who}: plan {plan.hash:x}, others decided "
+                                       f"{known.hash:x}")
         if cid not in self.configurations:
             self.configurations[cid] = config
             self.first_round[cid] = event.round

@@ -248,7 +248,7 @@ class Consensus:
         Raises:
             LocalProtocolError: this process is not a member of the configuration.
         """
-        if self.index < 0:
+        if self.me is None:
             raise LocalProtocolError("only a member of the configuration coordinates")
         round_ = attempt * self.n + self.index + 1
         while round_ <= self.promised:

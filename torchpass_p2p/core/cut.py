@@ -89,7 +89,8 @@ def propose_cut(
         explicit = set(s.observers)
         implicit = sum(1 for o in config.observers_of(subject)
                        if o in failing and o not in explicit)
-        if partial[subject] + implicit >= _high(config, subject, high) and now - s.started_at >= min_window_s:
+        ripe = now - s.started_at >= min_window_s
+        if ripe and partial[subject] + implicit >= _high(config, subject, high):
             stable.add(subject)
             del partial[subject]
     joined = sorted((j for j in joiners if j.member not in config), key=lambda j: j.member)

@@ -8,13 +8,10 @@ exception (DESIGN section 3).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from .configuration import Configuration
 from .messages import MemberId
-
-if TYPE_CHECKING:
-    from .configuration import Configuration
-    from .plan import Plan
+from .plan import Plan
 
 
 @dataclass(frozen=True, slots=True)

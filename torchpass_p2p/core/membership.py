@@ -97,6 +97,20 @@ if TYPE_CHECKING:
 
 ALIVE, SUSPECT, DEAD, LEFT = MemberState
 _INF = math.inf
+AgreementMessage = Vote | Prepare | Promise | Accept | Progress
+
+
+@dataclass(slots=True)
+class Transition:
+    """A decided change worked out once: the next configuration, its plan, and the plan with
+    each ``resume_step`` seen (keyed by the max committed step)."""
+
+    configuration: Configuration
+    plan: Plan
+    ready: dict[int, Plan] = field(default_factory=dict)
+
+
+Transitions = dict[tuple[Configuration, Cut, Policy], Transition]
 _SEQ_MOD = 1 << 32
 _MAX_CUT_REMOVED = 32  # the codec's limits on one cut
 _MAX_CUT_JOINED = 4
@@ -161,6 +175,10 @@ class Member:
         joining: this process is not in ``configuration`` and asks to join it as a spare; it
             sends its :class:`Join` to ``seeds`` in turn until a decided configuration holds it.
         seeds: members of ``configuration`` to ask, with ``joining``.
+        transitions: a memo of :func:`~.plan.next_configuration` results that several members
+            in one process may share (the simulator does: 16k members then build one
+            configuration and its rings per change, not 16k). The function is pure, so sharing
+            changes no result. None: a private memo.
 
     Raises:
         ValueError: ``member_id`` is not in ``configuration`` (or is, with ``joining``), or
@@ -178,6 +196,7 @@ class Member:
         policy: Policy = Policy.WAIT,
         joining: Joiner | None = None,
         seeds: tuple[MemberId, ...] = (),
+        transitions: Transitions | None = None,
     ) -> None:
         if joining is None and member_id not in configuration:
             raise ValueError("member_id is not part of the configuration")
@@ -223,6 +242,8 @@ class Member:
         self.policy = Policy(policy)
         self.joining = joining
         self._seeds = seeds
+        self._transitions: Transitions = {} if transitions is None else transitions
+        self._transition: Transition | None = None
         self._join_at = now if joining is not None else _INF
         self.last_committed_step = -1
         """Set by the host (:meth:`report_progress`); voted and reported for the plan."""
@@ -233,7 +254,7 @@ class Member:
         self._certificates: deque[tuple[Certificate, int]] = deque(
             maxlen=params.certificate_log)  # (certificate, members of its configuration)
         self._joiners: dict[MemberId, Joiner] = {}
-        self._future: deque[tuple[MemberId, Message]] = deque(maxlen=_MAX_FUTURE)
+        self._future: deque[tuple[MemberId, AgreementMessage]] = deque(maxlen=_MAX_FUTURE)
         self._catchup_sent: dict[MemberId, float] = {}
         self._cut_dirty = False
         self._proposal: Cut | None = None
@@ -832,8 +853,7 @@ class Member:
             self._counts["votes_cast"] += 1
             self._after_consensus_input(now)
 
-    def _on_agreement(self, now: float, sender: MemberId,
-                      msg: Vote | Prepare | Promise | Accept | Progress) -> None:
+    def _on_agreement(self, now: float, sender: MemberId, msg: AgreementMessage) -> None:
         cid = self._config.config_id
         if msg.config_id < cid:
             self._counts["agreement_behind_peer"] += 1
@@ -922,7 +942,15 @@ class Member:
     def _decide(self, now: float, cert: Certificate) -> None:
         """Install the decided successor of the current configuration."""
         old = self._config
-        new, plan, _reason = next_configuration(old, cert.cut, policy=self.policy)
+        key = (old, cert.cut, self.policy)
+        transition = self._transitions.get(key)
+        if transition is None:
+            new, plan, _reason = next_configuration(old, cert.cut, policy=self.policy)
+            if len(self._transitions) >= 4 * self.params.certificate_log:
+                self._transitions.clear()  # a bound: a miss only recomputes
+            transition = self._transitions[key] = Transition(new, plan)
+        self._transition = transition
+        new, plan = transition.configuration, transition.plan
         self._certificates.append((cert, len(old)))
         self._counts["decisions_fast" if cert.fast else "decisions_classic"] += 1
         # Push the certificate so that members still counting learn it from us.
@@ -990,8 +1018,12 @@ class Member:
         if plan is None or progress is None or plan.resume_step is not None:
             return
         if progress.bits & self._survivors == self._survivors:
-            self.plan = with_resume_step(plan, progress.max_step)
-            self._emit(ev.PlanReady(now, self.plan))
+            ready = self._transition.ready if self._transition else {}
+            found = ready.get(progress.max_step)
+            if found is None:
+                found = ready[progress.max_step] = with_resume_step(plan, progress.max_step)
+            self.plan = found
+            self._emit(ev.PlanReady(now, found))
 
     def _send_certificates(self, now: float, dest: MemberId, since: int) -> None:
         """Catch ``dest`` up from configuration ``since``: our certificates from there on."""
