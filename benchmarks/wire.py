@@ -13,7 +13,10 @@ message shape, the median over ``repeats`` runs of the per-datagram time in micr
   and ``msgpack.unpackb`` of the body: no validation, no dataclasses, no sealing;
 
 and the ratios of the first two to their baselines, and the datagram and body sizes in bytes.
-Figures only: nothing here asserts a time.
+Shapes: the hot path (a ping with 4 piggybacked updates, a gossip push of 24) and one agreement
+message, a vote carrying a full 256-byte bitmap segment for a cut of 8 removals and one joiner
+(no updates, so its hot and cold figures are the same work). Figures only: nothing here asserts a
+time.
 """
 
 from __future__ import annotations
@@ -32,7 +35,19 @@ import cryptography
 import msgpack
 
 from torchpass_p2p.core import codec
-from torchpass_p2p.core.messages import Alert, Alive, Dead, Gossip, Message, Ping, Update
+from torchpass_p2p.core.messages import (
+    Alert,
+    Alive,
+    Cut,
+    Dead,
+    Gossip,
+    Joiner,
+    Message,
+    Ping,
+    Topology,
+    Update,
+    Vote,
+)
 from torchpass_p2p.core.seal import Keyring
 from torchpass_p2p.core.wire import Wire
 
@@ -55,10 +70,19 @@ def _updates(rng: random.Random, count: int) -> tuple[Update, ...]:
     return tuple(out)
 
 
+def _vote(rng: random.Random) -> Vote:
+    """One host of 8 ranks removed, one spare joining, a full segment of bits."""
+    removed = tuple(sorted(rng.getrandbits(64) for _ in range(8)))
+    joiner = Joiner(rng.getrandbits(64), "10.1.7.23", 29500, Topology("node-0117", "nvl72-3"))
+    return Vote(rng.getrandbits(64), 0, Cut(removed, (joiner,)), rng.randrange(8),
+                rng.randbytes(codec.SEGMENT_BYTES), rng.randrange(1 << 20))
+
+
 def _shapes(rng: random.Random) -> dict[str, Callable[[], Message]]:
     return {
         "ping_4_updates": lambda: Ping(rng.getrandbits(32), _updates(rng, 4)),
         "gossip_24_updates": lambda: Gossip(_updates(rng, 24)),
+        "vote_cut_8_1_full_segment": lambda: _vote(rng),
     }
 
 
