@@ -7,16 +7,16 @@ computing, plus ``allreduce_s``. The all-reduce needs every rank of the world, s
 complete while a rank is crashed, removed, left, or cut off by the network (deaf, mute, clogged,
 or a cut link to another rank); it waits, and completes as soon as that ends (a clog that lifts).
 
-Replacement, until the agreement layer exists: once every live rank's core holds a rank's member
-as dead or gone, the configuration is taken to change: the current step is abandoned (the commit
-rule redoes it, DESIGN section 6), the first live spare takes the rank ``replace_s`` later (group
-rebuild and state transfer), and the step restarts. The membership cores are not told: the spare
-keeps its spare role there, and the old member is simply out of the world.
+Replacement follows the agreement layer: the world is the ranks of the newest configuration any
+member decided. The first decision of a new configuration abandons the step in flight (the commit
+rule redoes it, DESIGN section 6); the new world trains ``replace_s`` after every one of its rank
+holders holds that configuration (group rebuild and state transfer). A vacant rank (no spare left,
+policy ``wait``) keeps the job waiting.
 
 Stragglers: each rank's compute time per step is known to all (the model's shortcut; a later
 issue gossips it) and goes through :class:`torchpass_p2p.core.straggler.StragglerDetector`. With
-``policy="migrate"`` a flagged rank hands its rank to a spare at the next step boundary, the job
-pausing ``replace_s`` (proactive: the slow member is its own state source, DESIGN section 4).
+``policy="migrate"`` a flagged rank leaves gracefully at the next step boundary, so agreement
+hands its rank to a spare (proactive: the slow member is its own state source, DESIGN section 4).
 
 Times are virtual seconds of the cluster's engine; nothing here reads a clock.
 """
@@ -27,7 +27,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from torchpass_p2p.core import MemberId, MemberState
+from torchpass_p2p.core import MemberId
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.straggler import StragglerDetector, StragglerFlag
 
@@ -49,15 +49,21 @@ class StepRecord:
 
 @dataclass(slots=True)
 class Replacement:
-    """A rank handed from ``old`` to ``new`` (None: no live spare was left)."""
+    """A rank handed from ``old`` to ``new`` by a decided configuration (None: no spare was
+    left, the rank is vacant)."""
 
     rank: int
     old: MemberId
     new: MemberId | None
     reason: str
-    """``"dead"``: every live rank held ``old`` dead or gone; ``"migrate"``: straggler policy."""
+    """``"migrate"``: the straggler policy moved it; ``"left"``: it left on its own;
+    ``"dead"``: agreement removed it as failed."""
+    config_id: int
+    """The decided configuration that made the change."""
     decided_at: float
-    ready_at: float
+    """When the first member decided it."""
+    ready_at: float | None = None
+    """When the new world trained again (None: not yet)."""
 
 
 @dataclass(slots=True)
@@ -123,7 +129,7 @@ class TrainingJob:
         self.policy = policy
         self.poll_s = poll_s
         self.detector = StragglerDetector(straggler_factor, straggler_steps)
-        self.world: list[MemberId] = list(cluster.configuration.ranks)
+        self.world: list[MemberId | None] = list(cluster.configuration.ranks)
         self.spares: list[MemberId] = list(cluster.configuration.spares)
         self.step = 0
         """The step being computed (= steps completed so far)."""
@@ -138,8 +144,9 @@ class TrainingJob:
         self._epoch = 0
         self._started_at = start_at
         self._compute: tuple[float, ...] = ()
-        self._vacant: dict[int, float] = {}  # rank -> when its replacement is ready
-        self._migrate: list[tuple[int, MemberId]] = []
+        self.config_id = cluster.configuration.config_id
+        self._waiting = False  # a decided world is re-forming its group
+        self._migrating: set[MemberId] = set()
         cluster.listeners.append(self._on_event)
         cluster.at(start_at, lambda: self._start_step(cluster.now))
 
@@ -176,12 +183,8 @@ class TrainingJob:
         if epoch != self._epoch:
             return  # abandoned: a replacement restarted the step
         now = self.cluster.now
-        blocked = [r for r, m in enumerate(self.world) if not self._can_train(m)]
-        if blocked:
-            for r in blocked:
-                self._check_replace(r)
-            if epoch == self._epoch:
-                self.cluster.at(now + self.poll_s, lambda: self._finish(epoch))
+        if any(not self._can_train(m) for m in self.world):
+            self.cluster.at(now + self.poll_s, lambda: self._finish(epoch))
             return
         self.history.append(StepRecord(self.step, self._started_at, now, self._compute))
         flags = self.detector.observe(self.step, dict(zip(self.world, self._compute,
@@ -190,60 +193,63 @@ class TrainingJob:
         for flag in flags:
             rank = self.world.index(flag.member)
             self.flags.append((now, rank, flag))
-            if self.policy == "migrate":
-                self._vacate(rank, "migrate")
-        if not self._vacant:
-            self._start_step(now)
+            if self.policy == "migrate" and flag.member not in self._migrating:
+                self._migrating.add(flag.member)
+                self.cluster.leave(self.cluster.by_id[flag.member])
+        self._start_step(now)
 
     # ------------------------------------------------------------------ replacement
 
     def _on_event(self, sm: SimMember, event: ev.Event) -> None:
-        kind = type(event)
-        if kind is ev.MemberDead or kind is ev.MemberLeft:
-            try:
-                rank = self.world.index(event.member)
-            except ValueError:
-                return
-            self._check_replace(rank)
-
-    def _check_replace(self, rank: int) -> None:
-        """Replace ``rank`` once every live rank holds its member dead or gone."""
-        if rank in self._vacant:
+        if type(event) is not ev.ConfigurationDecided:
             return
-        member = self.world[rank]
-        by_id = self.cluster.by_id
-        for other in self.world:
-            if other == member or not self._can_train(other):
-                continue
-            if by_id[other].core.state_of(member)[0] < MemberState.DEAD:
-                return
-        self._vacate(rank, "dead")
-
-    def _vacate(self, rank: int, reason: str) -> None:
-        now = self.cluster.now
-        self._epoch += 1  # abandon the step in flight; it is redone once the rank is filled
-        old = self.world[rank]
-        new = next((m for m in self.spares if self._can_train(m)), None)
-        ready = now + self.replace_s
-        self.replacements.append(Replacement(rank, old, new, reason, now, ready))
-        self.detector.forget(old)
-        if new is None:
-            self._vacant[rank] = float("inf")  # no spare left: the job waits (policy "wait")
+        config = event.configuration
+        if config.config_id <= self.config_id:
             return
-        self.spares.remove(new)
-        self._vacant[rank] = ready
+        # The first member to decide leaves the old group: the step in flight is abandoned.
+        self._epoch += 1
+        self.config_id = config.config_id
+        for rank, new in enumerate(config.ranks):
+            old = self.world[rank] if rank < len(self.world) else None
+            if new != old and old is not None:
+                self.detector.forget(old)
+                reason = ("migrate" if old in self._migrating
+                          else "left" if self.cluster.by_id[old].core.left else "dead")
+                self.replacements.append(Replacement(rank, old, new, reason, config.config_id,
+                                                     event.at))
+        self.world = list(config.ranks)
+        self.spares = list(config.spares)
+        self._waiting = True
+        self._await_world(config.config_id)
 
-        def fill() -> None:
-            self.world[rank] = new
-            del self._vacant[rank]
-            if not self._vacant:
-                self._start_step(self.cluster.now)
+    def _await_world(self, config_id: int) -> None:
+        """Train again ``replace_s`` after every rank holder holds ``config_id``."""
+        if config_id != self.config_id:
+            return  # a newer configuration superseded this one
+        ready = all(m is not None and self._can_train(m)
+                    and self.cluster.by_id[m].core.configuration.config_id >= config_id
+                    for m in self.world)
+        if not ready:
+            self.cluster.at(self.cluster.now + self.poll_s, lambda: self._await_world(config_id))
+            return
 
-        self.cluster.at(ready, fill)
+        def resume() -> None:
+            if config_id != self.config_id:
+                return
+            self._waiting = False
+            now = self.cluster.now
+            for rec in self.replacements:
+                if rec.config_id == config_id and rec.ready_at is None:
+                    rec.ready_at = now
+            self._start_step(now)
 
-    def _can_train(self, member: MemberId) -> bool:
+        self.cluster.at(self.cluster.now + self.replace_s, resume)
+
+    def _can_train(self, member: MemberId | None) -> bool:
+        if member is None:
+            return False  # a vacant rank: the job waits for a spare
         sm = self.cluster.by_id[member]
-        if sm.crashed or sm.core.removed or sm.core.left:
+        if sm.crashed or sm.core.removed or sm.core.left or sm.core.fenced:
             return False
         net = self.cluster.network
         if member in net.deaf or member in net.mute or member in net.clogged:
@@ -284,7 +290,7 @@ class TrainingJob:
         return {
             "steps": self.step,
             "nominal_steps": int(horizon // self.step_time_s),
-            "replacements": [(r.rank, r.reason, round(r.decided_at, 3)) for r in
+            "replacements": [(r.rank, r.config_id, round(r.decided_at, 3)) for r in
                              self.replacements],
             "straggler_flags": [(rank, f.step, round(t, 3)) for t, rank, f in self.flags],
             "stalls_s": [(round(at, 3), label, None if s is None else round(s, 3))

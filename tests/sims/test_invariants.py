@@ -14,6 +14,8 @@ from sims.invariants import InvariantChecker
 from sims.network import LinkModel
 from sims.recorder import DetectionRecorder
 from torchpass_p2p.core import events as ev
+from torchpass_p2p.core.messages import Cut
+from torchpass_p2p.core.plan import Policy, next_configuration
 
 
 def rules(checker: InvariantChecker) -> set[str]:
@@ -39,6 +41,13 @@ def subject_and_observers(cluster: Cluster) -> tuple[SimMember, list[SimMember],
     return subject, observers, outsider
 
 
+def decided_without(cluster: Cluster, member: SimMember, at: float) -> ev.ConfigurationDecided:
+    """The decision event of the configuration after 0 that drops ``member``."""
+    config, plan, _ = next_configuration(cluster.configuration, Cut(removed=(member.id,)),
+                                         policy=Policy.WAIT)
+    return ev.ConfigurationDecided(at, config, 0, len(cluster.configuration), plan)
+
+
 def accuse(cluster: Cluster, subject: SimMember, observers: list[SimMember], at: float,
            inc: int = 0) -> None:
     """Each observer raises its own alert; the first one then holds all of them."""
@@ -60,6 +69,7 @@ def test_lawful_conviction_removal_and_refutation_pass(fleet) -> None:
     confirmer = observers[0]
     feed(cluster, confirmer, ev.MemberDead(2.0, subject.id, 0, confirmer.id))
     feed(cluster, outsider, ev.MemberDead(2.1, subject.id, 0, confirmer.id))
+    feed(cluster, subject, decided_without(cluster, subject, 2.2))
     feed(cluster, subject, ev.SelfRemoved(2.2, 0))
     other = cluster.members[5]
     other_obs = cluster.by_id[cluster.configuration.observers_of(other.id)[0]]
@@ -69,7 +79,7 @@ def test_lawful_conviction_removal_and_refutation_pass(fleet) -> None:
     feed(cluster, other, ev.SelfRefuted(3.1, 1))
     feed(cluster, other_obs, ev.MemberAlive(3.2, other.id, 1))
     assert checker.violations == []
-    assert checker.events == 3 * 2 + 2 + 3 + 2 + 2
+    assert checker.events == 3 * 2 + 2 + 4 + 2 + 2
 
 
 # ---------------------------------------------------------------- each rule catches its violation
@@ -93,6 +103,7 @@ def test_removed_member_must_be_silent(fleet) -> None:
     subject, observers, _ = subject_and_observers(cluster)
     accuse(cluster, subject, observers[:3], at=1.0)
     feed(cluster, observers[0], ev.MemberDead(2.0, subject.id, 0, observers[0].id))
+    feed(cluster, subject, decided_without(cluster, subject, 2.5))
     feed(cluster, subject, ev.SelfRemoved(2.5, 0))
     assert checker.ok
     feed(cluster, subject, ev.SelfSuspected(3.0))
@@ -217,10 +228,10 @@ def test_dead_without_its_confirmers_conviction_is_caught(fleet) -> None:
     assert rules(checker) == {"dead-has-origin"}
 
 
-def test_self_removal_without_conviction_is_caught(fleet) -> None:
+def test_self_removal_without_a_decision_is_caught(fleet) -> None:
     cluster, checker = fleet
     feed(cluster, cluster.members[4], ev.SelfRemoved(1.0, 0))
-    assert rules(checker) == {"removed-after-conviction"}
+    assert rules(checker) == {"removed-by-decision"}
 
 
 def test_left_names_a_member_that_left(fleet) -> None:
@@ -295,7 +306,7 @@ def test_real_faults_break_no_invariant(seed: int) -> None:
     cluster.at(40.0, lambda: cluster.network.member_loss.clear())
     cluster.run(90.0)
     assert checker.violations == []
-    assert checker.events > 2_000
+    assert checker.events > 1_500
     # The run did exercise the paths the rules guard.
     kinds = {type(e) for sm in m for e in sm.events}
     assert {ev.MemberDead, ev.SelfRefuted, ev.MemberLeft, ev.SelfSuspected} <= kinds
