@@ -37,7 +37,7 @@ SMALL = {
     "faults": [{"kind": "crash", "member": "random", "at": 5.0}],
 }
 SMALL_EVENTS_SEED_3 = 19_640
-"""Golden: engine events of SMALL with seed 3 (agreement included: votes, the decision, progress)."""
+"""Golden: engine events of SMALL with seed 3 (with agreement: votes, decision, progress)."""
 
 REQUIRED_KEYS = {
     "members", "virtual_s", "wall_s", "events", "events_per_s", "detect_first_p50_s",
