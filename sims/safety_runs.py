@@ -180,7 +180,8 @@ class _SafetyRun:
         self.cuts: list[_Cut] = []
         self.majority_lost = False
         if kinds is None:
-            kinds = tuple(k for k in FAULT_KINDS if rng.random() < 0.5) or (rng.choice(FAULT_KINDS),)
+            kinds = (tuple(k for k in FAULT_KINDS if rng.random() < 0.5)
+                     or (rng.choice(FAULT_KINDS),))
         self.kinds = kinds
 
     # ------------------------------------------------------------------ helpers
