@@ -266,6 +266,8 @@ class Member:
         self._vote_resend_at = _INF
         self._lease_at = _INF
         self._unreachable = 0  # members of the configuration our view holds suspect or worse
+        self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
+        self._in_contact = True  # heard from at least half our neighbours lately
         self._progress: Tally | None = None
         self._survivors = 0  # bitmap of the members whose progress the plan waits for
         self._set_configuration(configuration)
@@ -284,6 +286,8 @@ class Member:
             self._counts["dropped_after_removal"] += 1
             return
         self._received += 1
+        if sender in self._neighbours:
+            self._heard[sender] = now
         if self.joining is not None and not isinstance(message, Vote | Progress):
             self._counts["dropped_while_joining"] += 1
             return
@@ -451,6 +455,10 @@ class Member:
     def _set_configuration(self, config: Configuration) -> None:
         self._config = config
         self._subjects = config.subjects_of(self.id) if self.id in config else ()
+        observers = config.observers_of(self.id) if self.id in config else ()
+        self._neighbours = frozenset(self._subjects) | frozenset(observers)
+        # A new neighbour gets one lease to be heard from before it counts as silent.
+        self._heard = {m: self._heard.get(m, self._now) for m in self._neighbours}
         self._transmit_limit = self.params.transmit_limit(len(config))
         self._min_alerts = self.params.min_alerts_to_confirm
         # Forget everyone the configuration no longer holds; keep what we know of the others.
@@ -475,6 +483,8 @@ class Member:
         subjects = self._subjects
         slot = self._scaled(self.params.probe_interval_s) / max(1, len(subjects))
         self._next_probe_at = now + slot
+        if subjects and self._probe_cursor % len(subjects) == 0:
+            self._check_contact(now)
         for _ in range(len(subjects)):
             subject = subjects[self._probe_cursor % len(subjects)]
             self._probe_cursor += 1
@@ -1059,12 +1069,25 @@ class Member:
         for peer in self._sample_members(self.params.gossip_fanout):
             self._send(peer, Join(joiner, self._config.config_id))
 
+    def _check_contact(self, now: float) -> None:
+        """Once per probe interval: did at least half our neighbours (subjects and observers,
+        pseudo-random samples of the configuration) send us anything in the last half lease?
+        A member on the minority side of a partition hears from about the minority's share."""
+        window = now - self.params.lease_s / 2
+        heard = sum(1 for t in self._heard.values() if t >= window)
+        in_contact = 2 * heard >= len(self._neighbours)
+        if in_contact != self._in_contact:
+            self._in_contact = in_contact
+            self._check_lease(now)
+
     def _check_lease(self, now: float) -> None:
         """Fencing (DESIGN section 5): a member that believes fewer than a majority of its
-        configuration reachable for ``lease_s`` must stop training until that changes. Runs on
-        every view change; the lease itself is a deadline, not a poll."""
+        configuration reachable for ``lease_s`` must stop training until that changes: its
+        view holds too many members suspect or worse, or too few of its neighbours were heard
+        from lately. Runs when either changes; the lease itself is a deadline, not a poll."""
         n = len(self._config)
-        ok = not self.self_suspected and n - self._unreachable >= classic_quorum(n)
+        ok = (not self.self_suspected and self._in_contact
+              and n - self._unreachable >= classic_quorum(n))
         if ok:
             self._lease_at = _INF
             if self.fenced:
