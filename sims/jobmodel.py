@@ -187,6 +187,9 @@ class TrainingJob:
             self.cluster.at(now + self.poll_s, lambda: self._finish(epoch))
             return
         self.history.append(StepRecord(self.step, self._started_at, now, self._compute))
+        for member in self.world:  # the commit all-reduce completed on every rank
+            if member is not None:
+                self.cluster.by_id[member].core.report_progress(self.step)
         flags = self.detector.observe(self.step, dict(zip(self.world, self._compute,
                                                           strict=True)))
         self.step += 1

@@ -1,0 +1,100 @@
+"""S09 same plan for everyone and S12 two at once (shared/scenarios/SCENARIOS.md), the parts that
+run in the simulator: which configuration, which plan, which step. The multi-process halves (real
+collectives, no hang) belong to the runtime's end-to-end tests.
+
+S09: 4 ranks + 2 spares; a rank leaves gracefully while a late spare joins. Must hold: every
+member of the new configuration enters the same recovery plan (same plan hash).
+
+S12: 8 ranks + 2 spares; kill a rank and, within 100 ms, the member it would pull state from.
+Must hold: one or two configuration changes, both ranks replaced, same step (the plan's
+``resume_step`` is the step the job was computing: nothing committed is lost or repeated twice).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sims.cluster import Cluster, SimMember
+from sims.invariants import InvariantChecker
+from sims.jobmodel import TrainingJob
+from sims.network import LinkModel
+from sims.recorder import DetectionRecorder
+from sims.safety import SafetyChecker
+from torchpass_p2p.core import events as ev
+from torchpass_p2p.core.messages import Cut
+from torchpass_p2p.core.plan import Policy, next_configuration
+
+
+def ready_plans(cluster: Cluster) -> dict[int, dict[int, ev.PlanReady]]:
+    """config_id -> member index -> its PlanReady, filled as the run goes."""
+    plans: dict[int, dict[int, ev.PlanReady]] = {}
+
+    def on_event(sm: SimMember, event: ev.Event) -> None:
+        if isinstance(event, ev.PlanReady):
+            plans.setdefault(event.plan.config_id, {})[sm.index] = event
+
+    cluster.listeners.append(on_event)
+    return plans
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_s09_a_leave_and_a_late_join_give_everyone_the_same_plan(seed: int) -> None:
+    cluster = Cluster(6, spares=2, seed=seed, link=LinkModel(loss=0.01), keep_events=False)
+    safety = SafetyChecker(cluster)
+    checker = InvariantChecker(cluster)
+    plans = ready_plans(cluster)
+    leaver = cluster.by_id[cluster.configuration.ranks[1]]
+    joiners: list[SimMember] = []
+    cluster.at(10.0, lambda: cluster.leave(leaver))
+    cluster.at(10.02, lambda: joiners.append(cluster.spawn_joiner(cluster.members[0])))
+    cluster.run(30.0)
+    [joiner] = joiners
+    final = cluster.members[0].core.configuration
+    assert leaver.core.removed and leaver.id not in final
+    assert joiner.core.joining is None and joiner.id in final
+    assert final.ranks[1] in cluster.configuration.spares  # a spare took the leaver's rank
+    live = [sm for sm in cluster.members if not sm.core.removed]
+    for cid in range(1, final.config_id + 1):
+        holders = {sm.index for sm in live if cid >= cluster.started_in.get(sm.id, 0) + 1
+                   and sm.id in safety.configurations[cid]}
+        got = plans.get(cid, {})
+        assert holders <= set(got), (cid, holders, set(got))  # every member entered it...
+        assert len({e.plan.hash for e in got.values()}) == 1  # ...and the same one
+    assert safety.violations == [] and checker.violations == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_s12_a_rank_and_its_first_state_source_die_within_100_ms(seed: int) -> None:
+    cluster = Cluster(10, spares=2, seed=seed, link=LinkModel(loss=0.01), keep_events=False)
+    recorder = DetectionRecorder(cluster)
+    safety = SafetyChecker(cluster)
+    checker = InvariantChecker(cluster, recorder)
+    job = TrainingJob(cluster, step_time_s=1.0, replace_s=2.0)
+    plans = ready_plans(cluster)
+    config = cluster.configuration
+    victim = cluster.by_id[config.ranks[2]]
+    _, would_be, _ = next_configuration(config, Cut(removed=(victim.id,)), policy=Policy.WAIT)
+    [(_, sources)] = would_be.sources
+    source = cluster.by_id[sources[0]]
+    crash_at = 20.3
+    step_at_crash: list[int] = []
+
+    def crash(sm: SimMember) -> None:
+        recorder.fault(sm)
+        cluster.crash(sm)
+
+    cluster.at(crash_at, lambda: step_at_crash.append(job.step))
+    cluster.at(crash_at, lambda: crash(victim))
+    cluster.at(crash_at + 0.1, lambda: crash(source))
+    cluster.run(60.0)
+
+    changes = sorted(safety.configurations)[1:]
+    assert 1 <= len(changes) <= 2
+    final = safety.configurations[changes[-1]]
+    assert victim.id not in final and source.id not in final
+    assert set(final.ranks) == (set(config.ranks) - {victim.id, source.id}) | set(config.spares)
+    # Same step: the step in flight at the crash is redone, nothing committed is lost.
+    resume = {e.plan.resume_step for by_member in plans.values() for e in by_member.values()}
+    assert resume == {step_at_crash[0]}
+    assert job.step > step_at_crash[0] + 20  # and training went on
+    assert safety.violations == [] and checker.violations == []
