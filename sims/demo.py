@@ -1,10 +1,11 @@
 """A live in-process cluster on the virtual clock: crash one member, stall another, print what
-every member saw.
+every member saw and what they agreed.
 
 This is the main job until the training demo exists: the real protocol core, real sealed
 datagrams (encoded, AEAD-sealed, opened and decoded for every hop), a lossy virtual network, one
 crash and one member whose loop keeps stalling. It exits non-zero if a live member never learned
-of the crash or a healthy member was convicted.
+of the crash, never held a decided configuration without it, a spare did not take its rank, or a
+healthy member was convicted or removed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torchpass_p2p.core import format_member_id
 from .cluster import Cluster
 from .network import LinkModel
 from .recorder import DetectionRecorder
+from .safety import SafetyChecker
 
 
 def run_demo(members: int, seed: int, loss: float, crash_at_s: float, horizon_s: float,
@@ -27,8 +29,11 @@ def run_demo(members: int, seed: int, loss: float, crash_at_s: float, horizon_s:
                       link=LinkModel(loss=loss), sealed=sealed, keep_events=False)
     config = cluster.configuration
     recorder = DetectionRecorder(cluster)
-    victim, busy = cluster.rng.sample(cluster.members, 2)
+    safety = SafetyChecker(cluster)
+    victim, busy = (cluster.by_id[m] for m in cluster.rng.sample(config.ranks, 2))
     timeline: list[tuple[float, str]] = []
+    announced: set[int] = set()
+    ready: list[ev.PlanReady] = []
 
     def name(member_id: int) -> str:
         rank = config.rank_of(member_id)
@@ -44,6 +49,17 @@ def run_demo(members: int, seed: int, loss: float, crash_at_s: float, horizon_s:
         elif kind is ev.SelfRefuted and sm is busy:
             timeline.append((event.at, f"stalled {name(sm.id)} refutes, incarnation "
                                        f"{event.incarnation}"))
+        elif kind is ev.ConfigurationDecided and event.plan.config_id not in announced:
+            announced.add(event.plan.config_id)  # the first member to decide it
+            plan = event.plan
+            moves = ", ".join(f"rank {r} <- {name(m)}" for r, m in plan.assignments) or "none"
+            path = "fast round" if event.round == 0 else f"classic round {event.round}"
+            timeline.append((event.at, f"{name(sm.id)} decides configuration {plan.config_id} "
+                                       f"({path}, {event.votes} votes): {moves}"))
+        elif kind is ev.PlanReady and not ready:
+            ready.append(event)
+            timeline.append((event.at, f"plan {event.plan.hash:016x} ready: resume at step "
+                                       f"{event.plan.resume_step}"))
 
     cluster.listeners.append(on_event)
 
@@ -80,13 +96,23 @@ def run_demo(members: int, seed: int, loss: float, crash_at_s: float, horizon_s:
         print(f"crash -> known dead      p50 {statistics.median(knew):.3f} s, "
               f"all {len(knew)}/{len(live)} live members by "
               f"{'never' if all_know is None else f'{all_know:.3f} s'}")
+    held = [m for m in live if m in rec.decided]
+    decided_all = rec.all_decided_s(live)
+    print(f"crash -> new config held by {len(held)}/{len(live)} live members by "
+          f"{'never' if decided_all is None else f'{decided_all:.3f} s'}")
+    final = cluster.by_id[live[0]].core.configuration
+    replaced = final.ranks[config.ranks.index(victim.id)]
+    print(f"rank {config.ranks.index(victim.id)} is now held by "
+          f"{'nobody' if replaced is None else name(replaced)} (configuration "
+          f"{final.config_id}); safety violations: {safety.count}")
     print(f"stalled member: {busy.core.counters['stalls']} stalls, "
           f"{busy.core.counters['refutations']} refutations, removed: {busy.core.removed}")
     print(f"false removals: {len(recorder.false_removals)}")
     rejected = cluster.counters["rejected"]
     if sealed:
         print(f"datagrams rejected by the wire: {rejected}")
-    ok = all_know is not None and not recorder.false_removals and not busy.core.removed
+    ok = (all_know is not None and decided_all is not None and replaced in config.spares
+          and safety.ok and not recorder.false_removals and not busy.core.removed)
     print("RESULT:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
