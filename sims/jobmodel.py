@@ -209,9 +209,11 @@ class TrainingJob:
         config = event.configuration
         if config.config_id <= self.config_id:
             return
+        self.config_id = config.config_id
+        if list(config.ranks) == self.world:
+            return  # the world is unchanged (spares only, or an empty cut): keep training
         # The first member to decide leaves the old group: the step in flight is abandoned.
         self._epoch += 1
-        self.config_id = config.config_id
         for rank, new in enumerate(config.ranks):
             old = self.world[rank] if rank < len(self.world) else None
             if new != old and old is not None:

@@ -177,3 +177,29 @@ def test_a_non_member_gathers_certificates_but_never_votes_or_coordinates() -> N
         c.prepare(0, A)
     with pytest.raises(ValueError):
         Consensus(CONFIG, 999)
+
+
+def test_when_no_cut_can_have_been_decided_the_coordinator_proposes_its_own_view() -> None:
+    # Three stale fast votes for A (a member that has since refuted); |Q| - F = 6 - 2 = 4 > 3,
+    # so A cannot have been decided and the coordinator's current view, nothing, wins.
+    c = Consensus(CONFIG, 110)
+    c.prepare(attempt=0, fallback=Cut())
+    for sender in (101, 102, 103):
+        c.on_promise(sender, Promise(7, c.coordinating, 0, A))
+    for sender in (104, 105):
+        c.on_promise(sender, Promise(7, c.coordinating, -1, None))
+    accepts = [msg.cut for _, msg in c.outbox if isinstance(msg, Accept)]
+    assert accepts and set(accepts) == {Cut()}
+
+
+def test_a_classic_round_can_decide_the_empty_cut_but_the_fast_round_cannot() -> None:
+    f = fleet()
+    for m in MEMBERS[:3]:
+        f[m].vote_fast(A, step=0)
+    spread(f)
+    f[110].prepare(attempt=0, fallback=Cut())
+    deliver(f)
+    spread(f)
+    assert {(c.decision.round, c.decision.cut) for c in f.values() if c.decision} == {(10, Cut())}
+    with pytest.raises(LocalProtocolError):
+        Consensus(CONFIG, 101).vote_fast(Cut(), step=0)

@@ -186,7 +186,13 @@ class Consensus:
 
     def vote_fast(self, cut: Cut, step: int) -> bool:
         """Vote ``cut`` in round 0 with this member's last committed ``step``. At most once, and
-        never after promising a classic round. Returns whether the vote was cast."""
+        never after promising a classic round. Returns whether the vote was cast.
+
+        Raises:
+            LocalProtocolError: ``cut`` is empty (there is nothing to vote for).
+        """
+        if not cut.removed and not cut.joined:
+            raise LocalProtocolError("an empty cut is never voted in the fast round")
         if self.voted_round >= 0 or self.promised > FAST_ROUND or self.index < 0:
             return False
         self.voted_round = FAST_ROUND
@@ -204,8 +210,8 @@ class Consensus:
         if bits >> min(SEGMENT_BITS, self.n - first):
             self.dropped["vote_bits_out_of_range"] += 1
             return False
-        if not vote.cut.removed and not vote.cut.joined:
-            self.dropped["vote_invalid"] += 1
+        if vote.round == FAST_ROUND and not vote.cut.removed and not vote.cut.joined:
+            self.dropped["vote_invalid"] += 1  # only a classic round may decide the empty cut
             return False
         return self._add(vote.round, vote.cut, bits << first, vote.max_step, vote.segment)
 
@@ -229,15 +235,6 @@ class Consensus:
     def active(self) -> bool:
         """Whether anyone (this member included) has voted or prepared for this change."""
         return bool(self.tallies) or self.promised > FAST_ROUND
-
-    def leading_cut(self) -> Cut | None:
-        """The cut with most votes known here (ties: smallest :func:`cut_key`), or None."""
-        best = None
-        for (_, cut), tally in self.tallies.items():
-            key = (-tally.count, cut_key(cut))
-            if best is None or key < best[0]:
-                best = (key, cut)
-        return best[1] if best else None
 
     # ------------------------------------------------------------------ classic rounds
 
@@ -297,20 +294,26 @@ class Consensus:
         self._accept(msg.round, msg.cut)
 
     def choose(self) -> Cut:
-        """The Fast Paxos value rule over the promises gathered (see the module docstring)."""
+        """The Fast Paxos value rule over the promises gathered (see the module docstring).
+
+        A cut that may have been decided must be proposed again; when none may have been, the
+        coordinator is free and proposes its own current view (``fallback``), which may be the
+        empty cut: a refuted suspicion then retires the stale votes instead of removing a live
+        member.
+        """
         voted = [(r, c) for r, c in self._promises.values() if r >= 0 and c is not None]
+        assert self._fallback is not None
         if not voted:
-            assert self._fallback is not None
             return self._fallback
         top = max(r for r, _ in voted)
         cuts = Counter(c for r, c in voted if r == top)
         if top > FAST_ROUND:
             return next(iter(cuts))  # one coordinator, one value per classic round
         # A cut decided in round 0 appears in at least |Q| - F promises, more than any other cut
-        # can (|Q| > 2F): the most-voted cut is that one whenever one exists, and any cut is
-        # safe when none does. Ties (no cut can have been decided) break by cut_key.
-        ranked = sorted(cuts.items(), key=lambda kv: (-kv[1], cut_key(kv[0])))
-        return ranked[0][0]
+        # can (|Q| > 2F). Ties break by cut_key.
+        best, count = min(cuts.items(), key=lambda kv: (-kv[1], cut_key(kv[0])))
+        need = len(self._promises) - (self.n - fast_quorum(self.n))
+        return best if count >= need else self._fallback
 
     def _maybe_accept(self) -> None:
         if self._accept_sent or len(self._promises) < classic_quorum(self.n):

@@ -940,9 +940,9 @@ class Member:
         self._classic_at = _INF
         if consensus.decision is not None or consensus.index < 0:
             return
-        fallback = self._proposal or consensus.voted_cut or consensus.leading_cut()
-        if fallback is None:
-            return  # nothing to propose; someone with a proposal will coordinate
+        # Our current view, or the empty cut: votes were cast for this configuration, and a
+        # decision, even of nothing, retires them so that the next change can go fast again.
+        fallback = self._proposal or Cut()
         consensus.prepare(self._classic_attempt, fallback)
         self._classic_attempt += 1
         self._counts["classic_rounds_started"] += 1
