@@ -82,6 +82,18 @@ def test_stale_suspicion_convicts_below_the_new_quorum() -> None:
     assert r.invariant_violations == 0, r.violations
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "core or checker bug, cause not pinned: seed 1165 of the long run, #0 raises its "
+    "incarnation 1 -> 2 at t=14.250 though no member emitted AlertRaised or MemberDead about "
+    "#0 at incarnation 1 ([refute-real-alert]); suspected: an alert from a probe round that "
+    "outlived a configuration change, rejected by its own observer's _merge_alert but still "
+    "sent straight to the subject by _round_failed"))
+def test_refutation_without_an_alert_seed_1165() -> None:
+    r = safety_run(1165)
+    assert r.safety_violations == 0
+    assert r.invariant_violations == 0, r.violations
+
+
 def test_a_seed_replays_exactly() -> None:
     a = safety_run(3, members_range=CI_MEMBERS, fault_window_s=CI_WINDOW_S, settle_s=CI_SETTLE_S)
     b = safety_run(3, members_range=CI_MEMBERS, fault_window_s=CI_WINDOW_S, settle_s=CI_SETTLE_S)
