@@ -25,20 +25,6 @@ CI_SETTLE_S = 14.0
 BATCHES = 30
 BATCH_SEEDS = 10
 
-STALE_SUSPICION = (
-    "core bug: Member._set_configuration (torchpass_p2p/core/membership.py) keeps each "
-    "_Suspicion's deadline and expected observer count from the configuration it began in; "
-    "after a decided change its member convicts on the old observer timer (suspicion_min_s) "
-    "though it no longer observes the subject ([suspicion-timeout]), or with fewer alerts than "
-    "min(L, observers) of the new configuration ([quorum])")
-
-KNOWN_CORE_BUGS: dict[int, str] = {34: STALE_SUSPICION, 63: STALE_SUSPICION,
-                                   84: STALE_SUSPICION, 126: STALE_SUSPICION,
-                                   181: STALE_SUSPICION}
-"""CI seeds that hit a known core bug (an invariant, not agreement safety: each has 0 safety
-violations), left out of the batches and run on their own as strict xfails below."""
-
-
 def _ci_run(seed: int) -> SafetyResult:
     return safety_run(seed, members_range=CI_MEMBERS, fault_window_s=CI_WINDOW_S,
                       settle_s=CI_SETTLE_S)
@@ -53,8 +39,7 @@ def _describe(r: SafetyResult) -> str:
 
 @pytest.mark.parametrize("batch", range(BATCHES))
 def test_safety_over_seeds(batch: int) -> None:
-    seeds = [s for s in range(batch * BATCH_SEEDS, (batch + 1) * BATCH_SEEDS)
-             if s not in KNOWN_CORE_BUGS]
+    seeds = range(batch * BATCH_SEEDS, (batch + 1) * BATCH_SEEDS)
     bad = []
     for seed in seeds:
         r = _ci_run(seed)
@@ -64,31 +49,23 @@ def test_safety_over_seeds(batch: int) -> None:
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("seed", [
-    pytest.param(seed, marks=pytest.mark.xfail(strict=True, reason=why))
-    for seed, why in sorted(KNOWN_CORE_BUGS.items())])
-def test_known_core_bug_seeds(seed: int) -> None:
-    r = _ci_run(seed)
-    assert r.safety_violations == 0 and r.invariant_violations == 0, _describe(r)
-
-
-@pytest.mark.xfail(strict=True, reason=STALE_SUSPICION)
-def test_stale_suspicion_convicts_below_the_new_quorum() -> None:
+def test_a_suspicion_is_judged_by_the_rings_of_the_new_configuration() -> None:
     """Seed 24 of the long run (10 members): #5 began suspecting crashed #0 in configuration 2,
-    where #0 had 2 observers; in configuration 4 it has 3 (#1, #5, #9), yet at t=51.605 #5
-    convicts it holding alerts from 2 (#1, #5)."""
+    where #0 had 2 observers; in configuration 4 it has 3 (#1, #5, #9). A suspicion carried
+    across the change used to keep its old observer count and timer, and #5 convicted #0 on 2
+    alerts. Member._rebase_suspicion now drops alerts from former observers and re-derives the
+    timeout; the CI seeds 34, 63, 84, 126 and 181 hit the same path."""
     r = safety_run(24)
     assert r.safety_violations == 0
     assert r.invariant_violations == 0, r.violations
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core or checker bug, cause not pinned: seed 1165 of the long run, #0 raises its "
-    "incarnation 1 -> 2 at t=14.250 though no member emitted AlertRaised or MemberDead about "
-    "#0 at incarnation 1 ([refute-real-alert]); suspected: an alert from a probe round that "
-    "outlived a configuration change, rejected by its own observer's _merge_alert but still "
-    "sent straight to the subject by _round_failed"))
-def test_refutation_without_an_alert_seed_1165() -> None:
+def test_an_alert_from_a_former_observer_never_reaches_its_subject_seed_1165() -> None:
+    """Seed 1165 of the long run: a probe round that outlived a configuration change failed,
+    its alert was rejected by its own observer's _merge_alert (no longer an observer), yet
+    _round_failed still sent it to the subject, which refuted an alert nobody had raised.
+    Rounds to former subjects are now dropped at the change, and an alert goes out only if its
+    observer accepted it."""
     r = safety_run(1165)
     assert r.safety_violations == 0
     assert r.invariant_violations == 0, r.violations

@@ -255,7 +255,8 @@ class Member:
             maxlen=params.certificate_log)  # (certificate, members of its configuration)
         self._joiners: dict[MemberId, Joiner] = {}
         self._future: deque[tuple[MemberId, AgreementMessage]] = deque(maxlen=_MAX_FUTURE)
-        self._catchup_sent: dict[MemberId, float] = {}
+        self._catchup_sent: dict[MemberId, float] = {}  # peer -> when we sent certificates
+        self._digest_sent: dict[MemberId, float] = {}  # peer -> when we nudged it with a digest
         self._cut_dirty = False
         self._proposal: Cut | None = None
         self._settle_at = _INF
@@ -291,12 +292,15 @@ class Member:
         if self.joining is not None and not isinstance(message, Vote | Progress):
             self._counts["dropped_while_joining"] += 1
             return
+        if isinstance(message, Ping | Ack | PingReq | Gossip) and sender not in self._config:
+            self._send_digest_to(now, sender)  # a removed member: tell it it is behind
         if isinstance(message, Ping | Ack | PingReq | Gossip) and message.updates:
             if sender in self._config:
                 self._apply_all(now, message.updates)
             else:
                 # A member that a configuration we hold removed (or one never in it) gossips a
-                # stale world: its verdicts must not touch ours.
+                # stale world: its verdicts must not touch ours. Our digest tells it that it is
+                # behind; it asks for our certificates and learns its removal.
                 self._counts["dropped_stranger_updates"] += 1
         if isinstance(message, Ping):
             if not (self.left or self.removed):
@@ -464,16 +468,20 @@ class Member:
         # Forget everyone the configuration no longer holds; keep what we know of the others.
         for member in [m for m in self._view if m not in config]:
             self._set_view(member, ALIVE, 0)
-        for table in (self._suspicions, self._failed_rounds, self._last_ack_from, self._alerted,
-                      self._confirmers):
+        for table in (self._suspicions, self._last_ack_from, self._alerted, self._confirmers):
             for member in [m for m in table if m not in config]:
                 del table[member]
-        self._rounds = {seq: r for seq, r in self._rounds.items() if r.subject in config}
+        subjects = set(self._subjects)
+        self._rounds = {seq: r for seq, r in self._rounds.items() if r.subject in subjects}
+        self._failed_rounds = {m: n for m, n in self._failed_rounds.items() if m in subjects}
+        for subject in list(self._suspicions):
+            self._rebase_suspicion(subject)
         for key in [k for k, p in self._queue.items() if _about(p.update) not in config]:
             del self._queue[key]
         for member in [m for m in self._joiners if m in config]:
             del self._joiners[member]
         self._catchup_sent.clear()
+        self._digest_sent.clear()
         self._cut_dirty = True
 
     def _scaled(self, seconds: float) -> float:
@@ -564,7 +572,9 @@ class Member:
         self._alerted[subject] = inc
         self._counts["alerts_raised"] += 1
         alert = Alert(self.id, subject, inc)
-        self._learn(now, alert)
+        if not self._merge(now, alert):
+            return  # no longer one of its observers (the configuration changed meanwhile)
+        self._enqueue(alert)
         # Tell the subject straight away so it can refute if it is alive (memberlist does the
         # same with suspect messages).
         self._send(subject, Gossip((alert,)))
@@ -617,6 +627,31 @@ class Member:
             else:
                 susp.deadline = _INF  # wait for more independent alerts
 
+    def _rebase_suspicion(self, subject: MemberId) -> None:
+        """After a configuration change, judge a running suspicion by the new rings: only
+        alerts from the subject's current observers count, and its timeout is the one that
+        applies to this member now (no single accuser convicts, across changes too)."""
+        susp = self._suspicions[subject]
+        observers = set(self._config.observers_of(subject))
+        for observer in [o for o in susp.observers if o not in observers]:
+            del susp.observers[observer]
+        if not susp.observers:
+            del self._suspicions[subject]
+            self._set_view(subject, ALIVE, susp.incarnation)  # back to unsuspected
+            return
+        susp.expected = len(observers)
+        self._set_deadline(subject, susp)
+
+    def _set_deadline(self, subject: MemberId, susp: _Suspicion) -> None:
+        if subject in self._subjects:
+            timeout = self.params.suspicion_timeout_s(len(susp.observers) - 1, susp.expected - 1)
+        else:
+            # Only observers convict on the Lifeguard timer: they are the ones the subject
+            # refutes to directly, and they can hear it answer. Everyone else waits for their
+            # Dead and convicts on its own only as a fallback, at the longest timeout.
+            timeout = self.params.suspicion_max_s
+        susp.deadline = susp.started_at + timeout
+
     def _suspect(self, now: float, alert: Alert) -> bool:
         subject, inc = alert.subject, alert.incarnation
         susp = self._suspicions.get(subject)
@@ -629,14 +664,7 @@ class Member:
             return False
         susp.observers[alert.observer] = None
         self._cut_dirty = True
-        if subject in self._subjects:
-            timeout = self.params.suspicion_timeout_s(len(susp.observers) - 1, susp.expected - 1)
-        else:
-            # Only observers convict on the Lifeguard timer: they are the ones the subject
-            # refutes to directly, and they can hear it answer. Everyone else waits for their
-            # Dead and convicts on its own only as a fallback, at the longest timeout.
-            timeout = self.params.suspicion_max_s
-        susp.deadline = susp.started_at + timeout
+        self._set_deadline(subject, susp)
         self._emit(ev.AlertRaised(now, alert.observer, subject, inc))
         return True
 
@@ -874,10 +902,7 @@ class Member:
             # up (it answers an older digest with its certificates).
             self._counts["agreement_ahead_peer"] += 1
             self._future.append((sender, msg))
-            if now - self._catchup_sent.get(sender, -_INF) >= _CATCHUP_GAP_S:
-                self._catchup_sent[sender] = now
-                digest, entries = self.view_digest()
-                self._send(sender, Digest(cid, digest, entries))
+            self._send_digest_to(now, sender)
             return
         consensus = self._consensus
         if isinstance(msg, Vote):
@@ -1053,6 +1078,17 @@ class Member:
         else:
             self._counts["catchup_unavailable"] += 1
 
+    def _send_digest_to(self, now: float, dest: MemberId) -> None:
+        """Our digest carries our ``config_id``: whichever of us is behind learns it (the one
+        ahead answers an older digest with certificates). At most once per peer per gap."""
+        if now - self._digest_sent.get(dest, -_INF) < _CATCHUP_GAP_S:
+            return
+        if len(self._digest_sent) > 4 * self.params.max_pending_joins:
+            self._digest_sent.clear()  # a bound, not a cache: forgetting only allows a resend
+        self._digest_sent[dest] = now
+        digest, entries = self.view_digest()
+        self._send(dest, Digest(self._config.config_id, digest, entries))
+
     def _on_join(self, sender: MemberId, msg: Join) -> None:
         joiner = msg.joiner
         if sender == joiner.member and msg.config_id < self._config.config_id:
@@ -1112,10 +1148,7 @@ class Member:
             return
         if msg.config_id > cid:
             # We are behind: answer with our digest, so the sender sends its certificates.
-            if self._now - self._catchup_sent.get(sender, -_INF) >= _CATCHUP_GAP_S:
-                self._catchup_sent[sender] = self._now
-                digest, entries = self.view_digest()
-                self._send(sender, Digest(cid, digest, entries))
+            self._send_digest_to(self._now, sender)
             return
         if (msg.digest, msg.entries) != self.view_digest():
             self._counts["sync_mismatches"] += 1
