@@ -289,6 +289,9 @@ class Member:
         self._received += 1
         if sender in self._neighbours:
             self._heard[sender] = now
+            # Any word from a subject is a sign of life: failed rounds against it are no longer
+            # consecutive (else a member whose loop stalls twice in a row is accused early).
+            self._failed_rounds.pop(sender, None)
         if self.joining is not None and not isinstance(message, Vote | Progress):
             self._counts["dropped_while_joining"] += 1
             return
@@ -603,6 +606,11 @@ class Member:
         for susp in self._suspicions.values():
             if susp.deadline < grace:
                 susp.deadline = grace
+        # Likewise a vote or a classic round that fell due while we were stalled: the
+        # refutation that voids the cut may be in the backlog.
+        self._settle_at = max(self._settle_at, grace) if self._settle_at < _INF else _INF
+        if self._classic_at < grace:
+            self._classic_at = grace
         self._adjust_health(+1)
         self._next_probe_at = min(self._next_probe_at, now)
 

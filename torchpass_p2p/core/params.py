@@ -86,10 +86,13 @@ class Params:
     alerts_to_remove: int = 9
     """H: alerts from this many of a subject's observers make it part of a cut on their own, once
     ``suspicion_min_s`` has passed since the first (Rapid: H = K - 1 = 9)."""
-    cut_settle_s: float = 0.1
+    cut_settle_s: float = 0.6
     """A member votes only for a cut that has not changed for this long and has nothing
-    unstable, so failures that begin together become one change (ours: detection times of one
-    crash spread over ~0.3 s at 1k members, the alerts of simultaneous crashes arrive together)."""
+    unstable, so failures that begin together become one change; it is also the refutation
+    window of a stalled member (scenario S01). M = 2 failed rounds take at least
+    ``round_timeout_s + probe_interval_s`` = 1.5 s after a member stops answering, a conviction
+    ``suspicion_min_s`` more: no vote comes sooner than 1.5 + 1.0 + 0.6 = 3.1 s after a loop
+    stalls, so a member blocked for up to 3 s refutes before anyone votes to remove it. Ours."""
     vote_push_interval_s: float = 0.05
     """Shortest gap between two eager pushes of changed vote bitmaps by one member (ours: fast
     enough that a bitmap crosses 16k members in ~10 hops within 0.5 s, slow enough that one
