@@ -22,6 +22,7 @@ from torchpass_p2p.core import Configuration, Member, MemberId, Params
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.messages import Message
 from torchpass_p2p.core.seal import Keyring
+from torchpass_p2p.core.sizes import encoded_size
 from torchpass_p2p.core.wire import Wire
 
 from .engine import CALL, DELIVER, TIMER, Engine
@@ -106,10 +107,7 @@ class Cluster:
                 sm.wire = Wire(f"sim-{seed}", Keyring(key), mid)
             self.members.append(sm)
             self.by_id[mid] = sm
-        self._size: Callable[[Message], int] | None = None
-        if count_bytes and not sealed:
-            from torchpass_p2p.core.sizes import encoded_size
-            self._size = encoded_size
+        self._count_sizes = count_bytes and not sealed
         for sm in self.members:
             self._arm(sm)
 
@@ -124,13 +122,13 @@ class Cluster:
         engine = self.engine
         entry = engine.pop_due(until)
         while entry is not None:
-            kind = entry[2]
+            kind = entry[0]
             if kind == DELIVER:
-                self._deliver(entry[3])
+                self._deliver(entry[1], entry[2], entry[3])
             elif kind == TIMER:
-                self._timer(entry[3])
+                self._timer(entry[1], entry[2])
             elif kind == CALL:
-                entry[3]()
+                entry[1]()
             entry = engine.pop_due(until)
         engine.settle(until)
 
@@ -160,13 +158,12 @@ class Cluster:
 
     # ------------------------------------------------------------------ host side
 
-    def _deliver(self, payload: tuple[SimMember, MemberId, Message | bytes]) -> None:
-        sm, sender, data = payload
+    def _deliver(self, sm: SimMember, sender: MemberId, data: Message | bytes) -> None:
         if sm.crashed:
             return
         now = self.engine.now
         if sm.blocked_until > now:
-            self.engine.push(sm.blocked_until, DELIVER, payload)
+            self.engine.push(sm.blocked_until, DELIVER, sm, sender, data)
             return
         message: Message
         if isinstance(data, bytes):
@@ -181,13 +178,12 @@ class Cluster:
         sm.core.receive(now, sender, message)
         self._after(sm)
 
-    def _timer(self, payload: tuple[SimMember, float]) -> None:
-        sm, at = payload
+    def _timer(self, sm: SimMember, at: float) -> None:
         if sm.crashed or sm.timer_at != at:
             return  # stale entry: the deadline moved since this was pushed
         now = self.engine.now
         if sm.blocked_until > now:
-            self.engine.push(sm.blocked_until, TIMER, payload)
+            self.engine.push(sm.blocked_until, TIMER, sm, at)
             return
         sm.core.handle_timer(now)
         self._after(sm)
@@ -211,13 +207,14 @@ class Cluster:
         if deadline != sm.timer_at:
             sm.timer_at = deadline
             if deadline != float("inf"):
-                self.engine.push(max(deadline, self.engine.now), TIMER, (sm, deadline))
+                self.engine.push(max(deadline, self.engine.now), TIMER, sm, deadline)
 
     def _transmit(self, sm: SimMember, out: list[tuple[MemberId, Message]]) -> None:
-        now = self.engine.now
+        engine = self.engine
+        now = engine.now
         net = self.network
-        push = self.engine.push
         by_id = self.by_id
+        count_sizes = self._count_sizes
         src = sm.core.id
         for dst, message in out:
             target = by_id.get(dst)
@@ -229,10 +226,10 @@ class Cluster:
                 size = len(data)
             else:
                 data = message
-                size = self._size(message) + SEAL_OVERHEAD_BYTES if self._size else 0
+                size = encoded_size(message) + SEAL_OVERHEAD_BYTES if count_sizes else 0
             sm.sent_packets += 1
             sm.sent_bytes += size
             for delay in net.delays(src, dst):
                 target.recv_packets += 1
                 target.recv_bytes += size
-                push(now + delay, DELIVER, (target, src, data))
+                engine.push(now + delay, DELIVER, target, src, data)
