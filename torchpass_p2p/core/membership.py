@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from . import events as ev
@@ -73,48 +72,65 @@ _INF = math.inf
 _SEQ_MOD = 1 << 32
 
 
-@dataclass(slots=True)
+# The four records below are plain classes, not dataclasses: mypyc builds a dataclass through
+# the Python-level ``__init__`` that ``dataclasses`` generates (about 10x slower than a native
+# constructor), and a round, a relay or a pending update is built for almost every datagram.
+
+
 class _Round:
     """One open probe round of this member (as observer) against ``subject``."""
 
-    subject: MemberId
-    started_at: float
-    indirect_at: float
-    fails_at: float
-    indirect_sent: bool = False
-    relays: tuple[MemberId, ...] = ()
-    nacked: dict[MemberId, None] = field(default_factory=dict)
+    __slots__ = ("subject", "started_at", "indirect_at", "fails_at", "indirect_sent", "relays",
+                 "nacked")
+
+    def __init__(self, subject: MemberId, started_at: float, indirect_at: float,
+                 fails_at: float) -> None:
+        self.subject = subject
+        self.started_at = started_at
+        self.indirect_at = indirect_at
+        self.fails_at = fails_at
+        self.indirect_sent = False
+        self.relays: tuple[MemberId, ...] = ()
+        self.nacked: dict[MemberId, None] = {}
 
 
-@dataclass(slots=True)
 class _Relay:
     """A ping this member sends on behalf of ``origin`` (who asked with ``PingReq``)."""
 
-    origin: MemberId
-    origin_seq: int
-    target: MemberId
-    nack_at: float
+    __slots__ = ("origin", "origin_seq", "target", "nack_at")
+
+    def __init__(self, origin: MemberId, origin_seq: int, target: MemberId,
+                 nack_at: float) -> None:
+        self.origin = origin
+        self.origin_seq = origin_seq
+        self.target = target
+        self.nack_at = nack_at
 
 
-@dataclass(slots=True)
 class _Suspicion:
     """Alerts about one subject at one incarnation, and when they convict."""
 
-    incarnation: int
-    started_at: float
-    expected: int
-    observers: dict[MemberId, None] = field(default_factory=dict)  # insertion-ordered set
-    deadline: float = _INF
-    heard_since: float = 0.0  # an ack from the subject after this time postpones conviction
+    __slots__ = ("incarnation", "started_at", "expected", "observers", "deadline", "heard_since")
+
+    def __init__(self, incarnation: int, started_at: float, expected: int, *,
+                 heard_since: float = 0.0) -> None:
+        self.incarnation = incarnation
+        self.started_at = started_at
+        self.expected = expected
+        self.observers: dict[MemberId, None] = {}  # insertion-ordered set
+        self.deadline = _INF
+        self.heard_since = heard_since  # an ack from the subject after this postpones conviction
 
 
-@dataclass(slots=True)
 class _Pending:
     """An update waiting to be piggybacked; ``order`` keeps ties deterministic."""
 
-    update: Update
-    transmits: int
-    order: int
+    __slots__ = ("update", "transmits", "order")
+
+    def __init__(self, update: Update, transmits: int, order: int) -> None:
+        self.update = update
+        self.transmits = transmits
+        self.order = order
 
 
 class Member:
