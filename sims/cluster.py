@@ -13,6 +13,7 @@ with ``count_bytes=True`` the objects are encoded only to measure their size.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -38,7 +39,7 @@ class SimMember:
 
     index: int
     core: Member
-    timer_at: float = float("inf")
+    timer_at: float = math.inf
     crashed: bool = False
     blocked_until: float = 0.0
     sent_bytes: int = 0
@@ -122,13 +123,13 @@ class Cluster:
         engine = self.engine
         entry = engine.pop_due(until)
         while entry is not None:
-            kind = entry[0]
+            kind = entry.kind
             if kind == DELIVER:
-                self._deliver(entry[1], entry[2], entry[3])
+                self._deliver(entry.a, entry.b, entry.c)
             elif kind == TIMER:
-                self._timer(entry[1], entry[2])
+                self._timer(entry.a, entry.b)
             elif kind == CALL:
-                entry[1]()
+                entry.a()
             entry = engine.pop_due(until)
         engine.settle(until)
 
@@ -144,7 +145,7 @@ class Cluster:
     def crash(self, sm: SimMember) -> None:
         """The process is gone: it sends and receives nothing, its timers never fire."""
         sm.crashed = True
-        sm.timer_at = float("inf")
+        sm.timer_at = math.inf
 
     def block(self, sm: SimMember, duration_s: float) -> None:
         """The member's loop is blocked for ``duration_s``: datagrams queue in its socket
@@ -206,7 +207,7 @@ class Cluster:
         deadline = sm.core.next_deadline()
         if deadline != sm.timer_at:
             sm.timer_at = deadline
-            if deadline != float("inf"):
+            if deadline != math.inf:
                 self.engine.push(max(deadline, self.engine.now), TIMER, sm, deadline)
 
     def _transmit(self, sm: SimMember, out: list[tuple[MemberId, Message]]) -> None:

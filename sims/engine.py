@@ -1,92 +1,96 @@
-"""The discrete-event engine: timed entries popped in (time, insertion) order, and a virtual clock.
+"""The discrete-event engine: a min-heap of timed entries and a virtual clock.
 
-Everything the simulator does is an entry here: a datagram arriving, a member's timer, a scripted
-fault. Entries due at the same time pop in insertion order, so two runs with the same seed pop the
-same entries in the same order. There is no asyncio, no thread and no wall clock here.
+Everything the simulator does is an entry on the heap: a datagram arriving, a member's timer, a
+scripted fault. Entries pop in (time, sequence) order; the sequence number breaks ties in insertion
+order, so two runs with the same seed pop the same entries in the same order. There is no asyncio,
+no thread and no wall clock here.
 
-Layout (for speed, the order is exactly that of a heap of ``(time, sequence, entry)``): a heap of
-*distinct* times as bare floats, and a dict from each time to its first entry (plus, for the rare
-times that several entries share, a FIFO of the others). Comparing bare floats costs heapq a third
-of what comparing tuples does, and the engine pops every entry the simulator makes.
+Two implementations of the same heap, chosen at import (the order is fully fixed by the unique
+(time, sequence) keys, so both pop the same entries in the same order):
+
+* compiled by mypyc (scripts/build-native): a binary heap of :class:`Entry` written out below,
+  where each comparison is two native double/int compares. heapq would call back through
+  Python's rich comparison for every step (several thousand instructions per entry).
+* pure Python: heapq over ``(time, sequence, entry)`` tuples, since a sift loop in interpreted
+  Python is slower than heapq's C loop.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from heapq import heappop, heappush
 from collections.abc import Callable
-from typing import Any
+from heapq import heappop, heappush
+from typing import Any, Final
 
 DELIVER = 0
 TIMER = 1
 CALL = 2
 
-Entry = tuple[int, Any, Any, Any]
-"""``(kind, a, b, c)``: DELIVER (target, sender, data), TIMER (member, deadline, None),
-CALL (fn, None, None). Flat, so one tuple is allocated per entry."""
+_COMPILED: Final = not __file__.endswith(".py")
+"""True when this module runs as a mypyc extension."""
+
+
+class Entry:
+    """One scheduled entry: ``kind`` and up to three operands. DELIVER: (target, sender, data);
+    TIMER: (member, deadline, None); CALL: (fn, None, None)."""
+
+    __slots__ = ("at", "seq", "kind", "a", "b", "c")
+
+    def __init__(self, at: float, seq: int, kind: int, a: Any, b: Any, c: Any) -> None:
+        self.at = at
+        self.seq = seq
+        self.kind = kind
+        self.a = a
+        self.b = b
+        self.c = c
 
 
 class Engine:
-    """Timed entries and the virtual clock. The owner pops due entries with :meth:`pop_due` and
-    dispatches them itself (direct calls, which the compiled build turns into native calls), then
-    calls :meth:`settle`.
+    """A min-heap of timed entries and the virtual clock. The owner pops due entries with
+    :meth:`pop_due` and dispatches them itself (direct calls, which the compiled build turns into
+    native calls), then calls :meth:`settle`.
 
     ``now`` only moves forward. ``events`` counts every entry popped, the figure ``events_per_s``
     is computed from.
     """
 
-    __slots__ = ("now", "events", "_times", "_first", "_more", "_size")
+    __slots__ = ("now", "events", "_heap", "_tuples", "_seq")
 
     def __init__(self) -> None:
         self.now = 0.0
         self.events = 0
-        self._times: list[float] = []  # heap of the distinct times that have entries
-        self._first: dict[float, Entry] = {}  # time -> its oldest entry
-        self._more: dict[float, deque[Entry]] = {}  # time -> its later entries, oldest first
-        self._size = 0
+        self._heap: list[Entry] = []  # compiled build
+        self._tuples: list[tuple[float, int, Entry]] = []  # pure Python (heapq)
+        self._seq = 0
 
     def push(self, at: float, kind: int, a: Any, b: Any = None, c: Any = None) -> None:
         """Schedule entry ``(kind, a, b, c)`` at virtual time ``at`` (seconds)."""
-        entry = (kind, a, b, c)
-        self._size += 1
-        first = self._first
-        if at in first:
-            more = self._more.get(at)
-            if more is None:
-                self._more[at] = deque((entry,))
-            else:
-                more.append(entry)
-            return
-        first[at] = entry
-        heappush(self._times, at)
+        self._seq += 1
+        entry = Entry(at, self._seq, kind, a, b, c)
+        if _COMPILED:
+            _sift_in(self._heap, entry)
+        else:
+            heappush(self._tuples, (at, self._seq, entry))
 
     def call_at(self, at: float, fn: Callable[[], None]) -> None:
         """Schedule ``fn()`` at virtual time ``at``: scripted faults and probes of the run."""
         self.push(at, CALL, fn)
 
     def pop_due(self, until: float) -> Entry | None:
-        """Pop the next entry due at or before ``until`` (advancing ``now`` to its time and
-        counting it), or None."""
-        times = self._times
-        if not times:
-            return None
-        at = times[0]
-        if at > until:
-            return None
-        first = self._first
-        entry = first[at]
-        more = self._more
-        if more and at in more:
-            later = more[at]
-            first[at] = later.popleft()
-            if not later:
-                del more[at]
+        """Pop the next entry due at or before ``until`` (advancing ``now`` to it and counting
+        it), or None."""
+        entry: Entry
+        if _COMPILED:
+            heap = self._heap
+            if not heap or heap[0].at > until:
+                return None
+            entry = _take_first(heap)
         else:
-            del first[at]
-            heappop(times)
-        self.now = at
+            tuples = self._tuples
+            if not tuples or tuples[0][0] > until:
+                return None
+            entry = heappop(tuples)[2]
+        self.now = entry.at
         self.events += 1
-        self._size -= 1
         return entry
 
     def settle(self, until: float) -> None:
@@ -94,4 +98,53 @@ class Engine:
         self.now = max(self.now, until)
 
     def __len__(self) -> int:
-        return self._size
+        return len(self._heap) + len(self._tuples)
+
+
+def _sift_in(heap: list[Entry], entry: Entry) -> None:
+    """Add ``entry`` to ``heap``, moving it up past every parent that sorts after it."""
+    at = entry.at
+    seq = entry.seq
+    heap.append(entry)
+    pos = len(heap) - 1
+    while pos > 0:
+        up = (pos - 1) >> 1
+        parent = heap[up]
+        if parent.at < at or (parent.at == at and parent.seq < seq):
+            break
+        heap[pos] = parent
+        pos = up
+    heap[pos] = entry
+
+
+def _take_first(heap: list[Entry]) -> Entry:
+    """Remove and return the smallest entry of a non-empty ``heap``. As heapq does: move the
+    smaller child up all the way to a leaf, put the last entry there, and sift it back up."""
+    last = heap.pop()
+    if not heap:
+        return last
+    first = heap[0]
+    n = len(heap)
+    pos = 0
+    child = 1
+    while child < n:
+        right = child + 1
+        if right < n:
+            a = heap[child]
+            b = heap[right]
+            if b.at < a.at or (b.at == a.at and b.seq < a.seq):
+                child = right
+        heap[pos] = heap[child]
+        pos = child
+        child = 2 * pos + 1
+    at = last.at
+    seq = last.seq
+    while pos > 0:
+        up = (pos - 1) >> 1
+        parent = heap[up]
+        if parent.at < at or (parent.at == at and parent.seq < seq):
+            break
+        heap[pos] = parent
+        pos = up
+    heap[pos] = last
+    return first
