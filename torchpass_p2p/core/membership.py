@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 from . import events as ev
@@ -123,14 +123,42 @@ class _Suspicion:
 
 
 class _Pending:
-    """An update waiting to be piggybacked; ``order`` keeps ties deterministic."""
+    """An update waiting to be piggybacked under ``key`` in the queue; ``order`` keeps ties
+    deterministic."""
 
-    __slots__ = ("update", "transmits", "order")
+    __slots__ = ("update", "transmits", "order", "key")
 
-    def __init__(self, update: Update, transmits: int, order: int) -> None:
+    def __init__(self, update: Update, transmits: int, order: int,
+                 key: tuple[int, int, int]) -> None:
         self.update = update
         self.transmits = transmits
         self.order = order
+        self.key = key
+
+
+def _by_send_rank(queue: Collection[_Pending], limit: int) -> list[_Pending]:
+    """The first ``limit`` of ``queue``, fewest-sent first, then oldest.
+
+    Queues hold a handful of updates, so an insertion sort of native compares beats calling a
+    key function per item; long queues take ``sorted``.
+    """
+    out: list[_Pending] = []
+    for p in queue:
+        transmits, order = p.transmits, p.order
+        i = len(out)
+        while i > 0:
+            q = out[i - 1]
+            if q.transmits < transmits or (q.transmits == transmits and q.order < order):
+                break
+            i -= 1
+        out.insert(i, p)
+        if len(out) > 16:
+            return sorted(queue, key=_send_rank)[:limit]
+    return out[:limit]
+
+
+def _send_rank(p: _Pending) -> tuple[int, int]:
+    return p.transmits, p.order
 
 
 class Member:
@@ -577,17 +605,18 @@ class Member:
         return False
 
     def _merge_alert(self, now: float, alert: Alert) -> bool:
-        subject = alert.subject
-        if subject not in self._config or alert.observer not in self._config.observers_of(subject):
+        subject, inc = alert.subject, alert.incarnation
+        config = self._config
+        if subject not in config or alert.observer not in config.observers_of(subject):
             # Only assigned observers may accuse (Rapid); anything else is noise or hostile.
             self._counts["dropped_invalid_alert"] += 1
             return False
         if subject == self.id:
-            if alert.incarnation >= self.incarnation and not self.left:
-                self._refute(now, alert.incarnation)
+            if inc >= self.incarnation and not self.left:
+                self._refute(now, inc)
             return False
-        state, known = self._view.get(subject, (ALIVE, 0))
-        if state >= DEAD or alert.incarnation < known:
+        view = self._view.get(subject)  # None: alive at incarnation 0
+        if view is not None and (view[0] >= DEAD or inc < view[1]):
             return False
         return self._suspect(now, alert)
 
@@ -629,7 +658,7 @@ class Member:
                       if k[0] == 1 and k[2] == update.member]:
                 del self._queue[k]
         self._queue_order += 1
-        self._queue[key] = _Pending(update, 0, self._queue_order)
+        self._queue[key] = _Pending(update, 0, self._queue_order, key)
         self._gossip_at = self._now  # push news at once
 
     def _piggyback(self, about: MemberId | None = None) -> tuple[Update, ...]:
@@ -637,18 +666,18 @@ class Member:
         if not queue:
             return ()
         limit = self.params.max_piggyback
-        picked = sorted(queue.items(), key=lambda kv: (kv[1].transmits, kv[1].order))[:limit]
+        picked = _by_send_rank(queue.values(), limit)
         if about is not None:
             # Make sure a subject hears the alerts about itself first: it is the one who refutes.
-            urgent = [kv for kv in queue.items() if kv[0][0] == 1 and kv[0][2] == about]
+            urgent = [p for p in queue.values() if p.key[0] == 1 and p.key[2] == about]
             if urgent:
-                keys = {key for key, _ in urgent}
-                picked = (urgent + [kv for kv in picked if kv[0] not in keys])[:limit]
+                picked = (urgent + [p for p in picked
+                                    if not (p.key[0] == 1 and p.key[2] == about)])[:limit]
         out = []
-        for key, pending in picked:
+        for pending in picked:
             pending.transmits += 1
             if pending.transmits >= self._transmit_limit:
-                del queue[key]
+                del queue[pending.key]
             out.append(pending.update)
         return tuple(out)
 
