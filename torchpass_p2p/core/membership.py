@@ -744,11 +744,12 @@ class Member:
         Rejection sampling over the shared member tuple: no per-member copy of the membership."""
         members = self._config.members
         n = len(members)
+        draw = self._rng.random  # int(random() * n), not randrange(n): one C call per draw
         picked: list[MemberId] = []
         for _ in range(4 * count + 8):
             if len(picked) == count:
                 break
-            m = members[self._rng.randrange(n)]
+            m = members[int(draw() * n)]
             if m == self.id or m == exclude or m in picked:
                 continue
             if self._view.get(m, (ALIVE, 0))[0] >= DEAD:
