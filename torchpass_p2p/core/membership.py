@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections import Counter, deque
 from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from . import events as ev
 from .configuration import Configuration
@@ -67,9 +67,13 @@ from .params import Params
 if TYPE_CHECKING:
     from random import Random
 
-ALIVE, SUSPECT, DEAD, LEFT = MemberState
-_INF = math.inf
-_SEQ_MOD = 1 << 32
+# Final: the compiled build reads these from C statics, not the module dict, on every use.
+ALIVE: Final = MemberState.ALIVE
+SUSPECT: Final = MemberState.SUSPECT
+DEAD: Final = MemberState.DEAD
+LEFT: Final = MemberState.LEFT
+_INF: Final = math.inf
+_SEQ_MOD: Final = 1 << 32
 
 
 # The four records below are plain classes, not dataclasses: mypyc builds a dataclass through
@@ -606,6 +610,12 @@ class Member:
 
     def _merge_alert(self, now: float, alert: Alert) -> bool:
         subject, inc = alert.subject, alert.incarnation
+        susp = self._suspicions.get(subject)
+        if susp is not None and susp.incarnation == inc and alert.observer in susp.observers:
+            # A repeat of an alert already counted (most piggybacked alerts are): it passed the
+            # checks below when first merged, and a suspicion only exists while its subject is
+            # another member, not dead or gone, at this incarnation. The answer is False as below.
+            return False
         config = self._config
         if subject not in config or alert.observer not in config.observers_of(subject):
             # Only assigned observers may accuse (Rapid); anything else is noise or hostile.
