@@ -18,6 +18,7 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from torchpass_p2p.core import Configuration, Member, MemberId, Params
 from torchpass_p2p.core import events as ev
@@ -29,7 +30,7 @@ from torchpass_p2p.core.wire import Wire
 from .engine import CALL, DELIVER, TIMER, Engine
 from .network import LinkModel, Network
 
-SEAL_OVERHEAD_BYTES = 18 + 16
+SEAL_OVERHEAD_BYTES: Final = 18 + 16
 """Header (version, key id, sender, incarnation, counter) plus the Poly1305 tag."""
 
 

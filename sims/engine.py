@@ -21,9 +21,9 @@ from collections.abc import Callable
 from heapq import heappop, heappush
 from typing import Any, Final
 
-DELIVER = 0
-TIMER = 1
-CALL = 2
+DELIVER: Final = 0
+TIMER: Final = 1
+CALL: Final = 2
 
 _COMPILED: Final = not __file__.endswith(".py")
 """True when this module runs as a mypyc extension."""

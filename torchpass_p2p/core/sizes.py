@@ -26,11 +26,13 @@ def _uint_size(x: int) -> int:
     # msgpack's smallest encoding of a non-negative int: fixint, uint8, 16, 32, 64.
     if x < 128:
         return 1
+    if x >= 4294967296:  # member ids, nearly always: one comparison of a 64-bit int, not four
+        return 9
     if x < 256:
         return 2
     if x < 65536:
         return 3
-    return 5 if x < 4294967296 else 9
+    return 5
 
 
 def _array_header_size(n: int) -> int:
