@@ -762,7 +762,8 @@ class Member:
             m = members[int(draw() * n)]
             if m == self.id or m == exclude or m in picked:
                 continue
-            if self._view.get(m, (ALIVE, 0))[0] >= DEAD:
+            view = self._view.get(m)  # None: alive at incarnation 0
+            if view is not None and view[0] >= DEAD:
                 continue
             picked.append(m)
         return picked
