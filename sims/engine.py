@@ -152,13 +152,14 @@ def _take_first(heap: list[Entry]) -> Entry:
     pos = 0
     child = 1
     while child < n:
+        smaller = heap[child]
         right = child + 1
         if right < n:
-            a = heap[child]
-            b = heap[right]
-            if b.at < a.at or (b.at == a.at and b.seq < a.seq):
+            other = heap[right]
+            if other.at < smaller.at or (other.at == smaller.at and other.seq < smaller.seq):
                 child = right
-        heap[pos] = heap[child]
+                smaller = other
+        heap[pos] = smaller
         pos = child
         child = 2 * pos + 1
     at = last.at
