@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Final
 
 from . import events as ev
@@ -330,10 +330,13 @@ class Member:
 
     def messages_to_send(self) -> list[tuple[MemberId, Message]]:
         """Pull every queued (destination, message) pair, oldest first."""
-        if not self._outbox:
+        outbox = self._outbox
+        if not outbox:
             return []
-        out = list(self._outbox)
-        self._outbox.clear()
+        if len(outbox) == 1:  # the usual case (a ping, an ack): no copy, no clear
+            return [outbox.popleft()]
+        out = list(outbox)
+        outbox.clear()
         return out
 
     def next_event(self) -> ev.Event | None:
@@ -545,7 +548,7 @@ class Member:
 
     # ------------------------------------------------------------------ updates
 
-    def _apply_all(self, now: float, updates: Iterable[Update]) -> None:
+    def _apply_all(self, now: float, updates: tuple[Update, ...]) -> None:
         for update in updates:
             if self.removed:
                 return  # the Dead about us came earlier in this batch: we are silent now
