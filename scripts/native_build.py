@@ -1,7 +1,7 @@
 """Compile the simulator's hot path with mypyc, in place (run by scripts/build-native).
 
 The protocol core and the simulator engine are plain, fully typed Python; mypyc turns the same
-source into C extensions that run the simulator about twice as fast (measured by
+source into C extensions that run the simulator 3-4x as fast (measured by
 benchmarks/sim_speed.py). The pure-Python modules stay the reference: everything works without
 this step, and `torchpass_p2p` drops a compiled module whose source is newer than it.
 

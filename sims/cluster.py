@@ -13,10 +13,12 @@ with ``count_bytes=True`` the objects are encoded only to measure their size.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Final
 
 from torchpass_p2p.core import Configuration, Member, MemberId, Params
 from torchpass_p2p.core import events as ev
@@ -24,12 +26,13 @@ from torchpass_p2p.core.membership import Transitions
 from torchpass_p2p.core.messages import Joiner, Message, Topology
 from torchpass_p2p.core.plan import Policy
 from torchpass_p2p.core.seal import Keyring
+from torchpass_p2p.core.sizes import encoded_size
 from torchpass_p2p.core.wire import Wire
 
 from .engine import CALL, DELIVER, TIMER, Engine
 from .network import LinkModel, Network
 
-SEAL_OVERHEAD_BYTES = 18 + 16
+SEAL_OVERHEAD_BYTES: Final = 18 + 16
 """Header (version, key id, sender, incarnation, counter) plus the Poly1305 tag."""
 
 
@@ -39,7 +42,7 @@ class SimMember:
 
     index: int
     core: Member
-    timer_at: float = float("inf")
+    timer_at: float = math.inf
     crashed: bool = False
     blocked_until: float = 0.0
     sent_bytes: int = 0
@@ -110,10 +113,7 @@ class Cluster:
             self._add(Member(mid, self.configuration, params=self.params, policy=policy,
                              transitions=self._transitions,
                              rng=random.Random(self.rng.getrandbits(64)), now=0.0))
-        self._size: Callable[[Message], int] | None = None
-        if count_bytes and not sealed:
-            from torchpass_p2p.core.sizes import encoded_size
-            self._size = encoded_size
+        self._count_sizes = count_bytes and not sealed
         for sm in self.members:
             self._arm(sm)
 
@@ -128,13 +128,13 @@ class Cluster:
         engine = self.engine
         entry = engine.pop_due(until)
         while entry is not None:
-            kind = entry[2]
+            kind = entry.kind
             if kind == DELIVER:
-                self._deliver(entry[3])
+                self._deliver(entry.a, entry.b, entry.c)
             elif kind == TIMER:
-                self._timer(entry[3])
+                self._timer(entry.a, entry.b)
             elif kind == CALL:
-                entry[3]()
+                entry.a()
             entry = engine.pop_due(until)
         engine.settle(until)
 
@@ -150,7 +150,7 @@ class Cluster:
     def crash(self, sm: SimMember) -> None:
         """The process is gone: it sends and receives nothing, its timers never fire."""
         sm.crashed = True
-        sm.timer_at = float("inf")
+        sm.timer_at = math.inf
 
     def block(self, sm: SimMember, duration_s: float) -> None:
         """The member's loop is blocked for ``duration_s``: datagrams queue in its socket
@@ -190,13 +190,12 @@ class Cluster:
         self.by_id[core.id] = sm
         return sm
 
-    def _deliver(self, payload: tuple[SimMember, MemberId, Message | bytes]) -> None:
-        sm, sender, data = payload
+    def _deliver(self, sm: SimMember, sender: MemberId, data: Message | bytes) -> None:
         if sm.crashed:
             return
         now = self.engine.now
         if sm.blocked_until > now:
-            self.engine.push(sm.blocked_until, DELIVER, payload)
+            self.engine.push(sm.blocked_until, DELIVER, sm, sender, data)
             return
         message: Message
         if isinstance(data, bytes):
@@ -211,13 +210,12 @@ class Cluster:
         sm.core.receive(now, sender, message)
         self._after(sm)
 
-    def _timer(self, payload: tuple[SimMember, float]) -> None:
-        sm, at = payload
+    def _timer(self, sm: SimMember, at: float) -> None:
         if sm.crashed or sm.timer_at != at:
             return  # stale entry: the deadline moved since this was pushed
         now = self.engine.now
         if sm.blocked_until > now:
-            self.engine.push(sm.blocked_until, TIMER, payload)
+            self.engine.push(sm.blocked_until, TIMER, sm, at)
             return
         sm.core.handle_timer(now)
         self._after(sm)
@@ -240,14 +238,15 @@ class Cluster:
         deadline = sm.core.next_deadline()
         if deadline != sm.timer_at:
             sm.timer_at = deadline
-            if deadline != float("inf"):
-                self.engine.push(max(deadline, self.engine.now), TIMER, (sm, deadline))
+            if deadline != math.inf:
+                self.engine.push(max(deadline, self.engine.now), TIMER, sm, deadline)
 
     def _transmit(self, sm: SimMember, out: list[tuple[MemberId, Message]]) -> None:
-        now = self.engine.now
+        engine = self.engine
+        now = engine.now
         net = self.network
-        push = self.engine.push
         by_id = self.by_id
+        count_sizes = self._count_sizes
         src = sm.core.id
         for dst, message in out:
             target = by_id.get(dst)
@@ -259,10 +258,15 @@ class Cluster:
                 size = len(data)
             else:
                 data = message
-                size = self._size(message) + SEAL_OVERHEAD_BYTES if self._size else 0
+                size = encoded_size(message) + SEAL_OVERHEAD_BYTES if count_sizes else 0
             sm.sent_packets += 1
             sm.sent_bytes += size
-            for delay in net.delays(src, dst):
+            first, second = net.arrivals(src, dst)
+            if first >= 0:
                 target.recv_packets += 1
                 target.recv_bytes += size
-                push(now + delay, DELIVER, (target, src, data))
+                engine.push(now + first, DELIVER, target, src, data)
+                if second >= 0:
+                    target.recv_packets += 1
+                    target.recv_bytes += size
+                    engine.push(now + second, DELIVER, target, src, data)

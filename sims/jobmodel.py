@@ -145,6 +145,8 @@ class TrainingJob:
         self._started_at = start_at
         self._compute: tuple[float, ...] = ()
         self.config_id = cluster.configuration.config_id
+        """The newest configuration any member decided."""
+        self._world_config = self.config_id  # the one that last changed the world
         self._waiting = False  # a decided world is re-forming its group
         self._migrating: set[MemberId] = set()
         cluster.listeners.append(self._on_event)
@@ -214,6 +216,7 @@ class TrainingJob:
             return  # the world is unchanged (spares only, or an empty cut): keep training
         # The first member to decide leaves the old group: the step in flight is abandoned.
         self._epoch += 1
+        self._world_config = config.config_id
         for rank, new in enumerate(config.ranks):
             old = self.world[rank] if rank < len(self.world) else None
             if new != old and old is not None:
@@ -229,8 +232,8 @@ class TrainingJob:
 
     def _await_world(self, config_id: int) -> None:
         """Train again ``replace_s`` after every rank holder holds ``config_id``."""
-        if config_id != self.config_id:
-            return  # a newer configuration superseded this one
+        if config_id != self._world_config:
+            return  # a newer world superseded this one
         ready = all(m is not None and self._can_train(m)
                     and self.cluster.by_id[m].core.configuration.config_id >= config_id
                     for m in self.world)
@@ -239,7 +242,7 @@ class TrainingJob:
             return
 
         def resume() -> None:
-            if config_id != self.config_id:
+            if config_id != self._world_config:
                 return
             self._waiting = False
             now = self.cluster.now

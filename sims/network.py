@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torchpass_p2p.core.messages import MemberId
@@ -51,28 +52,42 @@ class Network:
     clogged: set[MemberId] = field(default_factory=set)
     member_loss: dict[MemberId, float] = field(default_factory=dict)
     dropped: int = 0
+    _random: Callable[[], float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # ``rng.random`` bound once: a plain call per draw instead of a method lookup.
+        self._random = self.rng.random
 
     def delays(self, src: MemberId, dst: MemberId) -> tuple[float, ...]:
         """Arrival delays (seconds after sending) of one datagram; ``()`` when it is lost."""
+        first, second = self.arrivals(src, dst)
+        if first < 0:
+            return ()
+        return (first,) if second < 0 else (first, second)
+
+    def arrivals(self, src: MemberId, dst: MemberId) -> tuple[float, float]:
+        """:meth:`delays` as a fixed pair, -1.0 standing for no arrival: (-1, -1) lost,
+        (d, -1) delivered once, (d1, d2) duplicated. The compiled build returns the pair
+        unboxed; the simulator calls this once per datagram."""
         if self._blocked(src, dst):
             self.dropped += 1
-            return ()
+            return -1.0, -1.0
         link = self.link
-        rng = self.rng
+        draw = self._random
         loss = link.loss
         if self.member_loss:
             loss = 1 - (1 - loss) * (1 - self.member_loss.get(src, 0.0)) * (
                 1 - self.member_loss.get(dst, 0.0))
-        if loss and rng.random() < loss:
+        if loss and draw() < loss:
             self.dropped += 1
-            return ()
+            return -1.0, -1.0
         # random.expovariate(1 / jitter_s), inlined: the same arithmetic on the same draw (so
         # the same trace) without a Python-level call per datagram.
         rate = 1 / link.jitter_s
-        first = link.base_latency_s + -math.log(1.0 - rng.random()) / rate
-        if link.duplicate and rng.random() < link.duplicate:
-            return first, link.base_latency_s + -math.log(1.0 - rng.random()) / rate
-        return (first,)
+        first = link.base_latency_s + -math.log(1.0 - draw()) / rate
+        if link.duplicate and draw() < link.duplicate:
+            return first, link.base_latency_s + -math.log(1.0 - draw()) / rate
+        return first, -1.0
 
     def _blocked(self, src: MemberId, dst: MemberId) -> bool:
         if not (self.cut or self.deaf or self.mute or self.clogged):

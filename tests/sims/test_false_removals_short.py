@@ -11,7 +11,9 @@ from benchmarks.false_removals import run
 
 
 def test_no_false_removal_at_5_percent_loss() -> None:
-    out = run(member_hours=10.0, loss=0.05, members=64, horizon_s=600.0, jobs=1)
+    # Seed 2: at this size about one seed in three sees a suspicion in 10 minutes at 5 % loss;
+    # this one does (the last assertion), so the run shows suspicions raised and cleared.
+    out = run(member_hours=10.0, loss=0.05, members=64, horizon_s=600.0, jobs=1, first_seed=2)
     assert out["member_hours"] >= 10.0
     assert out["false_removals"] == 0, out["false_removal_list"]
     assert out["invariant_violations"] == 0, out["first_violations"]

@@ -47,9 +47,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Final
 
 from . import events as ev
 from .agreement import (
@@ -95,71 +94,122 @@ from .plan import Plan, Policy, next_configuration, with_resume_step
 if TYPE_CHECKING:
     from random import Random
 
-ALIVE, SUSPECT, DEAD, LEFT = MemberState
-_INF = math.inf
+# Final: the compiled build reads these from C statics, not the module dict, on every use.
+ALIVE: Final = MemberState.ALIVE
+SUSPECT: Final = MemberState.SUSPECT
+DEAD: Final = MemberState.DEAD
+LEFT: Final = MemberState.LEFT
+_INF: Final = math.inf
+_SEQ_MOD: Final = 1 << 32
+_MAX_CUT_REMOVED: Final = 32  # the codec's limits on one cut
+_MAX_CUT_JOINED: Final = 4
+_MAX_FUTURE: Final = 64  # messages held for a configuration this member has not reached yet
+_CATCHUP_GAP_S: Final = 0.2  # at most one catch-up reply per peer this often
 AgreementMessage = Vote | Prepare | Promise | Accept | Progress
 
 
-@dataclass(slots=True)
 class Transition:
     """A decided change worked out once: the next configuration, its plan, and the plan with
     each ``resume_step`` seen (keyed by the max committed step)."""
 
-    configuration: Configuration
-    plan: Plan
-    ready: dict[int, Plan] = field(default_factory=dict)
+    __slots__ = ("configuration", "plan", "ready")
+
+    def __init__(self, configuration: Configuration, plan: Plan) -> None:
+        self.configuration = configuration
+        self.plan = plan
+        self.ready: dict[int, Plan] = {}
 
 
 Transitions = dict[tuple[Configuration, Cut, Policy], Transition]
-_SEQ_MOD = 1 << 32
-_MAX_CUT_REMOVED = 32  # the codec's limits on one cut
-_MAX_CUT_JOINED = 4
-_MAX_FUTURE = 64  # messages held for a configuration this member has not reached yet
-_CATCHUP_GAP_S = 0.2  # at most one catch-up reply per peer this often
 
 
-@dataclass(slots=True)
+# The four records below are plain classes, not dataclasses: mypyc builds a dataclass through
+# the Python-level ``__init__`` that ``dataclasses`` generates (about 10x slower than a native
+# constructor), and a round, a relay or a pending update is built for almost every datagram.
+
+
 class _Round:
     """One open probe round of this member (as observer) against ``subject``."""
 
-    subject: MemberId
-    started_at: float
-    indirect_at: float
-    fails_at: float
-    indirect_sent: bool = False
-    relays: tuple[MemberId, ...] = ()
-    nacked: dict[MemberId, None] = field(default_factory=dict)
+    __slots__ = ("subject", "started_at", "indirect_at", "fails_at", "indirect_sent", "relays",
+                 "nacked")
+
+    def __init__(self, subject: MemberId, started_at: float, indirect_at: float,
+                 fails_at: float) -> None:
+        self.subject = subject
+        self.started_at = started_at
+        self.indirect_at = indirect_at
+        self.fails_at = fails_at
+        self.indirect_sent = False
+        self.relays: tuple[MemberId, ...] = ()
+        self.nacked: dict[MemberId, None] = {}
 
 
-@dataclass(slots=True)
 class _Relay:
     """A ping this member sends on behalf of ``origin`` (who asked with ``PingReq``)."""
 
-    origin: MemberId
-    origin_seq: int
-    target: MemberId
-    nack_at: float
+    __slots__ = ("origin", "origin_seq", "target", "nack_at")
+
+    def __init__(self, origin: MemberId, origin_seq: int, target: MemberId,
+                 nack_at: float) -> None:
+        self.origin = origin
+        self.origin_seq = origin_seq
+        self.target = target
+        self.nack_at = nack_at
 
 
-@dataclass(slots=True)
 class _Suspicion:
     """Alerts about one subject at one incarnation, and when they convict."""
 
-    incarnation: int
-    started_at: float
-    expected: int
-    observers: dict[MemberId, None] = field(default_factory=dict)  # insertion-ordered set
-    deadline: float = _INF
-    heard_since: float = 0.0  # an ack from the subject after this time postpones conviction
+    __slots__ = ("incarnation", "started_at", "expected", "observers", "deadline", "heard_since")
+
+    def __init__(self, incarnation: int, started_at: float, expected: int, *,
+                 heard_since: float = 0.0) -> None:
+        self.incarnation = incarnation
+        self.started_at = started_at
+        self.expected = expected
+        self.observers: dict[MemberId, None] = {}  # insertion-ordered set
+        self.deadline = _INF
+        self.heard_since = heard_since  # an ack from the subject after this postpones conviction
 
 
-@dataclass(slots=True)
 class _Pending:
-    """An update waiting to be piggybacked; ``order`` keeps ties deterministic."""
+    """An update waiting to be piggybacked under ``key`` in the queue; ``order`` keeps ties
+    deterministic."""
 
-    update: Update
-    transmits: int
-    order: int
+    __slots__ = ("update", "transmits", "order", "key")
+
+    def __init__(self, update: Update, transmits: int, order: int,
+                 key: tuple[int, int, int]) -> None:
+        self.update = update
+        self.transmits = transmits
+        self.order = order
+        self.key = key
+
+
+def _by_send_rank(queue: Collection[_Pending], limit: int) -> list[_Pending]:
+    """The first ``limit`` of ``queue``, fewest-sent first, then oldest.
+
+    Queues hold a handful of updates, so an insertion sort of native compares beats calling a
+    key function per item; long queues take ``sorted``.
+    """
+    out: list[_Pending] = []
+    for p in queue:
+        transmits, order = p.transmits, p.order
+        i = len(out)
+        while i > 0:
+            q = out[i - 1]
+            if q.transmits < transmits or (q.transmits == transmits and q.order < order):
+                break
+            i -= 1
+        out.insert(i, p)
+        if len(out) > 16:
+            return sorted(queue, key=_send_rank)[:limit]
+    return out[:limit]
+
+
+def _send_rank(p: _Pending) -> tuple[int, int]:
+    return p.transmits, p.order
 
 
 class Member:
@@ -411,10 +461,13 @@ class Member:
 
     def messages_to_send(self) -> list[tuple[MemberId, Message]]:
         """Pull every queued (destination, message) pair, oldest first."""
-        if not self._outbox:
+        outbox = self._outbox
+        if not outbox:
             return []
-        out = list(self._outbox)
-        self._outbox.clear()
+        if len(outbox) == 1:  # the usual case (a ping, an ack): no copy, no clear
+            return [outbox.popleft()]
+        out = list(outbox)
+        outbox.clear()
         return out
 
     def next_event(self) -> ev.Event | None:
@@ -678,7 +731,7 @@ class Member:
 
     # ------------------------------------------------------------------ updates
 
-    def _apply_all(self, now: float, updates: Iterable[Update]) -> None:
+    def _apply_all(self, now: float, updates: tuple[Update, ...]) -> None:
         for update in updates:
             if self.removed:
                 return  # the Dead about us came earlier in this batch: we are silent now
@@ -740,17 +793,24 @@ class Member:
         return False
 
     def _merge_alert(self, now: float, alert: Alert) -> bool:
-        subject = alert.subject
-        if subject not in self._config or alert.observer not in self._config.observers_of(subject):
+        subject, inc = alert.subject, alert.incarnation
+        susp = self._suspicions.get(subject)
+        if susp is not None and susp.incarnation == inc and alert.observer in susp.observers:
+            # A repeat of an alert already counted (most piggybacked alerts are): it passed the
+            # checks below when first merged, and a suspicion only exists while its subject is
+            # another member, not dead or gone, at this incarnation. The answer is False as below.
+            return False
+        config = self._config
+        if subject not in config or alert.observer not in config.observers_of(subject):
             # Only assigned observers may accuse (Rapid); anything else is noise or hostile.
             self._counts["dropped_invalid_alert"] += 1
             return False
         if subject == self.id:
-            if alert.incarnation >= self.incarnation and not self.left:
-                self._refute(now, alert.incarnation)
+            if inc >= self.incarnation and not self.left:
+                self._refute(now, inc)
             return False
-        state, known = self._view.get(subject, (ALIVE, 0))
-        if state >= DEAD or alert.incarnation < known:
+        view = self._view.get(subject)  # None: alive at incarnation 0
+        if view is not None and (view[0] >= DEAD or inc < view[1]):
             return False
         return self._suspect(now, alert)
 
@@ -795,7 +855,7 @@ class Member:
                       if k[0] == 1 and k[2] == update.member]:
                 del self._queue[k]
         self._queue_order += 1
-        self._queue[key] = _Pending(update, 0, self._queue_order)
+        self._queue[key] = _Pending(update, 0, self._queue_order, key)
         self._gossip_at = self._now  # push news at once
 
     def _piggyback(self, about: MemberId | None = None) -> tuple[Update, ...]:
@@ -803,18 +863,18 @@ class Member:
         if not queue:
             return ()
         limit = self.params.max_piggyback
-        picked = sorted(queue.items(), key=lambda kv: (kv[1].transmits, kv[1].order))[:limit]
+        picked = _by_send_rank(queue.values(), limit)
         if about is not None:
             # Make sure a subject hears the alerts about itself first: it is the one who refutes.
-            urgent = [kv for kv in queue.items() if kv[0][0] == 1 and kv[0][2] == about]
+            urgent = [p for p in queue.values() if p.key[0] == 1 and p.key[2] == about]
             if urgent:
-                keys = {key for key, _ in urgent}
-                picked = (urgent + [kv for kv in picked if kv[0] not in keys])[:limit]
+                picked = (urgent + [p for p in picked
+                                    if not (p.key[0] == 1 and p.key[2] == about)])[:limit]
         out = []
-        for key, pending in picked:
+        for pending in picked:
             pending.transmits += 1
             if pending.transmits >= self._transmit_limit:
-                del queue[key]
+                del queue[pending.key]
             out.append(pending.update)
         return tuple(out)
 
@@ -1197,14 +1257,16 @@ class Member:
         Rejection sampling over the shared member tuple: no per-member copy of the membership."""
         members = self._config.members
         n = len(members)
+        draw = self._rng.random  # int(random() * n), not randrange(n): one C call per draw
         picked: list[MemberId] = []
         for _ in range(4 * count + 8):
             if len(picked) == count:
                 break
-            m = members[self._rng.randrange(n)]
+            m = members[int(draw() * n)]
             if m == self.id or m == exclude or m in picked:
                 continue
-            if self._view.get(m, (ALIVE, 0))[0] >= DEAD:
+            view = self._view.get(m)  # None: alive at incarnation 0
+            if view is not None and view[0] >= DEAD:
                 continue
             picked.append(m)
         return picked
