@@ -112,12 +112,19 @@ class Transition:
     """A decided change worked out once: the next configuration, its plan, and the plan with
     each ``resume_step`` seen (keyed by the max committed step)."""
 
-    __slots__ = ("configuration", "plan", "ready")
+    __slots__ = ("configuration", "plan", "ready", "survivors")
 
-    def __init__(self, configuration: Configuration, plan: Plan) -> None:
+    def __init__(self, old: Configuration, configuration: Configuration, plan: Plan) -> None:
         self.configuration = configuration
         self.plan = plan
         self.ready: dict[int, Plan] = {}
+        # Bitmap over the new configuration's members that held a rank in the old one: the
+        # members whose last committed step the plan waits for.
+        survivors = 0
+        for i, member in enumerate(configuration.members):
+            if old.rank_of(member) is not None:
+                survivors |= 1 << i
+        self.survivors = survivors
 
 
 Transitions = dict[tuple[Configuration, Cut, Policy], Transition]
@@ -337,42 +344,44 @@ class Member:
             self._counts["dropped_after_removal"] += 1
             return
         self._received += 1
-        if sender in self._neighbours:
-            self._heard[sender] = now
-            # Any word from a subject is a sign of life: failed rounds against it are no longer
-            # consecutive (else a member whose loop stalls twice in a row is accused early).
-            self._failed_rounds.pop(sender, None)
-        if self.joining is not None and not isinstance(message, Vote | Progress):
-            self._counts["dropped_while_joining"] += 1
-            return
-        if isinstance(message, Ping | Ack | PingReq | Gossip) and sender not in self._config:
-            self._send_digest_to(now, sender)  # a removed member: tell it it is behind
-        if isinstance(message, Ping | Ack | PingReq | Gossip) and message.updates:
-            if sender in self._config:
-                self._apply_all(now, message.updates)
+        heard = self._heard  # keyed by our neighbours only: any word from one is contact
+        if sender in heard:
+            heard[sender] = now
+        if self.joining is not None:
+            if isinstance(message, Vote) or isinstance(message, Progress):
+                self._on_agreement(now, sender, message)
             else:
-                # A member that a configuration we hold removed (or one never in it) gossips a
-                # stale world: its verdicts must not touch ours. Our digest tells it that it is
-                # behind; it asks for our certificates and learns its removal.
-                self._counts["dropped_stranger_updates"] += 1
+                self._counts["dropped_while_joining"] += 1
+            return
+        # One isinstance per type, most frequent first: the compiled build makes each a pointer
+        # compare, where a union or tuple would be a slower generic check.
         if isinstance(message, Ping):
+            self._apply_from(now, sender, message.updates)
             if not (self.left or self.removed):
                 self._send(sender, Ack(message.seq, self._piggyback()))
         elif isinstance(message, Ack):
+            if message.updates:
+                self._apply_from(now, sender, message.updates)
             self._on_ack(now, message.seq)
         elif isinstance(message, PingReq):
+            if message.updates:
+                self._apply_from(now, sender, message.updates)
             self._on_ping_req(now, sender, message)
         elif isinstance(message, Nack):
             rnd = self._rounds.get(message.seq)
             if rnd is not None and rnd.subject == message.target and sender in rnd.relays:
                 rnd.nacked[sender] = None
         elif isinstance(message, Gossip):
-            pass  # its updates were applied above
+            if message.updates:
+                self._apply_from(now, sender, message.updates)
         elif isinstance(message, Digest):
             self._on_digest(sender, message)
         elif isinstance(message, SyncState):
             self._on_sync_state(now, sender, message)
-        elif isinstance(message, Vote | Prepare | Promise | Accept | Progress):
+        elif isinstance(message, Vote) or isinstance(message, Progress):
+            self._on_agreement(now, sender, message)
+        elif (isinstance(message, Prepare) or isinstance(message, Promise)
+              or isinstance(message, Accept)):
             self._on_agreement(now, sender, message)
         elif isinstance(message, Join):
             self._on_join(sender, message)
@@ -731,6 +740,18 @@ class Member:
 
     # ------------------------------------------------------------------ updates
 
+    def _apply_from(self, now: float, sender: MemberId, updates: tuple[Update, ...]) -> None:
+        if sender in self._config:
+            if updates:
+                self._apply_all(now, updates)
+            return
+        # A member that a configuration we hold removed (or one never in it) gossips a stale
+        # world: its verdicts must not touch ours. Our digest tells it that it is behind; it
+        # asks for our certificates and learns its removal.
+        self._send_digest_to(now, sender)
+        if updates:
+            self._counts["dropped_stranger_updates"] += 1
+
     def _apply_all(self, now: float, updates: tuple[Update, ...]) -> None:
         for update in updates:
             if self.removed:
@@ -758,6 +779,9 @@ class Member:
             if inc <= known or state == LEFT:
                 return False
             self._suspicions.pop(member, None)
+            # A refutation is a sign of life: failed rounds against it are no longer
+            # consecutive (else a member whose loop stalls twice in a row is accused early).
+            self._failed_rounds.pop(member, None)
             self._set_view(member, ALIVE, inc)
             self._emit(ev.MemberAlive(now, member, inc))
             return True
@@ -897,11 +921,19 @@ class Member:
         self.last_committed_step = step
 
     def _agree_at(self) -> float:
+        # Plain compares, no tuple: this runs on every next_deadline() (boxing five floats
+        # into a tuple there cost the compiled simulator a third of its speed).
         t = self._settle_at
-        for d in (self._classic_at, self._vote_push_at, self._vote_resend_at, self._lease_at,
-                  self._join_at):
-            if d < t:
-                t = d
+        if self._classic_at < t:
+            t = self._classic_at
+        if self._vote_push_at < t:
+            t = self._vote_push_at
+        if self._vote_resend_at < t:
+            t = self._vote_resend_at
+        if self._lease_at < t:
+            t = self._lease_at
+        if self._join_at < t:
+            t = self._join_at
         return t
 
     def _agreement_timer(self, now: float) -> None:
@@ -1051,7 +1083,7 @@ class Member:
             new, plan, _reason = next_configuration(old, cert.cut, policy=self.policy)
             if len(self._transitions) >= 4 * self.params.certificate_log:
                 self._transitions.clear()  # a bound: a miss only recomputes
-            transition = self._transitions[key] = Transition(new, plan)
+            transition = self._transitions[key] = Transition(old, new, plan)
         self._transition = transition
         new, plan = transition.configuration, transition.plan
         self._certificates.append((cert, len(old)))
@@ -1085,14 +1117,10 @@ class Member:
         if plan.vacant:
             self._emit(ev.WaitingForSpare(now, new.config_id, plan.vacant))
         # The plan waits for the last committed step of every rank holder that survived.
-        survivors = 0
-        for i, member in enumerate(new.members):
-            if old.rank_of(member) is not None:
-                survivors |= 1 << i
-        self._survivors = survivors
+        self._survivors = transition.survivors
         self._progress = Tally()
         if was_rank is not None:
-            index = new.members.index(self.id)
+            index = self._consensus.index
             self._progress.merge(index // SEGMENT_BITS, 1 << index, self.last_committed_step)
             self._schedule_vote_push(now)
         self._check_plan(now)
