@@ -122,6 +122,9 @@ class _Cut:
     sides: tuple[frozenset[MemberId], frozenset[MemberId]]
     minority: tuple[bool, bool]
     end: float = float("inf")
+    votes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], int] = field(default_factory=dict)
+    """(config_id, removed, joined) -> members that had voted that cut when the cut began
+    (a crashed member's vote counts: it was cast before it crashed)."""
 
 
 @dataclass(slots=True)
@@ -349,6 +352,12 @@ class _SafetyRun:
         ids_a, ids_b = [sm.id for sm in a], [sm.id for sm in b]
         self.cluster.network.partition(ids_a, ids_b)
         cut = _Cut(self.cluster.now, (frozenset(ids_a), frozenset(ids_b)), minority)
+        for sm in self.cluster.members:
+            consensus = sm.core._consensus  # the checker reads the cores' state, never writes
+            voted = consensus.voted_cut
+            if voted is not None:
+                key = (consensus.config_id, voted.removed, tuple(j.member for j in voted.joined))
+                cut.votes[key] = cut.votes.get(key, 0) + 1
         self.cuts.append(cut)
 
         def heal() -> None:
@@ -403,7 +412,13 @@ class _SafetyRun:
                     if d.member not in side or not cut.start <= d.at <= cut.end:
                         continue
                     elsewhere = by_key[(d.config_id, d.plan.hash)] - side
-                    if not elsewhere:
+                    # Legitimate if a quorum of the previous configuration had voted this
+                    # cut before the partition began: its bits were already in flight.
+                    key = (d.config_id - 1, d.plan.removed, d.plan.joined)
+                    before = cut.votes.get(key, 0)
+                    previous = self.safety.configurations.get(d.config_id - 1)
+                    in_flight = previous is not None and before >= classic_quorum(len(previous))
+                    if not elsewhere and not in_flight:
                         sm = self.cluster.by_id[d.member]
                         out.append(f"[minority-decided] t={d.at:.3f} #{sm.index} installed "
                                    f"config {d.config_id} on a minority side of the cut at "

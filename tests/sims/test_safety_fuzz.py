@@ -99,7 +99,7 @@ def test_minority_check_catches_a_lone_decision() -> None:
     run = _SafetyRun(0, 8, CI_MEMBERS, CI_WINDOW_S, CI_SETTLE_S, ("halves",))
     ids = [sm.id for sm in run.cluster.members]
     run.cuts.append(_Cut(1.0, (frozenset(ids[:3]), frozenset(ids[3:])), (True, False), 5.0))
-    plan = object.__new__(type("P", (), {"hash": 7}))
+    plan = object.__new__(type("P", (), {"hash": 7, "removed": (), "joined": ()}))
     run.watch.decisions.append(_Decision(ids[0], 2.0, 1, plan))  # type: ignore[arg-type]
     assert [v.split()[0] for v in run.check_sides()] == ["[minority-decided]"]
     run.watch.decisions.append(_Decision(ids[5], 9.0, 1, plan))  # type: ignore[arg-type]

@@ -105,6 +105,7 @@ _MAX_CUT_REMOVED: Final = 32  # the codec's limits on one cut
 _MAX_CUT_JOINED: Final = 4
 _MAX_FUTURE: Final = 64  # messages held for a configuration this member has not reached yet
 _CATCHUP_GAP_S: Final = 0.2  # at most one catch-up reply per peer this often
+_CATCHUP_GRACE_S: Final = 1.0  # stale votes right after our decision get no certificate
 AgreementMessage = Vote | Prepare | Promise | Accept | Progress
 
 
@@ -312,6 +313,7 @@ class Member:
             maxlen=params.certificate_log)  # (certificate, members of its configuration)
         self._joiners: dict[MemberId, Joiner] = {}
         self._future: deque[tuple[MemberId, AgreementMessage]] = deque(maxlen=_MAX_FUTURE)
+        self._decided_at = -_INF
         self._catchup_sent: dict[MemberId, float] = {}  # peer -> when we sent certificates
         self._digest_sent: dict[MemberId, float] = {}  # peer -> when we nudged it with a digest
         self._cut_dirty = False
@@ -350,6 +352,10 @@ class Member:
         if self.joining is not None:
             if isinstance(message, Vote) or isinstance(message, Progress):
                 self._on_agreement(now, sender, message)
+            elif isinstance(message, Ping):
+                # A configuration we have not caught up with yet admitted us, and its members
+                # probe us: answer, so they do not convict us before its certificate arrives.
+                self._send(sender, Ack(message.seq, ()))
             else:
                 self._counts["dropped_while_joining"] += 1
             return
@@ -945,17 +951,13 @@ class Member:
             return
         if now >= self._settle_at:
             self._consider_cut(now)
-        consensus = self._consensus
         if now >= self._classic_at:
             self._start_classic(now)
         if now >= self._vote_push_at:
             self._push_votes(now)
         if now >= self._vote_resend_at:
-            self._vote_resend_at = now + self.params.vote_resend_s
-            peers = self._sample_members(1)
-            if peers and consensus.decision is None:
-                for vote in consensus.all_votes():
-                    self._send(peers[0], vote)
+            self._vote_resend_at = _INF
+            self._resend(now)
         if now >= self._lease_at:
             self._lease_at = _INF
             self.fenced = True
@@ -995,7 +997,11 @@ class Member:
         cid = self._config.config_id
         if msg.config_id < cid:
             self._counts["agreement_behind_peer"] += 1
-            self._send_certificates(now, sender, msg.config_id)
+            # Right after a decision the others are milliseconds behind and about to decide
+            # from the bits already spreading: a certificate to each would cost 8 segments per
+            # peer at 16k members. Only a peer still behind after the grace gets one.
+            if now - self._decided_at >= _CATCHUP_GRACE_S or msg.config_id < cid - 1:
+                self._send_certificates(now, sender, msg.config_id)
             return
         if msg.config_id > cid:
             # We missed a decision: keep the message for later and ask the sender to catch us
@@ -1009,7 +1015,7 @@ class Member:
             if consensus.merge_vote(msg):
                 self._after_consensus_input(now)
         elif isinstance(msg, Progress):
-            self._merge_progress(now, msg)
+            self._merge_progress(now, sender, msg)
         elif sender not in self._config:
             self._counts["dropped_stranger_agreement"] += 1
         elif isinstance(msg, Prepare):
@@ -1049,16 +1055,42 @@ class Member:
     def _push_votes(self, now: float) -> None:
         self._vote_push_at = _INF
         self._last_vote_push = now
-        votes: list[Vote | Progress] = list(self._consensus.dirty_votes())
-        if self._progress is not None and self._progress.dirty:
-            votes += progress_messages(self._config.config_id, self._progress,
-                                       len(self._config), self._progress.dirty)
-            self._progress.dirty = 0
-        if not votes:
+        votes = self._consensus.dirty_votes()
+        if votes:
+            for peer in self._sample_members(self.params.gossip_fanout):
+                for vote in votes:
+                    self._send(peer, vote)
+        progress = self._progress
+        if progress is not None and progress.dirty:
+            # Progress is not on the critical path of a decision: one peer per push (a push
+            # per change still spreads it epidemically), a third of the bytes of votes.
+            reports = progress_messages(self._config.config_id, progress, len(self._config),
+                                        progress.dirty)
+            progress.dirty = 0
+            for peer in self._sample_members(1):
+                for report in reports:
+                    self._send(peer, report)
+
+    def _resend(self, now: float) -> None:
+        """Anti-entropy for lost pushes: while undecided, all our vote tallies, and while the
+        plan waits for reports, our progress tally, to one random peer every
+        ``vote_resend_s``."""
+        consensus, progress = self._consensus, self._progress
+        undecided = consensus.active and consensus.decision is None
+        waiting = progress is not None and self.plan is not None and self.plan.resume_step is None
+        if not (undecided or waiting):
             return
-        for peer in self._sample_members(self.params.gossip_fanout):
-            for vote in votes:
-                self._send(peer, vote)
+        self._vote_resend_at = now + self.params.vote_resend_s
+        peers = self._sample_members(1)
+        if not peers:
+            return
+        if undecided:
+            for vote in consensus.all_votes():
+                self._send(peers[0], vote)
+        if waiting and progress is not None:
+            for report in progress_messages(self._config.config_id, progress,
+                                            len(self._config)):
+                self._send(peers[0], report)
 
     def _start_classic(self, now: float) -> None:
         consensus = self._consensus
@@ -1087,12 +1119,18 @@ class Member:
         self._transition = transition
         new, plan = transition.configuration, transition.plan
         self._certificates.append((cert, len(old)))
+        self._decided_at = now
         self._counts["decisions_fast" if cert.fast else "decisions_classic"] += 1
         # Push the certificate so that members still counting learn it from us.
         for peer in self._sample_members(self.params.gossip_fanout):
             for vote in cert.votes(len(old)):
                 self._send(peer, vote)
         was_rank = old.rank_of(self.id)
+        # A joiner learns its admission from the members that will probe it.
+        for joiner in cert.cut.joined:
+            if joiner.member in new and self.id in new.observers_of(joiner.member):
+                for vote in cert.votes(len(old)):
+                    self._send(joiner.member, vote)
         self._set_configuration(new)
         self._consensus = Consensus(new, self.id if self.id in new else None)
         self._proposal = None
@@ -1100,6 +1138,9 @@ class Member:
         self._classic_attempt = 0
         self.plan = plan
         self._emit(ev.ConfigurationDecided(now, new, cert.round, cert.bits.bit_count(), plan))
+        if self.id not in new and self.joining is not None:
+            self._replay_future(now)  # a joiner catching up: not admitted yet, keep asking
+            return
         if self.id not in new:
             self.removed = True
             self._rounds.clear()
@@ -1119,18 +1160,22 @@ class Member:
         # The plan waits for the last committed step of every rank holder that survived.
         self._survivors = transition.survivors
         self._progress = Tally()
+        self._vote_resend_at = now + self.params.vote_resend_s
         if was_rank is not None:
             index = self._consensus.index
             self._progress.merge(index // SEGMENT_BITS, 1 << index, self.last_committed_step)
             self._schedule_vote_push(now)
         self._check_plan(now)
+        self._replay_future(now)
+
+    def _replay_future(self, now: float) -> None:
         future = list(self._future)
         self._future.clear()
         for sender, message in future:
             if not self.removed:
                 self._on_agreement(now, sender, message)
 
-    def _merge_progress(self, now: float, msg: Progress) -> None:
+    def _merge_progress(self, now: float, sender: MemberId, msg: Progress) -> None:
         progress = self._progress
         if progress is None:
             return
@@ -1140,7 +1185,17 @@ class Member:
         if first >= n or bits >> min(SEGMENT_BITS, n - first):
             self._counts["dropped_invalid_progress"] += 1
             return
-        if progress.merge(msg.segment, bits << first, msg.max_step):
+        shifted = bits << first
+        segment_mask = ((1 << SEGMENT_BITS) - 1) << first
+        if progress.bits & segment_mask & ~shifted:
+            # The sender knows less of this segment than we do (push-pull, as anti-entropy):
+            # answer with ours, so a member whose pushes found nobody still completes.
+            if now - self._catchup_sent.get(sender, -_INF) >= _CATCHUP_GAP_S:
+                self._catchup_sent[sender] = now
+                for report in progress_messages(self._config.config_id, progress, n,
+                                                1 << msg.segment):
+                    self._send(sender, report)
+        if progress.merge(msg.segment, shifted, msg.max_step):
             self._schedule_vote_push(now)
             self._check_plan(now)
 
