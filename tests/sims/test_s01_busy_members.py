@@ -11,12 +11,13 @@ The full scenario is 10 virtual minutes (one seed, marked slow); CI runs 2 minut
 Why it holds. A stalled loop looks exactly like a crash from outside, and a 3 s block is as long
 as the whole detection budget, so verdicts do happen: an observer convicts a member blocked for
 more than about 2.5 s (first alert >= 1.5 s in: M = 2 failed rounds; conviction
-``suspicion_min_s`` = 1 s later). A verdict is only evidence. Nobody votes for a cut until it has
-been stable for ``cut_settle_s`` = 0.6 s, so no vote comes sooner than 3.1 s after the block
-began; the member wakes by 3 s, reads the alerts queued in its socket, refutes at once, and its
-higher incarnation reaches the voters first. Two causes of early alerts were removed on the way:
-failed rounds no longer carry over a subject's short wake between two blocks (any message from it
-resets them), and a waking observer reads its backlog before its expired timers convict.
+``suspicion_min_s`` = 1 s later). A verdict is only evidence. Nobody votes to remove a member
+sooner than ``refutation_window_s`` = 1.6 s after first hearing it accused, so no vote comes
+sooner than 3.1 s after the block began; the member wakes by 3 s, reads the alerts queued in its
+socket, refutes at once, and its higher incarnation reaches the voters first. Two causes of
+early alerts were removed on the way: failed rounds no longer carry over a subject's short wake
+between two blocks (its refutation resets them), and a waking observer reads its backlog before
+its expired timers convict.
 Measured before the agreement layer (verdict = removal): 57/44/83 convicted pairs in 600 s for
 seeds 0/1/2, and every busy rank handed to a spare within 100 s.
 """

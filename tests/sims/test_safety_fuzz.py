@@ -85,7 +85,8 @@ def test_every_fault_kind_fires() -> None:
         r = safety_run(seed, members=12, kinds=FAULT_KINDS, fault_window_s=30.0, settle_s=10.0)
         assert r.ok, _describe(r)
         seen.update(f.split()[1] for f in r.faults)
-        if seen & {"crash_at_first_vote", "crash_at_first_decision"} and len(seen) >= 9:
+        if (seen & {"crash_at_first_vote", "crash_at_first_decision"}
+                and "crash_promoted_spare" in seen and len(seen) >= 9):
             break
     assert {"crash_many", "crash_rank_holder", "crash_before_agreement", "halves", "one_way",
             "flap", "heal_all"} <= seen

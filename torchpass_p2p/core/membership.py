@@ -326,6 +326,7 @@ class Member:
         self._vote_resend_at = _INF
         self._lease_at = _INF
         self._unreachable = 0  # members of the configuration our view holds suspect or worse
+        self._accused_at: dict[MemberId, float] = {}  # first alert or verdict we heard of
         self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
         self._in_contact = True  # heard from at least half our neighbours lately
         self._progress: Tally | None = None
@@ -349,6 +350,10 @@ class Member:
         heard = self._heard  # keyed by our neighbours only: any word from one is contact
         if sender in heard:
             heard[sender] = now
+            # Any word from a subject is a sign of life: failed rounds against it are no longer
+            # consecutive (else a member whose loop stalls twice in a row is accused early).
+            if self._failed_rounds:
+                self._failed_rounds.pop(sender, None)
         if self.joining is not None:
             if isinstance(message, Vote) or isinstance(message, Progress):
                 self._on_agreement(now, sender, message)
@@ -539,7 +544,8 @@ class Member:
         # Forget everyone the configuration no longer holds; keep what we know of the others.
         for member in [m for m in self._view if m not in config]:
             self._set_view(member, ALIVE, 0)
-        for table in (self._suspicions, self._last_ack_from, self._alerted, self._confirmers):
+        for table in (self._suspicions, self._last_ack_from, self._alerted, self._confirmers,
+                      self._accused_at):
             for member in [m for m in table if m not in config]:
                 del table[member]
         subjects = set(self._subjects)
@@ -734,6 +740,7 @@ class Member:
         if susp is None or susp.incarnation != inc:
             expected = len(self._config.observers_of(subject))
             susp = self._suspicions[subject] = _Suspicion(inc, now, expected, heard_since=now)
+            self._accused_at.setdefault(subject, now)
             self._set_view(subject, SUSPECT, inc)
             self._emit(ev.MemberSuspected(now, subject, inc, alert.observer))
         elif alert.observer in susp.observers:
@@ -785,6 +792,7 @@ class Member:
             if inc <= known or state == LEFT:
                 return False
             self._suspicions.pop(member, None)
+            self._accused_at.pop(member, None)
             # A refutation is a sign of life: failed rounds against it are no longer
             # consecutive (else a member whose loop stalls twice in a row is accused early).
             self._failed_rounds.pop(member, None)
@@ -795,6 +803,7 @@ class Member:
             return False
         self._suspicions.pop(member, None)
         if isinstance(update, Dead):
+            self._accused_at.setdefault(member, now)
             self._set_view(member, DEAD, inc)
             self._confirmers[member] = update.confirmer
             self._emit(ev.MemberDead(now, member, inc, update.confirmer))
@@ -982,7 +991,7 @@ class Member:
             max_joined=_MAX_CUT_JOINED)
         if proposal.cut != self._proposal:
             self._proposal = proposal.cut
-            self._settle_at = now + p.cut_settle_s if proposal.cut is not None else _INF
+            self._settle_at = _INF if proposal.cut is None else self._ripe_at(now, proposal.cut)
             return
         if proposal.cut is None or now < self._settle_at:
             return
@@ -992,6 +1001,20 @@ class Member:
         if self._consensus.vote_fast(proposal.cut, self.last_committed_step):
             self._counts["votes_cast"] += 1
             self._after_consensus_input(now)
+
+    def _ripe_at(self, now: float, cut: Cut) -> float:
+        """When we may vote for ``cut``: it settled for ``cut_settle_s``, and every member it
+        removes that did not leave on its own had ``refutation_window_s`` since we first heard
+        it accused (DESIGN section 4: a stalled member must get to refute first)."""
+        ripe = now + self.params.cut_settle_s
+        window = self.params.refutation_window_s
+        for member in cut.removed:
+            if self._view.get(member, (ALIVE, 0))[0] == LEFT or member == self.id:
+                continue
+            accused = self._accused_at.setdefault(member, now)
+            if accused + window > ripe:
+                ripe = accused + window
+        return ripe
 
     def _on_agreement(self, now: float, sender: MemberId, msg: AgreementMessage) -> None:
         cid = self._config.config_id

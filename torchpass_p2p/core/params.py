@@ -88,11 +88,18 @@ class Params:
     ``suspicion_min_s`` has passed since the first (Rapid: H = K - 1 = 9)."""
     cut_settle_s: float = 0.6
     """A member votes only for a cut that has not changed for this long and has nothing
-    unstable, so failures that begin together become one change; it is also the refutation
-    window of a stalled member (scenario S01). M = 2 failed rounds take at least
-    ``round_timeout_s + probe_interval_s`` = 1.5 s after a member stops answering, a conviction
-    ``suspicion_min_s`` more: no vote comes sooner than 1.5 + 1.0 + 0.6 = 3.1 s after a loop
-    stalls, so a member blocked for up to 3 s refutes before anyone votes to remove it. Ours."""
+    unstable, so failures that begin together become one change; it also bounds how soon after
+    a conviction anyone votes. With M = 2 failed rounds (>= 1.5 s after a member stops
+    answering) and ``suspicion_min_s`` (1 s), no vote comes sooner than 3.1 s into a loop stall,
+    so a member blocked for up to 3 s (scenario S01) refutes first, unless an observer carried
+    a failed round over from an earlier stall. Ours; it costs 0.5 s of decision latency."""
+    refutation_window_s: float = 1.6
+    """Nobody votes to remove a member sooner than this after it first heard it accused: the
+    time a member whose loop stalled has to wake and refute (scenario S01). M = 2 failed rounds
+    take at least ``round_timeout_s + probe_interval_s`` = 1.5 s after a member stops
+    answering, so no vote comes sooner than 1.5 + 1.6 = 3.1 s into a stall: a member blocked
+    for up to 3 s refutes first. Ours; a crash is decided about as fast, since the first alert
+    reaches everyone ~1 s before the conviction does."""
     vote_push_interval_s: float = 0.05
     """Shortest gap between two eager pushes of changed vote bitmaps by one member (ours: fast
     enough that a bitmap crosses 16k members in ~10 hops within 0.5 s, slow enough that one
