@@ -152,6 +152,8 @@ class Consensus:
         config: the configuration whose change is being agreed on.
         me: this member's id, a member of ``config``; None for a process that is not a member
             (a joiner), which only gathers certificates and never votes.
+        dropped: where to count dropped input (the owning member's counters, so the counts
+            outlive this configuration); a fresh Counter by default.
 
     Raises:
         ValueError: ``me`` is not a member of ``config``.
@@ -161,7 +163,8 @@ class Consensus:
     Invalid input from peers is dropped and counted in :attr:`dropped`; nothing here raises on it.
     """
 
-    def __init__(self, config: Configuration, me: MemberId | None) -> None:
+    def __init__(self, config: Configuration, me: MemberId | None, *,
+                 dropped: Counter[str] | None = None) -> None:
         self.config = config
         self.config_id = config.config_id
         self.n = len(config)
@@ -175,7 +178,7 @@ class Consensus:
         self.tallies: dict[tuple[int, Cut], Tally] = {}
         self.decision: Certificate | None = None
         self.outbox: list[tuple[MemberId, Message]] = []
-        self.dropped: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter() if dropped is None else dropped
         self.coordinating = 0
         """The classic round this member coordinates now (0: none)."""
         self._promises: dict[MemberId, tuple[int, Cut | None]] = {}

@@ -333,7 +333,8 @@ class Member:
         self._survivors = 0  # bitmap of the members whose progress the plan waits for
         self._set_configuration(configuration)
         self._cut_dirty = False
-        self._consensus = Consensus(configuration, None if joining else member_id)
+        self._consensus = Consensus(configuration, None if joining else member_id,
+                                    dropped=self._counts)
 
     # ------------------------------------------------------------------ public: inputs
 
@@ -536,9 +537,9 @@ class Member:
         self._config = config
         self._subjects = config.subjects_of(self.id) if self.id in config else ()
         observers = config.observers_of(self.id) if self.id in config else ()
-        self._neighbours = frozenset(self._subjects) | frozenset(observers)
-        # A new neighbour gets one lease to be heard from before it counts as silent.
-        self._heard = {m: self._heard.get(m, self._now) for m in self._neighbours}
+        # Keyed by our neighbours (subjects and observers). A new neighbour gets one lease to
+        # be heard from before it counts as silent.
+        self._heard = {m: self._heard.get(m, self._now) for m in (*self._subjects, *observers)}
         self._transmit_limit = self.params.transmit_limit(len(config))
         self._min_alerts = self.params.min_alerts_to_confirm
         # Forget everyone the configuration no longer holds; keep what we know of the others.
@@ -1155,7 +1156,8 @@ class Member:
                 for vote in cert.votes(len(old)):
                     self._send(joiner.member, vote)
         self._set_configuration(new)
-        self._consensus = Consensus(new, self.id if self.id in new else None)
+        self._consensus = Consensus(new, self.id if self.id in new else None,
+                                    dropped=self._counts)
         self._proposal = None
         self._settle_at = self._classic_at = self._vote_push_at = self._vote_resend_at = _INF
         self._classic_attempt = 0
@@ -1213,8 +1215,7 @@ class Member:
         if progress.bits & segment_mask & ~shifted:
             # The sender knows less of this segment than we do (push-pull, as anti-entropy):
             # answer with ours, so a member whose pushes found nobody still completes.
-            if now - self._catchup_sent.get(sender, -_INF) >= _CATCHUP_GAP_S:
-                self._catchup_sent[sender] = now
+            if self._once_per_gap(self._catchup_sent, sender, now):
                 for report in progress_messages(self._config.config_id, progress, n,
                                                 1 << msg.segment):
                     self._send(sender, report)
@@ -1236,11 +1237,8 @@ class Member:
 
     def _send_certificates(self, now: float, dest: MemberId, since: int) -> None:
         """Catch ``dest`` up from configuration ``since``: our certificates from there on."""
-        if now - self._catchup_sent.get(dest, -_INF) < _CATCHUP_GAP_S:
+        if not self._once_per_gap(self._catchup_sent, dest, now):
             return
-        if len(self._catchup_sent) > 4 * self.params.max_pending_joins:
-            self._catchup_sent.clear()  # a bound, not a cache: forgetting only allows a resend
-        self._catchup_sent[dest] = now
         sent = 0
         for cert, members in self._certificates:
             if cert.config_id >= since and sent < 4:
@@ -1252,14 +1250,22 @@ class Member:
         else:
             self._counts["catchup_unavailable"] += 1
 
+    def _once_per_gap(self, sent: dict[MemberId, float], peer: MemberId, now: float) -> bool:
+        """Whether ``peer`` may get another catch-up reply now (one per ``_CATCHUP_GAP_S``);
+        if so, records it. The table is a bound, not a cache: clearing it only allows a
+        resend."""
+        if now - sent.get(peer, -_INF) < _CATCHUP_GAP_S:
+            return False
+        if len(sent) > 4 * self.params.max_pending_joins:
+            sent.clear()
+        sent[peer] = now
+        return True
+
     def _send_digest_to(self, now: float, dest: MemberId) -> None:
         """Our digest carries our ``config_id``: whichever of us is behind learns it (the one
         ahead answers an older digest with certificates). At most once per peer per gap."""
-        if now - self._digest_sent.get(dest, -_INF) < _CATCHUP_GAP_S:
+        if not self._once_per_gap(self._digest_sent, dest, now):
             return
-        if len(self._digest_sent) > 4 * self.params.max_pending_joins:
-            self._digest_sent.clear()  # a bound, not a cache: forgetting only allows a resend
-        self._digest_sent[dest] = now
         digest, entries = self.view_digest()
         self._send(dest, Digest(self._config.config_id, digest, entries))
 
@@ -1285,7 +1291,7 @@ class Member:
         A member on the minority side of a partition hears from about the minority's share."""
         window = now - self.params.lease_s / 2
         heard = sum(1 for t in self._heard.values() if t >= window)
-        in_contact = 2 * heard >= len(self._neighbours)
+        in_contact = 2 * heard >= len(self._heard)
         if in_contact != self._in_contact:
             self._in_contact = in_contact
             self._check_lease(now)
