@@ -1138,3 +1138,43 @@ def test_stalled_observer_still_convicts_a_silent_subject_after_the_grace():
     assert x.state_of(SUBJECT) == (DEAD, 0)
     dead = [e for e in events(x) if type(e) is ev.MemberDead]
     assert [(e.at, e.confirmer) for e in dead] == [(wake + NO_ALERTS.round_timeout_s, 1)]
+
+
+# ------------------------------------------------------------------ fast evidence
+
+
+def test_evidence_makes_an_observer_alert_at_once_and_tell_the_subject():
+    o = make_member(1, CONFIG)
+    assert 1 in OBSERVERS
+    assert o.report_unreachable(0.2, SUBJECT) is True
+    alert = Alert(1, SUBJECT, 0)
+    assert events(o) == [ev.MemberSuspected(0.2, SUBJECT, 0, 1), ev.AlertRaised(0.2, 1, SUBJECT, 0)]
+    assert (SUBJECT, Gossip((alert,))) in drain(o)
+    assert o.alerts_about(SUBJECT) == (1,)
+    assert o.counters["evidence_reported"] == 1
+    assert o.counters["alerts_raised"] == 1
+    # The same evidence again raises nothing new: one alert per incarnation.
+    assert o.report_unreachable(0.3, SUBJECT) is False
+    assert o.counters["alerts_raised"] == 1
+
+
+def test_evidence_at_a_non_observer_probes_the_subject_now_and_alerts_nobody():
+    x = make_member(6, CONFIG)
+    assert 6 not in OBSERVERS
+    assert x.report_unreachable(0.2, SUBJECT) is False
+    out = drain(x)
+    assert [(d, type(m)) for d, m in out] == [(SUBJECT, Ping)]
+    assert events(x) == []
+    # A second report while that round is open sends no second ping.
+    assert x.report_unreachable(0.25, SUBJECT) is False
+    assert drain(x) == []
+
+
+def test_evidence_about_self_a_stranger_or_after_leaving_is_ignored():
+    o = make_member(1, CONFIG)
+    assert o.report_unreachable(0.1, 1) is False
+    assert o.report_unreachable(0.1, 999) is False
+    o.leave(0.2)
+    drain(o)
+    assert o.report_unreachable(0.3, SUBJECT) is False
+    assert drain(o) == [] and o.counters["alerts_raised"] == 0

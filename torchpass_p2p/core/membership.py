@@ -440,6 +440,29 @@ class Member:
         for seq in failed:
             self._round_failed(now, self._rounds.pop(seq), missed_nacks=0)  # +1 health each
 
+    def report_unreachable(self, now: float, subject: MemberId) -> bool:
+        """Fast evidence (DESIGN section 4): the host saw ``subject`` fail: a connection it reset,
+        a collective error naming it, its process exiting under the local launcher.
+
+        An observer of ``subject`` alerts at once instead of after ``failed_rounds_to_alert``
+        failed probe rounds; any other member probes ``subject`` now. Nothing else is skipped:
+        the alert still needs the other observers (cut detection) and a decision, and a live
+        subject refutes it. Returns True when this call raised an alert.
+        """
+        self._advance(now)
+        if (self.removed or self.left or self.joining is not None or subject == self.id
+                or subject not in self._config):
+            return False
+        self._counts["evidence_reported"] += 1
+        if subject in self._subjects:
+            raised = self._raise_alert(now, subject)
+            if raised and self._cut_dirty:
+                self._consider_cut(now)
+            return raised
+        if all(rnd.subject != subject for rnd in self._rounds.values()):
+            self._start_round(now, subject)
+        return False
+
     def leave(self, now: float) -> None:
         """Leave gracefully: announce :class:`Left` and stop probing. Idempotent."""
         self._advance(now)
@@ -642,20 +665,23 @@ class Member:
         subject = rnd.subject
         fails = self._failed_rounds.get(subject, 0) + 1
         self._failed_rounds[subject] = fails
-        if fails < self.params.failed_rounds_to_alert:
-            return
+        if fails >= self.params.failed_rounds_to_alert:
+            self._raise_alert(now, subject)
+
+    def _raise_alert(self, now: float, subject: MemberId) -> bool:
         state, inc = self._view.get(subject, (ALIVE, 0))
         if state >= DEAD or self._alerted.get(subject) == inc:
-            return
+            return False
         self._alerted[subject] = inc
         self._counts["alerts_raised"] += 1
         alert = Alert(self.id, subject, inc)
         if not self._merge(now, alert):
-            return  # no longer one of its observers (the configuration changed meanwhile)
+            return False  # no longer one of its observers (the configuration changed meanwhile)
         self._enqueue(alert)
         # Tell the subject straight away so it can refute if it is alive (memberlist does the
         # same with suspect messages).
         self._send(subject, Gossip((alert,)))
+        return True
 
     def _isolated(self, now: float) -> bool:
         # Not stretched by local health: health rises precisely while we are cut off, and a
