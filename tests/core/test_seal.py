@@ -284,3 +284,18 @@ def test_lru_eviction_restarts_an_evicted_senders_window() -> None:
     # bound (it takes max_senders other keyed senders to get there).
     assert opener.open(first_b) == (2, 0, b"b")
     assert _reason(opener, first_b) == "replay"
+
+
+def test_derived_keyrings_differ_from_the_cluster_key_and_agree_between_holders():
+    a, b = bytes(range(32)), bytes(range(1, 33))
+    ring = Keyring(a, [b])
+    same = Keyring(a, [b])
+    stream = ring.derive(b"torchpass stream v1")
+    assert stream.key_ids != ring.key_ids and len(stream.key_ids) == 2
+    assert stream.derive_secret(b"x") == same.derive(b"torchpass stream v1").derive_secret(b"x")
+    assert ring.derive_secret(b"http") != ring.derive_secret(b"other")
+    assert ring.derive_secret(b"http") not in (a, b)
+    # A datagram sealed under the cluster key does not open under the derived ring.
+    sealed = Sealer("c", ring, 1).seal(b"body", 0)
+    with pytest.raises(OpenError):
+        Opener("c", stream, 2).open(sealed)

@@ -34,7 +34,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 VERSION = 1
 """Datagram format version; a receiver drops any other."""
@@ -112,12 +114,35 @@ class Keyring:
         """Ids of every key that opens, the primary first."""
         return (self.primary_id, *(k for k in self._keys if k != self.primary_id))
 
+    def derive(self, label: bytes) -> Keyring:
+        """The keyring of sub-keys for another use of the same cluster key (HKDF-SHA256, RFC
+        5869, ``info=label``), with the same primary and accepted keys.
+
+        Each channel that seals with its own counters (datagrams, TCP frames, state transfer)
+        needs its own key: two sealers under one key would repeat (sender, counter) nonces,
+        which breaks ChaCha20-Poly1305 outright.
+
+        Raises ``ValueError`` if two derived keys share a key id (generate another key).
+        """
+        derived = {kid: _hkdf(key, label) for kid, key in self._keys.items()}
+        primary = derived.pop(self.primary_id)
+        return Keyring(primary, list(derived.values()))
+
+    def derive_secret(self, label: bytes) -> bytes:
+        """32 bytes derived from the primary key for ``label`` (HKDF-SHA256): a shared secret
+        every holder of the cluster key computes alike, e.g. a bearer token for local HTTP."""
+        return _hkdf(self._keys[self.primary_id], label)
+
     def cipher(self, kid: int) -> ChaCha20Poly1305 | None:
         """The cipher of key id ``kid`` (0..255), or ``None`` if no key has that id."""
         return self._ciphers[kid]
 
     def __repr__(self) -> str:  # never print key bytes
         return f"Keyring(primary_id={self.primary_id}, key_ids={self.key_ids})"
+
+
+def _hkdf(key: bytes, label: bytes) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=label).derive(key)
 
 
 class OpenError(ValueError):

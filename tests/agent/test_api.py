@@ -1,0 +1,92 @@
+"""The thread API: agents in background threads, driven from plain (non-async) code."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from tests.agent.cluster import HOST, LocalCluster
+from torchpass_p2p.agent.api import Agent, AgentError, start
+from torchpass_p2p.agent.bootstrap import write_configuration
+from torchpass_p2p.agent.runtime import Phase
+
+
+def threaded(cluster: LocalCluster) -> dict[int, Agent]:
+    return {m: Agent(a.settings) for m, a in cluster.agents.items()}
+
+
+def test_a_spare_blocks_until_it_is_assigned_the_crashed_rank_and_learns_the_resume_step():
+    agents = threaded(LocalCluster(3, 1, seed=7))
+    for agent in agents.values():
+        agent.start()
+    try:
+        for m in (1, 2, 3):
+            agents[m].report_progress(41, Phase.COMMITTED)
+        assert agents[4].role == "spare" and agents[4].rank is None
+        agents[2].stop(leave=False)
+        change = agents[4].wait_for_rank(timeout_s=20)
+        assert change.configuration.rank_of(4) == 1
+        assert change.plan.removed == (2,) and change.plan.assignments == ((1, 4),)
+        assert sorted(dict(change.plan.sources)[1]) == [1, 3]  # every surviving replica
+        assert change.plan.resume_step == 42  # every survivor committed step 41
+        assert agents[4].rank == 1 and agents[4].role == "rank"
+        seen = agents[1].next_change(timeout_s=5)
+        assert seen is not None and seen.plan.hash == change.plan.hash
+        status = agents[1].status()
+        assert status["config_id"] == 1 and status["step"] == 41
+    finally:
+        for agent in agents.values():
+            agent.stop()
+
+
+def test_wait_for_rank_times_out_and_a_stopped_agent_refuses_calls():
+    agents = threaded(LocalCluster(2, 1, seed=8))
+    for agent in agents.values():
+        agent.start()
+    try:
+        with pytest.raises(TimeoutError):
+            agents[3].wait_for_rank(timeout_s=0.2)
+    finally:
+        for agent in agents.values():
+            agent.stop()
+    with pytest.raises(AgentError):
+        agents[3].drain()
+
+
+def test_start_reads_the_launchers_environment(tmp_path, monkeypatch):
+    cluster = LocalCluster(1, 0)
+    key_file = tmp_path / "key"
+    key_file.write_text(cluster.key.hex() + "\n")
+    config_file = tmp_path / "configuration.json"
+    write_configuration(config_file, cluster.configuration)
+    host, port = cluster.configuration.addresses[1]
+    for name, value in {"KEY_FILE": str(key_file), "MEMBER_ID": f"{1:016x}",
+                        "BIND": f"{host}:{port}", "CONFIGURATION": str(config_file),
+                        "STATUS": "off", "HEALTH": "off", "CLUSTER": "t1"}.items():
+        monkeypatch.setenv("TORCHPASS_" + name, value)
+    agent = start()
+    try:
+        assert agent.member_id == 1 and agent.rank == 0 and agent.role == "rank"
+        assert agent.address == (HOST, port)
+        assert agent.status_address is None
+        doc = agent.status()
+        assert doc["cluster"] == "t1"
+        json.dumps(doc)  # plain data
+    finally:
+        agent.stop()
+    assert "TORCHPASS_KEY" not in os.environ
+
+
+def test_start_fails_clearly_when_the_port_is_taken():
+    cluster = LocalCluster(2, 0)
+    first = Agent(cluster[1].settings)
+    first.start()
+    try:
+        clash = Agent(replace(cluster[2].settings, bind=first.address))
+        with pytest.raises(AgentError, match="failed to start"):
+            clash.start(timeout_s=10)
+    finally:
+        first.stop()

@@ -1,0 +1,293 @@
+"""The in-script start: one agent in a background thread of a training or spare process.
+
+``agent = torchpass_p2p.start()`` returns once the sockets are bound and the member is in
+configuration 0 (or has asked to join). The training thread then uses the small thread-safe API
+of :class:`Agent`; everything it calls is handed to the agent's loop with
+``call_soon_threadsafe``, and everything it reads is an immutable value (a
+:class:`~torchpass_p2p.core.Configuration`, a :class:`~.runtime.Change`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from os import PathLike
+from typing import Any
+
+from torchpass_p2p.core.configuration import Address, Configuration
+
+from .runtime import AgentRuntime, Change, Phase
+from .settings import AgentSettings, load_settings
+
+__all__ = ["Agent", "AgentError", "start"]
+
+START_TIMEOUT_S = 60.0
+"""Longest :func:`start` waits for the agent to be up (a joiner asks its seeds up to 30 s)."""
+CHANGES_KEPT = 64
+"""Ready changes buffered for :meth:`Agent.next_change`; older ones are dropped first."""
+
+
+class AgentError(RuntimeError):
+    """The agent could not start, or its thread died; the message says why."""
+
+
+def start(config: str | PathLike[str] | None = None, **settings: Any) -> Agent:
+    """Start this process's agent and return it once it is up.
+
+    Args:
+        config: a TOML file (``[agent]`` table and protocol parameters, see
+            :func:`~.settings.load_settings`); None: environment and arguments only.
+        settings: fields of :class:`~.settings.AgentSettings` (and ``key`` as bytes); they win
+            over the environment (``TORCHPASS_*``, set by ``torchpass-p2p launch``).
+
+    Raises:
+        SettingsError: the settings are incomplete or malformed (no key, no configuration and
+            no seeds, ...).
+        AgentError: the agent did not come up within 60 s (bind failed, no seed answered).
+    """
+    agent = Agent(load_settings(config, **settings))
+    agent.start()
+    return agent
+
+
+class Agent:
+    """A running agent, driven from any thread (module docstring)."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.member_id = settings.member_id
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runtime: AgentRuntime | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping: asyncio.Event | None = None
+        self._leave = True
+        self._error: BaseException | None = None
+        self._changes: queue.Queue[Change] = queue.Queue(CHANGES_KEPT)
+        self._callbacks: list[Callable[[Change], None]] = []
+        self._rank_assigned = threading.Condition()
+        self._last_change: Change | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Start the agent thread and wait until the agent is up.
+
+        Raises:
+            AgentError: it failed or did not come up within ``timeout_s`` seconds.
+        """
+        self._thread = threading.Thread(target=self._run, name="torchpass-agent", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise AgentError(f"the agent did not start within {timeout_s} s")
+        if self._error is not None:
+            raise AgentError(f"the agent failed to start: {self._error!r}") from self._error
+
+    def stop(self, *, leave: bool = True, timeout_s: float = 10.0) -> None:
+        """Stop the agent: a graceful leave first (``leave``), then sockets closed. Idempotent;
+        returns within about ``timeout_s`` seconds."""
+        loop, stopping = self._loop, self._stopping
+        if loop is None or stopping is None or self._thread is None:
+            return
+        self._leave = leave
+        if not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(stopping.set)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def configuration(self) -> Configuration:
+        """The current configuration (an immutable value)."""
+        return self._live().configuration
+
+    @property
+    def config_id(self) -> int:
+        return self.configuration.config_id
+
+    @property
+    def role(self) -> str:
+        """``rank``, ``spare``, ``joining``, ``leaving`` or ``removed``."""
+        return self._live().role
+
+    @property
+    def rank(self) -> int | None:
+        return self._live().rank
+
+    @property
+    def fenced(self) -> bool:
+        """True while this member must not train: quorum lost (lease expired) or removed."""
+        return self._live().fenced
+
+    @property
+    def address(self) -> Address:
+        """(host, port) of this agent's UDP and TCP sockets."""
+        address = self._live().address
+        assert address is not None
+        return address
+
+    @property
+    def status_address(self) -> Address | None:
+        """(host, port) of the HTTP status page, None when disabled."""
+        return self._live().status_address
+
+    def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The ``/status`` document, built on the agent's loop."""
+        runtime = self._live()
+        return self._call(lambda: _on_loop(runtime.status), timeout_s)
+
+    # ------------------------------------------------------------------ host -> agent
+
+    def report_progress(self, step: int, phase: str = Phase.COMMITTED) -> None:
+        """The training loop reached ``phase`` (:class:`~.runtime.Phase`) of ``step``; a
+        committed step enters this member's vote and feeds the hang watchdog. Never blocks."""
+        runtime = self._live()
+        self._post(runtime.report_progress, step, phase)
+
+    def report_error(self, exc: BaseException, *, peer_rank: int | None = None) -> None:
+        """A collective failed with ``exc`` (naming ``peer_rank`` when known): fast evidence."""
+        runtime = self._live()
+        self._post(lambda: runtime.report_error(exc, peer_rank=peer_rank))
+
+    def report_unreachable(self, member_id: int, reason: str) -> None:
+        """Fast evidence that ``member_id`` failed (its process exited, a connection reset)."""
+        runtime = self._live()
+        self._post(runtime.report_unreachable, member_id, reason)
+
+    def drain(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Ask to hand this member's rank to a spare (planned maintenance, a failing GPU)."""
+        runtime = self._live()
+        return self._call(runtime.drain, timeout_s)
+
+    # ------------------------------------------------------------------ agent -> host
+
+    def next_change(self, timeout_s: float | None = None) -> Change | None:
+        """The next decided change whose plan is ready (``plan.resume_step`` set), oldest first;
+        None if none came within ``timeout_s`` seconds (None: wait forever)."""
+        try:
+            return self._changes.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def changes(self, timeout_s: float | None = None) -> Iterator[Change]:
+        """Iterate over ready changes until none arrives within ``timeout_s`` seconds."""
+        while (change := self.next_change(timeout_s)) is not None:
+            yield change
+
+    def on_change(self, callback: Callable[[Change], None]) -> None:
+        """Call ``callback(change)`` on the agent's thread for every ready change from now on.
+        It must return quickly: the agent's timers wait for it."""
+        self._callbacks.append(callback)
+
+    def wait_for_rank(self, timeout_s: float | None = None) -> Change:
+        """For a spare: block until a decided change gives this member a rank; return it
+        (``change.configuration.rank_of(agent.member_id)`` is the rank, ``change.plan`` names
+        the state sources and ``resume_step``).
+
+        Raises:
+            TimeoutError: no rank within ``timeout_s`` seconds.
+            AgentError: this member was removed, or the agent stopped.
+        """
+        with self._rank_assigned:
+            ok = self._rank_assigned.wait_for(lambda: self._assignment() is not None
+                                              or self._finished(), timeout_s)
+            if not ok:
+                raise TimeoutError(f"no rank assigned within {timeout_s} s")
+            change = self._assignment()
+            if change is None:
+                raise AgentError("the agent stopped or this member was removed before a rank "
+                                 "was assigned")
+            return change
+
+    # ------------------------------------------------------------------ the agent thread
+
+    def _run(self) -> None:
+        try:
+            import uvloop
+            loop = uvloop.new_event_loop()
+        except ImportError:  # uvloop is optional (no wheels on some platforms)
+            loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self._main())
+        except BaseException as exc:  # the thread's last word: recorded for the host
+            self._error = exc
+        finally:
+            self._ready.set()
+            with self._rank_assigned:
+                self._rank_assigned.notify_all()
+            loop.run_until_complete(asyncio.sleep(0))  # close callbacks of failed transports
+            loop.close()
+
+    async def _main(self) -> None:
+        self._stopping = asyncio.Event()
+        runtime = AgentRuntime(self.settings)
+        await runtime.start()
+        runtime.add_listener(self._on_change)
+        self._runtime = runtime
+        self._ready.set()
+        try:
+            await self._stopping.wait()
+        finally:
+            await runtime.stop(leave=self._leave)
+
+    def _on_change(self, change: Change) -> None:
+        if self._changes.full():
+            self._changes.get_nowait()
+        self._changes.put_nowait(change)
+        self._last_change = change
+        with self._rank_assigned:
+            self._rank_assigned.notify_all()
+        for callback in list(self._callbacks):
+            callback(change)
+
+    def _assignment(self) -> Change | None:
+        change = self._last_change
+        if change is None:
+            return None
+        return change if change.configuration.rank_of(self.member_id) is not None else None
+
+    def _finished(self) -> bool:
+        runtime = self._runtime
+        thread = self._thread
+        return (runtime is None or runtime.stopped or runtime.role == "removed"
+                or thread is None or not thread.is_alive())
+
+    def _live(self) -> AgentRuntime:
+        runtime = self._runtime
+        if runtime is None:
+            raise AgentError(f"the agent is not running: {self._error!r}")
+        return runtime
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            raise AgentError("the agent is not running")
+        loop.call_soon_threadsafe(fn, *args)
+
+    def _call(self, coro_fn: Callable[[], Any], timeout_s: float) -> Any:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            raise AgentError("the agent is not running")
+        future = asyncio.run_coroutine_threadsafe(coro_fn(), loop)
+        try:
+            return future.result(timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"the agent did not answer within {timeout_s} s") from None
+
+
+async def _on_loop(fn: Callable[[], Any]) -> Any:
+    return fn()

@@ -1,0 +1,530 @@
+"""One live agent on an asyncio loop: the sans-IO core driven by sockets and a real clock.
+
+:class:`AgentRuntime` is the async API. Many of them can share one loop (the tests run 16);
+:func:`torchpass_p2p.start` runs one in a background thread of a training process.
+
+The driving rule is aioquic's: every input (a datagram, a timer, a call from the host) goes into
+the core with ``now``, then everything the core queued is pulled at once: datagrams are sealed and
+sent, events are logged, counted and handed to listeners. One task owns the timer; it sleeps until
+``Member.next_deadline()`` or until an input moved the deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from torchpass_p2p.core import events as ev
+from torchpass_p2p.core.configuration import Address, Configuration
+from torchpass_p2p.core.membership import Member
+from torchpass_p2p.core.messages import Joiner, MemberId, MemberState, format_member_id
+from torchpass_p2p.core.plan import Plan
+
+from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
+from .http import http_token
+from .settings import AgentSettings
+from .transport import Kind, Received, Transport, TransportError
+
+__all__ = ["AgentRuntime", "Change", "Phase"]
+
+log = logging.getLogger("torchpass_p2p.agent")
+events_log = logging.getLogger("torchpass_p2p.events")
+
+RECENT_EVENTS = 64
+"""Events kept for ``/status``."""
+JOIN_FETCH_TIMEOUT_S = 30.0
+"""How long a joining process keeps asking its seeds for the configuration."""
+
+
+class Phase:
+    """Where the training loop is within a step (``report_progress``), DESIGN section 6."""
+
+    COMPUTE = "compute"
+    """Forward and backward: no peer involved; a hang here is this process's fault."""
+    COLLECTIVE = "collective"
+    """Inside the gradient or commit all-reduce: waiting on peers."""
+    COMMITTED = "committed"
+    """The commit all-reduce of ``step`` completed: the step rolls forward."""
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A decided configuration change, handed to the host once its plan is ready.
+
+    ``plan.resume_step`` is set: every member of ``configuration`` resumes there.
+    """
+
+    configuration: Configuration
+    plan: Plan
+    round: int
+    decided_at: float
+    ready_at: float
+
+
+Listener = Callable[[Change], None]
+
+
+class AgentRuntime:
+    """The core of member ``settings.member_id`` made live (module docstring).
+
+    Args:
+        settings: see :class:`~.settings.AgentSettings`.
+        clock: monotonic seconds; the core's only notion of time.
+        rng: the core's randomness (seeded in tests); default a fresh ``random.Random``.
+        health: a started-later health monitor (:class:`~.health.HealthMonitor`), or None to
+            build one when ``settings.health`` is true.
+    """
+
+    def __init__(self, settings: AgentSettings, *, clock: Callable[[], float] = time.monotonic,
+                 rng: random.Random | None = None, health: Any = None) -> None:
+        self.settings = settings
+        self.member_id = settings.member_id
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self.member: Member | None = None
+        self.transport = Transport(
+            settings.cluster, settings.keyring, settings.member_id,
+            on_message=self._on_message, on_send_error=self._on_send_error,
+            on_request=self._on_request)
+        self.address: Address | None = None
+        self.status_address: Address | None = None
+        self.http_token = http_token(settings.keyring)
+        self._peer_addresses: dict[MemberId, Address] = {}
+        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
+        self._listeners: list[Listener] = []
+        self._changes: deque[Change] = deque(maxlen=64)
+        self._decided: dict[int, ev.ConfigurationDecided] = {}
+        self.decided_at: dict[int, float] = {}
+        """config_id -> when (clock seconds) this member learned the decision: timelines."""
+        self._accused_at: dict[MemberId, float] = {}
+        self._event_counts: Counter[str] = Counter()
+        self._health_faults: Counter[str] = Counter()
+        self._metrics_at = 0.0
+        self._wake = asyncio.Event()
+        self._driver: asyncio.Task[None] | None = None
+        self._status_server: Any = None
+        self._health: Any = health
+        self.metrics: Any = None
+        self.step = -1
+        self.phase = Phase.COMPUTE
+        self._progress_at = clock()
+        self._hang_reported = False
+        self.stopped = False
+        self.draining = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Bind the sockets, join or enter configuration 0, start the timer task, the status
+        page and the health monitor.
+
+        Raises:
+            OSError: the bind address is taken.
+            TransportError: joining, and no seed gave a configuration within 30 s.
+        """
+        s = self.settings
+        self.address = await self.transport.start(s.bind)
+        if s.configuration is not None:
+            self.member = Member(s.member_id, s.configuration, params=s.params, rng=self._rng,
+                                 now=self._clock(), policy=s.policy)
+        else:
+            config = await self._fetch_configuration()
+            seeds = _seed_members(config, s.seeds)
+            joiner = Joiner(s.member_id, self.address[0], self.address[1], s.topology)
+            self.member = Member(s.member_id, config, params=s.params, rng=self._rng,
+                                 now=self._clock(), policy=s.policy, joining=joiner, seeds=seeds)
+        self._start_metrics()
+        if s.status is not None:
+            await self._start_status(s.status)
+        if s.health:
+            self._start_health()
+        self._driver = asyncio.create_task(self._drive(), name=f"agent-{self.member_id:016x}")
+        self._flush()
+        log.info("member %016x up on %s:%d, config %d, role %s", self.member_id,
+                 *self.address, self.member.configuration.config_id, self.role)
+
+    async def stop(self, *, leave: bool = True) -> None:
+        """Stop: announce a graceful leave first (``leave``), then close everything. Bounded."""
+        if self.stopped:
+            return
+        if leave and self.member is not None and not self.member.removed:
+            self.member.leave(self._clock())
+            self._flush()
+            await asyncio.sleep(0.05)  # let the Left datagrams out before the socket closes
+        self.stopped = True
+        if self._driver is not None:
+            self._driver.cancel()
+            await asyncio.gather(self._driver, return_exceptions=True)
+        if self._health is not None:
+            self._health.stop(1.0)
+        if self._status_server is not None:
+            await self._status_server.stop()
+        await self.transport.close()
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def configuration(self) -> Configuration:
+        assert self.member is not None, "start() first"
+        return self.member.configuration
+
+    @property
+    def role(self) -> str:
+        m = self.member
+        if m is None or m.joining is not None:
+            return "joining"
+        if m.removed:
+            return "removed"
+        if m.left:
+            return "leaving"
+        return m.configuration.role_of(self.member_id) or "removed"
+
+    @property
+    def rank(self) -> int | None:
+        m = self.member
+        return None if m is None or m.removed else m.configuration.rank_of(self.member_id)
+
+    @property
+    def fenced(self) -> bool:
+        """True while training must not go on (quorum lost, or removed)."""
+        m = self.member
+        return m is None or m.removed or m.fenced
+
+    # ------------------------------------------------------------------ inputs from the host
+
+    def report_progress(self, step: int, phase: str = Phase.COMMITTED) -> None:
+        """The training loop is at ``step`` in ``phase`` (:class:`Phase`); a committed step goes
+        into this member's vote and progress report (DESIGN section 6)."""
+        self.step = max(self.step, step) if phase == Phase.COMMITTED else self.step
+        self.phase = phase
+        self._progress_at = self._clock()
+        self._hang_reported = False
+        if phase == Phase.COMMITTED and self.member is not None:
+            self.member.report_progress(step)
+            if self.metrics is not None:
+                self.metrics.set_step(step)
+
+    def report_unreachable(self, member_id: MemberId, reason: str) -> bool:
+        """Fast evidence that ``member_id`` failed (a reset connection, a failed collective
+        naming it, its process exited): an observer alerts at once, anyone else probes it now.
+        Returns True when an alert was raised. Never raises for an unknown member."""
+        if self.member is None or self.stopped:
+            return False
+        log.info("evidence against %016x: %s", member_id, reason)
+        raised = self.member.report_unreachable(self._clock(), member_id)
+        self._flush()
+        return raised
+
+    def report_error(self, exc: BaseException, *, peer_rank: int | None = None) -> bool:
+        """A collective failed with ``exc``. With ``peer_rank`` (the rank it names, when known)
+        this is evidence against that rank's holder; without, it is only counted and logged:
+        probing finds the failed member. Returns True when an alert was raised."""
+        log.warning("collective error reported: %r", exc)
+        if self.member is None or peer_rank is None:
+            return False
+        ranks = self.member.configuration.ranks
+        holder = ranks[peer_rank] if 0 <= peer_rank < len(ranks) else None
+        if holder is None:
+            return False
+        return self.report_unreachable(holder, f"collective error: {exc!r:.80}")
+
+    async def drain(self) -> dict[str, Any]:
+        """Hand this member's rank to a spare (planned maintenance, a failing GPU): leave
+        gracefully; the agreement decides the change and a spare takes the rank. This member
+        stays up (a state source) until it is out of the configuration."""
+        if self.member is None or self.stopped:
+            return {"draining": False, "reason": "not running"}
+        if not self.draining:
+            self.draining = True
+            self.member.leave(self._clock())
+            self._flush()
+        return {"draining": True, "member_id": format_member_id(self.member_id),
+                "config_id": self.member.configuration.config_id, "rank": self.rank}
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call ``listener(change)`` on the loop for every ready change from now on."""
+        self._listeners.append(listener)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        """The ``/status`` document (schema in :mod:`.http`)."""
+        m = self.member
+        members = []
+        if m is not None:
+            config = m.configuration
+            for member in config.members:
+                state, inc = m.state_of(member)
+                addr = config.addresses.get(member)
+                members.append({
+                    "member_id": format_member_id(member),
+                    "role": config.role_of(member),
+                    "rank": config.rank_of(member),
+                    "state": MemberState(state).name.lower(),
+                    "incarnation": inc,
+                    "address": f"{addr[0]}:{addr[1]}" if addr else "",
+                })
+        return {
+            "member_id": format_member_id(self.member_id),
+            "cluster": self.settings.cluster,
+            "role": self.role,
+            "rank": self.rank,
+            "config_id": -1 if m is None else m.configuration.config_id,
+            "world_size": 0 if m is None else m.configuration.world_size,
+            "step": self.step,
+            "phase": self.phase,
+            "fenced": self.fenced,
+            "draining": self.draining,
+            "members": members,
+            "recent_events": list(self._recent),
+            "health": self._health.status() if self._health is not None else
+            {"enabled": False, "reason": "disabled by settings"},
+            "counters": self.counters(),
+        }
+
+    def counters(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if self.member is not None:
+            out.update(self.member.counters)
+        out.update(self.transport.traffic)
+        out.update({f"rejected_{k}": v for k, v in self.transport.rejected.items()})
+        out.update({f"rejected_frame_{k}": v for k, v in self.transport.rejected_frames.items()})
+        return out
+
+    def refresh_metrics(self) -> None:
+        """Bring ``metrics`` up to date with the core and the sockets (once a second, and
+        before each scrape)."""
+        metrics, member = self.metrics, self.member
+        if metrics is None or member is None:
+            return
+        by_state: Counter[str] = Counter()
+        by_role: Counter[str] = Counter()
+        config = member.configuration
+        for m in config.members:
+            by_state[MemberState(member.state_of(m)[0]).name.lower()] += 1
+            by_role[config.role_of(m) or "removed"] += 1
+        metrics.set_members(by_state, by_role)
+        metrics.set_config(config.config_id)
+        metrics.set_fenced(self.fenced)
+        traffic = self.transport.traffic
+        metrics.sync_rejected(self.transport.rejected)
+        metrics.sync_rejected_frames(self.transport.rejected_frames)
+        metrics.sync_counters("bytes", {"sent": traffic["bytes_sent"],
+                                        "received": traffic["bytes_received"]})
+        metrics.sync_counters("datagrams", {"sent": traffic["datagrams_sent"],
+                                            "received": traffic["datagrams_received"]})
+        metrics.sync_counters("events", self._event_counts)
+        metrics.sync_counters("health_faults", self._health_faults)
+
+    # ------------------------------------------------------------------ driving the core
+
+    async def _drive(self) -> None:
+        assert self.member is not None
+        member = self.member
+        while True:
+            delay = min(member.next_deadline() - self._clock(), 1.0)
+            if delay > 0:
+                self._wake.clear()
+                try:
+                    async with asyncio.timeout(delay):
+                        await self._wake.wait()
+                except TimeoutError:
+                    pass
+            now = self._clock()
+            if now >= member.next_deadline():
+                member.handle_timer(now)
+            self._watch_hang(now)
+            self._flush()
+            if now >= self._metrics_at:
+                self._metrics_at = now + 1.0
+                self.refresh_metrics()
+
+    def _flush(self) -> None:
+        member = self.member
+        if member is None:
+            return
+        out = member.messages_to_send()
+        if out:
+            addresses = member.configuration.addresses
+            incarnation = member.incarnation
+            for dest, message in out:
+                address = self._peer_addresses.get(dest) or addresses.get(dest)
+                if address is None:
+                    self.transport.traffic["dropped_no_address"] += 1
+                    continue
+                self.transport.send(address, message, incarnation)
+        while (event := member.next_event()) is not None:
+            self._on_event(event)
+        self._wake.set()
+
+    def _on_message(self, received: Received) -> None:
+        member = self.member
+        if member is None or self.stopped:
+            return
+        # Where an authenticated sender really is: joiners are in no configuration yet.
+        self._peer_addresses[received.sender] = received.address
+        member.receive(self._clock(), received.sender, received.message)
+        self._flush()
+
+    def _on_send_error(self, address: Address, exc: OSError) -> None:
+        member = self.member
+        if member is None:
+            return
+        dest = self._member_at(address)
+        if dest is not None:
+            member.report_send_error(self._clock(), dest)
+            self._flush()
+
+    def _on_request(self, kind: int, body: bytes) -> tuple[int, bytes] | None:
+        if kind != Kind.CONFIG_REQUEST or self.member is None:
+            return None
+        data = configuration_to_data(self.member.configuration)
+        return Kind.CONFIG_REPLY, msgpack.packb(data)
+
+    def _member_at(self, address: Address) -> MemberId | None:
+        for member, addr in self._peer_addresses.items():
+            if addr == address:
+                return member
+        if self.member is not None:
+            for member, addr in self.member.configuration.addresses.items():
+                if addr == address:
+                    return member
+        return None
+
+    # ------------------------------------------------------------------ events
+
+    def _on_event(self, event: ev.Event) -> None:
+        kind = type(event).__name__
+        detail = _describe(event)
+        self._recent.append({"at": event.at, "type": kind, "detail": detail})
+        config_id = self.member.configuration.config_id if self.member else -1
+        events_log.info("%s %s", kind, detail,
+                        extra={"member_id": format_member_id(self.member_id),
+                               "config_id": config_id})
+        self._event_counts[kind] += 1
+        if isinstance(event, (ev.MemberSuspected, ev.AlertRaised)):
+            subject = event.member if isinstance(event, ev.MemberSuspected) else event.subject
+            self._accused_at.setdefault(subject, event.at)
+        elif isinstance(event, ev.ConfigurationDecided):
+            self._decided[event.configuration.config_id] = event
+            self.decided_at[event.configuration.config_id] = event.at
+            if self.metrics is not None:
+                self.metrics.decided("fast" if event.round == 0 else "classic")
+                self.metrics.set_config(event.configuration.config_id)
+                for gone in event.plan.removed:
+                    if gone in self._accused_at:
+                        self.metrics.observe_detection(event.at - self._accused_at.pop(gone))
+        elif isinstance(event, ev.PlanReady):
+            decided = self._decided.pop(event.plan.config_id, None)
+            if decided is not None:
+                change = Change(decided.configuration, event.plan, decided.round, decided.at,
+                                event.at)
+                self._changes.append(change)
+                for listener in list(self._listeners):
+                    listener(change)
+
+    # ------------------------------------------------------------------ health and hangs
+
+    def _watch_hang(self, now: float) -> None:
+        timeout = self.settings.hang_timeout_s
+        if (timeout is None or self._hang_reported or self.role != "rank"
+                or now - self._progress_at < timeout):
+            return
+        self._hang_reported = True
+        if self.metrics is not None:
+            self.metrics.hang_fired()
+        if self.phase == Phase.COLLECTIVE:
+            # Waiting on peers: probing and their own watchdogs find the one that hangs.
+            log.warning("no progress for %.1f s inside a collective at step %d", timeout,
+                        self.step)
+            return
+        log.error("training loop made no progress for %.1f s in %s: asking to be replaced",
+                  timeout, self.phase)
+        self._recent.append({"at": now, "type": "HangDetected", "detail": self.phase})
+        asyncio.get_running_loop().create_task(self.drain())
+
+    def _start_health(self) -> None:
+        if self._health is None:
+            try:
+                from .health import HealthMonitor
+            except ImportError:  # the health module is optional at this layer
+                return
+            self._health = HealthMonitor()
+        loop = asyncio.get_running_loop()
+        self._health.start(lambda fault: loop.call_soon_threadsafe(self._on_health_fault, fault))
+
+    def _on_health_fault(self, fault: Any) -> None:
+        self._recent.append({"at": self._clock(), "type": "HealthFault",
+                             "detail": f"{fault.kind}: {fault.detail}"})
+        self._health_faults[str(fault.kind)] += 1
+        if fault.severity == "migrate" and self.role == "rank":
+            log.error("GPU fault %s (%s): asking to be migrated", fault.kind, fault.detail)
+            asyncio.get_running_loop().create_task(self.drain())
+
+    # ------------------------------------------------------------------ pieces built on demand
+
+    def _start_metrics(self) -> None:
+        try:
+            from .metrics import AgentMetrics
+        except ImportError:
+            return
+        self.metrics = AgentMetrics()
+
+    async def _start_status(self, address: Address) -> None:
+        from .http import StatusServer
+
+        self._status_server = StatusServer(self, self.metrics, host=address[0],
+                                           port=address[1], token=self.http_token)
+        self.status_address = await self._status_server.start()
+
+    async def _fetch_configuration(self) -> Configuration:
+        deadline = self._clock() + JOIN_FETCH_TIMEOUT_S
+        last: Exception | None = None
+        while self._clock() < deadline:
+            for seed in self.settings.seeds:
+                try:
+                    kind, body = await self.transport.request(seed, Kind.CONFIG_REQUEST, b"")
+                    if kind != Kind.CONFIG_REPLY:
+                        raise TransportError(f"unexpected reply kind {kind}")
+                    return configuration_from_data(msgpack.unpackb(
+                        body, raw=False, strict_map_key=False, max_array_len=MAX_MEMBERS,
+                        max_map_len=MAX_MEMBERS, max_str_len=1024, max_bin_len=0,
+                        max_ext_len=0))
+                except (TransportError, BootstrapError, ValueError) as exc:
+                    last = exc
+                    log.warning("seed %s:%d gave no configuration: %s", *seed, exc)
+            await asyncio.sleep(0.5)
+        raise TransportError(f"no seed gave a configuration within {JOIN_FETCH_TIMEOUT_S} s: "
+                             f"{last}")
+
+
+def _seed_members(config: Configuration, seeds: tuple[Address, ...]) -> tuple[MemberId, ...]:
+    at = {addr: m for m, addr in config.addresses.items()}
+    chosen = tuple(at[s] for s in seeds if s in at)
+    return chosen or config.members[:3]
+
+
+def _describe(event: ev.Event) -> str:
+    parts = []
+    for name in event.__slots__:  # type: ignore[attr-defined]
+        if name == "at":
+            continue
+        value = getattr(event, name)
+        if isinstance(value, Configuration):
+            value = f"config {value.config_id} ({value.world_size} ranks, " \
+                    f"{len(value.spares)} spares)"
+        elif isinstance(value, Plan):
+            value = (f"plan {value.config_id}: assignments {list(value.assignments)}, "
+                     f"resume {value.resume_step}")
+        elif isinstance(value, int) and name in ("member", "observer", "subject", "confirmer"):
+            value = format_member_id(value)
+        parts.append(f"{name}={value}")
+    return " ".join(parts)

@@ -1,0 +1,376 @@
+"""Sockets of one agent: UDP datagrams for gossip, TCP frames for what does not fit and requests.
+
+Both listen on the same port number. A core message whose sealed datagram fits
+``max_datagram_bytes`` (1,400: no IP fragmentation) goes by UDP; a larger one (a full
+``SyncState``, a ``Vote`` with a full cut) goes as one TCP frame to the same address. A joining
+process asks a seed for the current configuration over TCP (request/reply on one connection).
+
+Every datagram and frame is sealed (ChaCha20-Poly1305, :mod:`torchpass_p2p.core.seal`). TCP uses
+sub-keys derived for it (:meth:`~torchpass_p2p.core.seal.Keyring.derive`) so its counters never
+reuse a datagram's nonce. A frame is a 4-byte big-endian length and a sealed body whose first
+byte is its kind. Bad input is dropped and counted by reason in ``rejected`` (datagrams, the
+reasons of :mod:`torchpass_p2p.core.wire`) and ``rejected_frames`` (TCP); it never raises out of
+a callback and never reaches the core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import struct
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torchpass_p2p.core.codec import DecodeError, decode, encode
+from torchpass_p2p.core.configuration import Address
+from torchpass_p2p.core.messages import MemberId, Message
+from torchpass_p2p.core.seal import OVERHEAD_BYTES, Keyring, Opener, OpenError, Sealer
+from torchpass_p2p.core.wire import DEFAULT_MAX_DATAGRAM_BYTES, Wire
+
+__all__ = ["Kind", "Transport", "TransportError"]
+
+log = logging.getLogger(__name__)
+
+_LENGTH = struct.Struct(">I")
+STREAM_LABEL = b"torchpass tcp frames v1"
+MAX_INBOUND_FRAME = 64 * 1024
+"""Largest frame a member accepts unasked (bytes): a core message is at most 2 KiB."""
+MAX_REPLY_FRAME = 64 * 1024 * 1024
+"""Largest reply a requester reads (bytes): a 131k-member configuration is about 20 MB."""
+MAX_INBOUND_CONNECTIONS = 256
+OUTBOUND_QUEUE = 256
+"""Frames waiting per destination; more are dropped and counted (gossip repairs loss)."""
+CONNECT_TIMEOUT_S = 2.0
+IDLE_TIMEOUT_S = 30.0
+"""An inbound or outbound connection with no frame for this long is closed."""
+
+
+class Kind:
+    """First byte of a frame's body."""
+
+    MESSAGE = 0
+    """A core message (codec body), handled as if it had come by UDP."""
+    CONFIG_REQUEST = 1
+    CONFIG_REPLY = 2
+
+
+class TransportError(ConnectionError):
+    """A request that got no valid reply: refused, timed out, or answered with a bad frame."""
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """An authenticated core message and where it came from."""
+
+    sender: MemberId
+    incarnation: int
+    message: Message
+    address: Address
+
+
+OnMessage = Callable[[Received], None]
+OnSendError = Callable[[Address, OSError], None]
+OnRequest = Callable[[int, bytes], "tuple[int, bytes] | None"]
+
+
+class Transport:
+    """UDP and TCP endpoints of member ``member_id`` (module docstring).
+
+    Callbacks run on the event loop: ``on_message`` for every authenticated core message,
+    ``on_send_error`` when a send to an address fails at once (e.g. ENETUNREACH),
+    ``on_request(kind, body)`` for a TCP request, returning ``(kind, body)`` to reply or None.
+
+    Counters: ``rejected`` (datagrams, by reason), ``rejected_frames`` (TCP, by reason),
+    ``traffic`` (``datagrams_sent``, ``bytes_sent``, ``datagrams_received``,
+    ``bytes_received``, ``frames_sent``, ``frames_received``, ``dropped_*``).
+    """
+
+    def __init__(
+        self,
+        cluster: str,
+        keyring: Keyring,
+        member_id: MemberId,
+        *,
+        on_message: OnMessage,
+        on_send_error: OnSendError,
+        on_request: OnRequest,
+        max_datagram_bytes: int = DEFAULT_MAX_DATAGRAM_BYTES,
+    ) -> None:
+        self.member_id = member_id
+        self._wire = Wire(cluster, keyring, member_id, max_datagram_bytes)
+        stream_keys = keyring.derive(STREAM_LABEL)
+        self._stream_sealer = Sealer(cluster, stream_keys, member_id)
+        self._stream_opener = Opener(cluster, stream_keys, member_id)
+        self._cluster = cluster
+        self._stream_keys = stream_keys
+        self._on_message = on_message
+        self._on_send_error = on_send_error
+        self._on_request = on_request
+        self.rejected_frames: Counter[str] = Counter()
+        self.traffic: Counter[str] = Counter()
+        self._udp: asyncio.DatagramTransport | None = None
+        self._server: asyncio.Server | None = None
+        self._outbound: dict[Address, asyncio.Queue[bytes]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._inbound = 0
+        self._sending_to: Address | None = None
+        self.address: Address | None = None
+
+    @property
+    def rejected(self) -> Counter[str]:
+        return self._wire.rejected
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self, bind: Address) -> Address:
+        """Bind UDP and TCP on ``bind`` (port 0: a free port both can use); return the address.
+
+        Raises:
+            OSError: the address cannot be bound.
+        """
+        loop = asyncio.get_running_loop()
+        host, port = bind
+        for _ in range(20 if port == 0 else 1):
+            # Bound here, not by create_datagram_endpoint: uvloop leaks its transport when
+            # the bind inside it fails.
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                sock.bind((host, port))
+            except OSError:
+                sock.close()
+                raise
+            sock.setblocking(False)
+            udp, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(self), sock=sock)
+            actual = sock.getsockname()[1]
+            try:
+                self._server = await asyncio.start_server(
+                    self._serve, host, actual, limit=MAX_INBOUND_FRAME + 8,
+                    reuse_address=True)
+            except OSError:
+                udp.close()
+                await asyncio.sleep(0)  # let the transport finish closing
+                if port != 0:
+                    raise
+                continue  # the TCP port of that number is taken: draw another
+            self._udp = udp
+            self.address = (host, actual)
+            return self.address
+        raise OSError(f"no port free for both UDP and TCP on {host}")
+
+    async def close(self) -> None:
+        """Close both sockets and every connection; bounded (cancels what is left)."""
+        if self._udp is not None:
+            self._udp.close()
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2.0)
+        if self._server is not None:
+            try:
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+            except TimeoutError:
+                log.warning("TCP server of %016x did not close within 2 s", self.member_id)
+
+    # ------------------------------------------------------------------ sending
+
+    def send(self, address: Address, message: Message, incarnation: int) -> None:
+        """Seal ``message`` and send it to ``address``: UDP if it fits, else a TCP frame.
+
+        Never raises for a peer's sake: an unsendable message is counted (``dropped_invalid``)
+        and a failing socket is reported through ``on_send_error``.
+        """
+        if self._udp is None or self._udp.is_closing():
+            return
+        try:
+            datagram = self._wire.seal(message, incarnation)
+        except ValueError:
+            self._send_frame_message(address, message, incarnation)
+            return
+        self._sending_to = address
+        try:
+            self._udp.sendto(datagram, address)
+        finally:
+            self._sending_to = None
+        self.traffic["datagrams_sent"] += 1
+        self.traffic["bytes_sent"] += len(datagram)
+
+    def _send_frame_message(self, address: Address, message: Message, incarnation: int) -> None:
+        try:
+            body = encode(message)
+        except ValueError:
+            self.traffic["dropped_invalid"] += 1
+            log.exception("core produced a message the codec refuses: %r", message)
+            return
+        frame = self._frame(Kind.MESSAGE, body, incarnation)
+        queue = self._outbound.get(address)
+        if queue is None:
+            queue = self._outbound[address] = asyncio.Queue(OUTBOUND_QUEUE)
+            self._own(self._write_frames(address, queue))
+        try:
+            queue.put_nowait(frame)
+        except asyncio.QueueFull:
+            self.traffic["dropped_queue_full"] += 1
+
+    def _frame(self, kind: int, body: bytes, incarnation: int) -> bytes:
+        sealed = self._stream_sealer.seal(bytes((kind,)) + body, incarnation)
+        return _LENGTH.pack(len(sealed)) + sealed
+
+    async def _write_frames(self, address: Address, queue: asyncio.Queue[bytes]) -> None:
+        writer = None
+        try:
+            _, writer = await asyncio.wait_for(
+                asyncio.open_connection(*address), CONNECT_TIMEOUT_S)
+            while True:
+                try:
+                    frame = await asyncio.wait_for(queue.get(), IDLE_TIMEOUT_S)
+                except TimeoutError:
+                    return
+                writer.write(frame)
+                await asyncio.wait_for(writer.drain(), CONNECT_TIMEOUT_S)
+                self.traffic["frames_sent"] += 1
+                self.traffic["bytes_sent"] += len(frame)
+        except (OSError, TimeoutError) as exc:
+            self.traffic["dropped_connect_failed"] += queue.qsize() + 1
+            if isinstance(exc, OSError):
+                self._on_send_error(address, exc)
+        finally:
+            if self._outbound.get(address) is queue:
+                del self._outbound[address]
+            if writer is not None:
+                writer.close()
+
+    # ------------------------------------------------------------------ requests
+
+    async def request(self, address: Address, kind: int, body: bytes, *,
+                      timeout_s: float = 5.0) -> tuple[int, bytes]:
+        """Send one request frame to ``address`` and return the reply's (kind, body).
+
+        Raises:
+            TransportError: no connection, no reply within ``timeout_s`` seconds, or a reply
+                that does not open under the cluster key.
+        """
+        writer = None
+        try:
+            async with asyncio.timeout(timeout_s):
+                reader, writer = await asyncio.open_connection(*address, limit=1 << 20)
+                writer.write(self._frame(kind, body, 0))
+                await writer.drain()
+                header = await reader.readexactly(_LENGTH.size)
+                (size,) = _LENGTH.unpack(header)
+                if size > MAX_REPLY_FRAME:
+                    raise TransportError(f"reply of {size} bytes from {address} is too large")
+                data = await reader.readexactly(size)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            raise TransportError(f"request to {address[0]}:{address[1]} failed: {exc!r}") from exc
+        finally:
+            if writer is not None:
+                writer.close()
+        # A fresh opener: replies come from whoever answers, on a one-off connection.
+        try:
+            _, _, plain = Opener(self._cluster, self._stream_keys, self.member_id).open(data)
+        except OpenError as exc:
+            raise TransportError(f"reply from {address} rejected: {exc.reason}") from exc
+        if not plain:
+            raise TransportError(f"empty reply from {address}")
+        return plain[0], plain[1:]
+
+    # ------------------------------------------------------------------ receiving
+
+    def _datagram(self, data: bytes, address: Address) -> None:
+        self.traffic["datagrams_received"] += 1
+        self.traffic["bytes_received"] += len(data)
+        opened = self._wire.open(data)
+        if opened is not None:
+            self._deliver(Received(opened.sender, opened.incarnation, opened.message,
+                                   (address[0], address[1])))
+
+    def _deliver(self, received: Received) -> None:
+        try:
+            self._on_message(received)
+        except Exception:  # a bug in our handler must not kill the socket
+            self.traffic["handler_errors"] += 1
+            log.exception("handling a message from %016x failed", received.sender)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._inbound >= MAX_INBOUND_CONNECTIONS:
+            self.rejected_frames["too_many_connections"] += 1
+            writer.close()
+            return
+        self._inbound += 1
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        peer = writer.get_extra_info("peername") or ("?", 0)
+        try:
+            while True:
+                reason = await self._serve_frame(reader, writer, (peer[0], peer[1]))
+                if reason is not None:
+                    if reason != "closed":
+                        self.rejected_frames[reason] += 1
+                    return
+        finally:
+            self._inbound -= 1
+            writer.close()
+
+    async def _serve_frame(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           peer: Address) -> str | None:
+        """Read and handle one frame; the reason to close the connection, or None."""
+        try:
+            async with asyncio.timeout(IDLE_TIMEOUT_S):
+                header = await reader.readexactly(_LENGTH.size)
+                (size,) = _LENGTH.unpack(header)
+                if size > MAX_INBOUND_FRAME:
+                    return "too_large"
+                if size < OVERHEAD_BYTES + 1:
+                    return "too_short"
+                data = await reader.readexactly(size)
+        except asyncio.IncompleteReadError as exc:
+            return "closed" if not exc.partial else "truncated"
+        except (TimeoutError, OSError):
+            return "closed"
+        self.traffic["frames_received"] += 1
+        self.traffic["bytes_received"] += _LENGTH.size + size
+        try:
+            sender, incarnation, plain = self._stream_opener.open(data)
+        except OpenError as exc:
+            return exc.reason
+        kind, body = plain[0], plain[1:]
+        if kind == Kind.MESSAGE:
+            try:
+                message = decode(body)
+            except DecodeError as exc:
+                return "decode_" + exc.reason
+            self._deliver(Received(sender, incarnation, message, peer))
+            return None
+        reply = self._on_request(kind, body)
+        if reply is None:
+            return "unknown_kind"
+        writer.write(self._frame(reply[0], reply[1], 0))
+        await writer.drain()
+        return None
+
+    def _own(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+class _Datagrams(asyncio.DatagramProtocol):
+    def __init__(self, owner: Transport) -> None:
+        self._owner = owner
+
+    def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
+        self._owner._datagram(data, addr)
+
+    def error_received(self, exc: OSError) -> None:
+        # asyncio reports a failed sendto here, synchronously inside sendto(), so the
+        # destination is still known; ICMP errors arriving later have none and are counted only.
+        owner = self._owner
+        owner.traffic["send_errors"] += 1
+        if owner._sending_to is not None:
+            owner._on_send_error(owner._sending_to, exc)
