@@ -1,0 +1,100 @@
+"""Test utilities for the launcher: run ``torchpass-p2p launch`` as a real process and read
+what its children report.
+
+Child scripts write their environment (plus their pid) as ``<member id>.json`` into an output
+directory given as their first argument; the test then inspects the live processes and files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+ENV_DUMP = '''
+import json, os, sys
+from pathlib import Path
+
+def dump(out: Path, **extra):
+    me = os.environ["TORCHPASS_MEMBER_ID"]
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith("TORCHPASS_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                  "LOCAL_WORLD_SIZE")}
+    env["pid"] = os.getpid()
+    env.update(extra)
+    tmp = out / f"{me}.tmp"
+    tmp.write_text(json.dumps(env))
+    tmp.rename(out / f"{me}.json")
+    return env
+'''
+
+
+def write_script(directory: Path, name: str, body: str) -> Path:
+    """``directory/name`` holding :data:`ENV_DUMP` followed by ``body``."""
+    path = directory / name
+    path.write_text(ENV_DUMP + body)
+    return path
+
+
+def clean_environ() -> dict[str, str]:
+    """The test's environment without any launcher contract variable."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("TORCHPASS_") and k not in drop}
+
+
+def start_launcher(args: Sequence[str], *, env: dict[str, str] | None = None,
+                   ) -> subprocess.Popen[bytes]:
+    """``python -m torchpass_p2p.cli.main launch ARGS`` in the repository root."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torchpass_p2p.cli.main", "launch", *args],
+        cwd=REPO, env=clean_environ() if env is None else env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish(launcher: subprocess.Popen[bytes], timeout_s: float = 10.0) -> tuple[int, str]:
+    """Wait for the launcher (kill it after ``timeout_s``); its exit code and output."""
+    try:
+        out, _ = launcher.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        launcher.kill()
+        out, _ = launcher.communicate()
+        raise AssertionError(f"launcher did not exit:\n{out.decode()}") from None
+    return launcher.returncode, out.decode()
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float = 8.0, what: str = "condition") -> Any:
+    """Poll ``check`` every 20 ms until it returns something truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def reports(out: Path, count: int, timeout_s: float = 8.0) -> list[dict[str, Any]]:
+    """The environments of ``count`` children, once that many have reported."""
+    def ready() -> list[Path] | None:
+        files = sorted(out.glob("*.json"))
+        return files if len(files) >= count else None
+    files = wait_for(ready, timeout_s, f"{count} child reports in {out}")
+    return [json.loads(f.read_text()) for f in files]
+
+
+def gone(pid: int) -> bool:
+    """The process no longer runs (absent, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True

@@ -1,0 +1,285 @@
+"""``torchpass-p2p launch`` with real processes: environment, key handling, configuration 0,
+fast evidence, respawn, join through seeds and signal handling."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import time
+from pathlib import Path
+
+import pytest
+
+from torchpass_p2p.agent.bootstrap import read_configuration
+from torchpass_p2p.agent.http import http_token
+from torchpass_p2p.agent.settings import load_settings
+from torchpass_p2p.cli.main import main
+from torchpass_p2p.launch.keyfile import write_key_file
+
+from .procs import finish, gone, reports, start_launcher, wait_for, write_script
+
+pytestmark = pytest.mark.timeout(30)
+
+WAIT_FOR_GO = '''
+import time
+out = Path(sys.argv[1])
+env = dump(out)
+deadline = time.monotonic() + 20
+while not (out / "go").exists() and time.monotonic() < deadline:
+    time.sleep(0.02)
+if env["TORCHPASS_ROLE"] == "spare":
+    time.sleep(60)  # an idle spare: the launcher stops it
+'''
+
+
+def test_children_get_the_contract_and_never_the_key(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", WAIT_FOR_GO)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "2",
+                               "--topology", "node7/nvl1", str(script), str(out)])
+    try:
+        envs = reports(out, 3)
+        key_file = Path(envs[0]["TORCHPASS_KEY_FILE"])
+        run_dir = Path(envs[0]["TORCHPASS_RUN_DIR"])
+        key_hex = key_file.read_text().strip()
+        assert len(key_hex) == 64 and bytes.fromhex(key_hex)
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        assert key_file.parent == run_dir
+        for pid in [launcher.pid, *(e["pid"] for e in envs)]:
+            assert key_hex.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert key_hex.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
+
+        ids = [e["TORCHPASS_MEMBER_ID"] for e in envs]
+        assert len(set(ids)) == 3 and all(len(i) == 16 for i in ids)
+        ranks = sorted((e for e in envs if e["TORCHPASS_ROLE"] == "rank"),
+                       key=lambda e: e["RANK"])
+        (spare,) = [e for e in envs if e["TORCHPASS_ROLE"] == "spare"]
+        assert [(e["RANK"], e["WORLD_SIZE"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"])
+                for e in ranks] == [("0", "2", "0", "2"), ("1", "2", "1", "2")]
+        assert not {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"} & set(spare)
+        binds = {e["TORCHPASS_BIND"] for e in envs}
+        statuses = {e["TORCHPASS_STATUS"] for e in envs}
+        assert len(binds) == 3 and len(statuses) == 3
+        assert all(s.startswith("127.0.0.1:") for s in statuses)
+        for e in envs:
+            assert e["TORCHPASS_TOPOLOGY"] == "node7/nvl1"
+            assert e["TORCHPASS_CLUSTER"] == "torchpass"
+            assert "TORCHPASS_SEEDS" not in e and "TORCHPASS_KEY" not in e
+            assert "TORCHPASS_PROFILE" not in e
+
+        config = read_configuration(envs[0]["TORCHPASS_CONFIGURATION"])
+        assert config.config_id == 0
+        assert config.ranks == tuple(int(e["TORCHPASS_MEMBER_ID"], 16) for e in ranks)
+        assert config.spares == (int(spare["TORCHPASS_MEMBER_ID"], 16),)
+        for e in envs:
+            member = int(e["TORCHPASS_MEMBER_ID"], 16)
+            host, port = config.addresses[member]
+            assert e["TORCHPASS_BIND"] == f"{host}:{port}"
+            assert (config.topology_of(member).host, config.topology_of(member).domain) == (
+                "node7", "nvl1")
+            # The agent accepts exactly this environment.
+            settings = load_settings(environ={k: v for k, v in e.items() if k != "pid"})
+            assert settings.member_id == member and settings.configuration == config
+    finally:
+        (out / "go").touch()
+    code, log = finish(launcher)
+    assert code == 0, log
+    assert "stopping 1 idle spare(s)" in log
+    assert not run_dir.exists()
+    assert all(gone(e["pid"]) for e in envs)
+
+
+EVIDENCE = '''
+import asyncio
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+me = env["TORCHPASS_MEMBER_ID"]
+
+async def main():
+    if env.get("RANK") == "1":  # dies once both siblings listen
+        while len(list(out.glob("ready-*"))) < 2:
+            await asyncio.sleep(0.02)
+        sys.exit(3)
+    got = asyncio.Event()
+
+    async def evidence(request):
+        record = {"auth": request.headers.get("Authorization"), "body": await request.json()}
+        (out / f"evidence-{me}.txt").write_text(json.dumps(record))
+        got.set()
+        return web.json_response({"accepted": True})
+
+    app = web.Application()
+    app.router.add_post("/evidence", evidence)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    (out / f"ready-{me}").touch()
+    await asyncio.wait_for(got.wait(), 15)
+    if env["TORCHPASS_ROLE"] == "spare":
+        await asyncio.sleep(60)
+    await runner.cleanup()
+
+asyncio.run(main())
+'''
+
+
+def test_a_failed_child_is_reported_to_every_live_sibling(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    key_file = tmp_path / "cluster.key"
+    key = write_key_file(key_file)
+    script = write_script(tmp_path, "child.py", EVIDENCE)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "1",
+                               "--key-file", str(key_file), str(script), str(out)])
+    code, log = finish(launcher)
+    envs = reports(out, 3, timeout_s=0)
+    (dead,) = [e for e in envs if e.get("RANK") == "1"]
+    siblings = [e for e in envs if e is not dead]
+    for e in envs:
+        assert e["TORCHPASS_KEY_FILE"] == str(key_file)
+    for e in siblings:
+        record = json.loads((out / f"evidence-{e['TORCHPASS_MEMBER_ID']}.txt").read_text())
+        assert record == {
+            "auth": f"Bearer {http_token(key)}",
+            "body": {"member_id": dead["TORCHPASS_MEMBER_ID"], "reason": "exited with 3"},
+        }
+    # rank 1 failed, rank 0 then exited 0 (job complete), the spare was stopped after 1 s.
+    assert "rank 1 (" in log and "exited with 3" in log
+    assert code == 0, log
+
+
+RESPAWN = '''
+import time
+out = Path(sys.argv[1])
+env = dump(out)
+if env.get("RANK") == "1":
+    sys.exit(3)
+if "TORCHPASS_CONFIGURATION" not in env:  # the respawned spare
+    sys.exit(0)
+if env["TORCHPASS_ROLE"] == "rank":  # rank 0 finishes once the new spare has reported
+    deadline = time.monotonic() + 15
+    while len(list(out.glob("*.json"))) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sys.exit(0)
+time.sleep(60)
+'''
+
+
+def test_respawn_starts_a_new_spare_that_joins_through_the_live_members(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", RESPAWN)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "1", "--respawn",
+                               "--max-respawns", "1", str(script), str(out)])
+    code, log = finish(launcher)
+    envs = reports(out, 4, timeout_s=0)
+    assert code == 0, log
+    first = [e for e in envs if "TORCHPASS_CONFIGURATION" in e]
+    (new,) = [e for e in envs if "TORCHPASS_CONFIGURATION" not in e]
+    assert len(first) == 3
+    assert new["TORCHPASS_ROLE"] == "spare" and "RANK" not in new
+    assert new["TORCHPASS_MEMBER_ID"] not in {e["TORCHPASS_MEMBER_ID"] for e in first}
+    assert new["TORCHPASS_BIND"] not in {e["TORCHPASS_BIND"] for e in first}
+    assert new["TORCHPASS_STATUS"] not in {e["TORCHPASS_STATUS"] for e in first}
+    live = {e["TORCHPASS_BIND"] for e in first if e.get("RANK") != "1"}
+    assert set(new["TORCHPASS_SEEDS"].split(",")) == live
+    assert new["TORCHPASS_KEY_FILE"] == first[0]["TORCHPASS_KEY_FILE"]
+    assert "respawning rank 1" in log
+
+
+STUBBORN = '''
+import signal, subprocess, time
+out = Path(sys.argv[1])
+extra = {}
+if os.environ["TORCHPASS_ROLE"] == "spare":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL stops it
+elif os.environ["RANK"] == "0":
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    extra["worker"] = worker.pid
+dump(out, **extra)
+time.sleep(60)
+'''
+
+
+def test_sigterm_is_forwarded_then_escalated_and_the_run_dir_removed(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", STUBBORN)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "1",
+                               str(script), str(out)])
+    envs = reports(out, 3)
+    started = time.monotonic()
+    launcher.send_signal(signal.SIGTERM)
+    code, log = finish(launcher)
+    assert code == 128 + signal.SIGTERM, log
+    assert time.monotonic() - started < 5
+    assert "received SIGTERM" in log and "killing spare" in log
+    pids = [e["pid"] for e in envs] + [e["worker"] for e in envs if "worker" in e]
+    assert len(pids) == 4
+    wait_for(lambda: all(gone(p) for p in pids), 3, "every child and grandchild gone")
+    assert not Path(envs[0]["TORCHPASS_RUN_DIR"]).exists()
+
+
+def test_seeds_mode_joins_every_process_as_a_spare(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    key_file = tmp_path / "cluster.key"
+    write_key_file(key_file)
+    script = write_script(tmp_path, "child.py", "dump(Path(sys.argv[1]))\n")
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "2",
+                               "--seeds", "10.0.0.1:29500,[::1]:29501", "--key-file",
+                               str(key_file), str(script), str(out)])
+    code, log = finish(launcher)
+    assert code == 0, log
+    envs = reports(out, 3, timeout_s=0)
+    for e in envs:
+        assert e["TORCHPASS_ROLE"] == "spare" and "RANK" not in e
+        assert "TORCHPASS_CONFIGURATION" not in e
+        assert e["TORCHPASS_SEEDS"] == "10.0.0.1:29500,[::1]:29501"
+        settings = load_settings(environ={k: v for k, v in e.items() if k != "pid"})
+        assert settings.joining and settings.seeds == (("10.0.0.1", 29500), ("::1", 29501))
+
+
+def test_profile_and_base_port(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with socket.socket() as s:  # a port that is very likely free, and the next two
+        s.bind(("127.0.0.1", 0))
+        base = s.getsockname()[1]
+    base = min(base, 65000)
+    profile = Path(__file__).resolve().parents[2] / "configs" / "lan.toml"
+    script = write_script(tmp_path, "child.py", "dump(Path(sys.argv[1]))\n")
+    launcher = start_launcher(["--nproc", "2", "--base-port", str(base), "--config",
+                               str(profile), str(script), str(out)])
+    code, log = finish(launcher)
+    assert code == 0, log
+    envs = sorted(reports(out, 2, timeout_s=0), key=lambda e: e["RANK"])
+    assert [e["TORCHPASS_BIND"] for e in envs] == [f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"]
+    assert all(e["TORCHPASS_PROFILE"] == str(profile) for e in envs)
+
+
+def test_setup_errors_exit_2_without_starting_anything(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    for name in ("TORCHPASS_KEY_FILE", "TORCHPASS_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["launch", str(tmp_path / "missing.py")]) == 2
+    assert "no such script" in caplog.text
+    script = write_script(tmp_path, "child.py", "raise SystemExit('must not run')\n")
+    assert main(["launch", "--seeds", "127.0.0.1:1", str(script)]) == 2
+    assert "joining through --seeds needs the cluster's key" in caplog.text
+    monkeypatch.setenv("TORCHPASS_KEY_FILE", os.devnull)
+    assert main(["launch", str(script)]) == 2
+    assert "no key" in caplog.text
+    assert main(["launch", "--nproc", "0", "--spares", "1", str(script)]) == 2
+    assert "--nproc must be >= 1" in caplog.text
+    with pytest.raises(SystemExit):  # argparse: usage error
+        main(["launch", "--seeds", "nonsense", str(script)])

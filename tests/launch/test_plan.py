@@ -1,0 +1,149 @@
+"""Pure parts of the launcher: plan, outcome, key file and ports."""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import stat
+from pathlib import Path
+
+import pytest
+
+from torchpass_p2p.core.messages import Topology
+from torchpass_p2p.launch.keyfile import (
+    KeyFileError,
+    make_run_dir,
+    read_primary_key,
+    remove_run_dir,
+    write_key_file,
+)
+from torchpass_p2p.launch.outcome import ChildExit, Verdict, decide, describe_exit, exit_code
+from torchpass_p2p.launch.plan import (
+    ChildSpec,
+    RunContext,
+    child_environment,
+    configuration_zero,
+    format_address,
+    initial_children,
+    new_member_ids,
+    parse_topology,
+)
+from torchpass_p2p.launch.ports import free_ports
+
+RUN = RunContext("c", "/run/key", "/run", Topology("h", "d"), 2, configuration="/run/c0.json")
+
+
+def children() -> list[ChildSpec]:
+    return initial_children([10, 11, 12], "10.0.0.5", [100, 101, 102], [200, 201, 202], 2)
+
+
+def test_process_i_holds_rank_i_then_spares_follow() -> None:
+    specs = children()
+    assert [(c.role, c.rank) for c in specs] == [("rank", 0), ("rank", 1), ("spare", None)]
+    config = configuration_zero(specs, Topology("h", "d"), observers=4)
+    assert (config.config_id, config.ranks, config.spares, config.observers) == (0, (10, 11),
+                                                                                  (12,), 4)
+    assert dict(config.addresses) == {10: ("10.0.0.5", 100), 11: ("10.0.0.5", 101),
+                                      12: ("10.0.0.5", 102)}
+    assert all(config.topology_of(m) == Topology("h", "d") for m in (10, 11, 12))
+    joining = initial_children([1, 2], "h", [1, 2], [3, 4], 2, joining=True)
+    assert [(c.role, c.rank) for c in joining] == [("spare", None), ("spare", None)]
+    with pytest.raises(ValueError):
+        initial_children([1, 2], "h", [1], [3, 4], 1)
+
+
+def test_member_ids_are_fresh_and_distinct() -> None:
+    draws = itertools.chain([5, 5, 7, 9, 9, 11], itertools.count(100))
+    assert new_member_ids(3, taken=[7], randbits=lambda _bits: next(draws)) == [5, 9, 11]
+    assert len(set(new_member_ids(100))) == 100
+
+
+def test_environment_of_a_rank_and_of_a_spare() -> None:
+    rank, _, spare = children()
+    inherited = {"PATH": "/bin", "RANK": "9", "TORCHPASS_KEY": "ab" * 32,
+                 "TORCHPASS_SEEDS": "x:1", "TORCHPASS_POLICY": "shrink"}
+    env = child_environment(rank, RUN, base=inherited)
+    assert env == {
+        "PATH": "/bin", "TORCHPASS_POLICY": "shrink",
+        "TORCHPASS_CLUSTER": "c", "TORCHPASS_KEY_FILE": "/run/key",
+        "TORCHPASS_MEMBER_ID": "000000000000000a", "TORCHPASS_BIND": "10.0.0.5:100",
+        "TORCHPASS_STATUS": "127.0.0.1:200", "TORCHPASS_TOPOLOGY": "h/d",
+        "TORCHPASS_ROLE": "rank", "TORCHPASS_RUN_DIR": "/run",
+        "TORCHPASS_CONFIGURATION": "/run/c0.json",
+        "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+    }
+    env = child_environment(spare, RUN, seeds=[("10.0.0.5", 100), ("::1", 7)], base=inherited)
+    assert env["TORCHPASS_ROLE"] == "spare" and env["TORCHPASS_SEEDS"] == "10.0.0.5:100,[::1]:7"
+    assert not {"RANK", "TORCHPASS_CONFIGURATION", "TORCHPASS_KEY"} & set(env)
+    with pytest.raises(ValueError, match="neither configuration 0 nor seeds"):
+        child_environment(spare, RunContext("c", "k", "r", Topology(), 1))
+
+
+def test_addresses_and_topology_labels() -> None:
+    assert format_address(("::1", 5)) == "[::1]:5" and format_address(("a", 5)) == "a:5"
+    assert parse_topology("h") == Topology("h") and parse_topology("h/d") == Topology("h", "d")
+    for bad in ("", "/d", "x" * 65):
+        with pytest.raises(ValueError):
+            parse_topology(bad)
+
+
+def gone(member: int, code: int, *, rank: bool = True, by_launcher: bool = False) -> ChildExit:
+    return ChildExit(member, rank, code, by_launcher)
+
+
+def test_decide() -> None:
+    assert decide([], running=3, running_ranks=2, joining=False)[0] is Verdict.RUN
+    # Clean: the ranks finish, the idle spare is stopped at once.
+    assert decide([gone(1, 0)], running=2, running_ranks=1, joining=False)[0] is Verdict.RUN
+    verdict, reason = decide([gone(1, 0), gone(2, 0)], running=1, running_ranks=0,
+                             joining=False)
+    assert (verdict, reason) == (Verdict.STOP, "every rank exited 0; stopping 1 idle spare(s)")
+    # After a failure any process may hold a rank: wait for an exit 0, then let the rest finish.
+    failed = [gone(1, -9)]
+    assert decide(failed, running=2, running_ranks=1, joining=False)[0] is Verdict.RUN
+    assert decide([*failed, gone(2, 0)], running=1, running_ranks=0,
+                  joining=False)[0] is Verdict.FINISH
+    assert decide([gone(3, 0, rank=False)], running=2, running_ranks=0,
+                  joining=True)[0] is Verdict.FINISH
+    assert decide(failed, running=0, running_ranks=0, joining=False)[0] is Verdict.DONE
+
+
+def test_exit_code() -> None:
+    assert exit_code([]) == (1, "no process exited 0")
+    assert exit_code([gone(1, 3), gone(2, 0), gone(3, -15, by_launcher=True)])[0] == 0
+    assert exit_code([gone(1, 0), gone(2, 3)]) == (
+        1, "0000000000000002 exited with 3 after the job completed")
+    assert exit_code([gone(1, 0)], stopped_by=15) == (143, "stopped by SIGTERM")
+    assert describe_exit(-9) == "exited with signal SIGKILL" and describe_exit(2) == "exited with 2"
+
+
+def test_key_file_is_private_and_round_trips(tmp_path: Path) -> None:
+    run_dir = make_run_dir()
+    try:
+        assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+        path = run_dir / "k"
+        key = write_key_file(path)
+        assert len(key) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert path.read_text() == key.hex() + "\n" and read_primary_key(path) == key
+        with pytest.raises(FileExistsError):
+            write_key_file(path)
+    finally:
+        remove_run_dir(run_dir)
+    assert not run_dir.exists()
+    ring = tmp_path / "ring"
+    ring.write_text(f"# rotated\n\n{'11' * 32}\n{'22' * 32}\n")
+    assert read_primary_key(ring) == b"\x11" * 32
+    for text, error in (("", "no key"), ("abc\n", "64 hex digits")):
+        ring.write_text(text)
+        with pytest.raises(KeyFileError, match=error):
+            read_primary_key(ring)
+
+
+def test_free_ports_are_distinct_and_bindable_for_udp_and_tcp() -> None:
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u, socket.socket() as t:
+            u.bind(("127.0.0.1", port))
+            t.bind(("127.0.0.1", port))
+    assert not set(free_ports(4, avoid=ports)) & set(ports)

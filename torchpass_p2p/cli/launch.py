@@ -1,0 +1,101 @@
+"""``torchpass-p2p launch``: start N rank processes and S hot spares of a training script on
+this host and supervise them (:mod:`torchpass_p2p.launch`).
+
+Exit code: 0 when the job completed (some process exited 0 and none failed afterwards), 1 when
+it failed, 2 for a usage or setup error, 128 + N when signal N stopped the launcher.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from torchpass_p2p.agent.settings import SettingsError, parse_address
+from torchpass_p2p.core.configuration import Address
+from torchpass_p2p.core.messages import Topology
+from torchpass_p2p.launch.launcher import (
+    DEFAULT_GRACE_S,
+    DEFAULT_MAX_RESPAWNS,
+    LaunchError,
+    LaunchOptions,
+    launch,
+)
+from torchpass_p2p.launch.plan import parse_topology
+
+__all__ = ["add_parser", "run"]
+
+log = logging.getLogger("torchpass_p2p.launch")
+
+
+def add_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
+    """Register this command's parser (``set_defaults(func=run)``) and return it."""
+    p = subparsers.add_parser(
+        "launch", help="start and supervise the ranks and spares of a training script",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="rank processes (the world size) (default: 1)")
+    p.add_argument("--spares", type=int, default=0, metavar="S",
+                   help="hot-spare processes (default: 0)")
+    p.add_argument("--config", metavar="FILE",
+                   help="TOML profile of protocol parameters, e.g. configs/lan.toml "
+                        "(children get TORCHPASS_PROFILE)")
+    p.add_argument("--respawn", action="store_true",
+                   help="restart a process that failed as a new spare joining the live members")
+    p.add_argument("--max-respawns", type=int, default=DEFAULT_MAX_RESPAWNS, metavar="K",
+                   help=f"respawns at most (default: {DEFAULT_MAX_RESPAWNS})")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the agents bind and advertise; other hosts must reach it "
+                        "(default: 127.0.0.1)")
+    p.add_argument("--base-port", type=int, metavar="P",
+                   help="process i uses UDP/TCP port P+i (default: free ports)")
+    p.add_argument("--seeds", type=_seeds, default=(), metavar="HOST:PORT,...",
+                   help="join an existing job through these members: every process starts as "
+                        "a spare and no configuration 0 is written (needs --key-file)")
+    p.add_argument("--topology", type=_topology, metavar="HOST[/DOMAIN]",
+                   help="topology labels for spare affinity (default: this host's name)")
+    p.add_argument("--key-file", metavar="F",
+                   help="cluster key file, 64 hex digits a line, primary first (default: "
+                        "$TORCHPASS_KEY_FILE, else $TORCHPASS_KEY, else a fresh random key)")
+    p.add_argument("--cluster", default="torchpass", help="cluster name (default: torchpass)")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
+                   help="time between SIGTERM and SIGKILL, and for processes still finishing "
+                        f"after the job completed (default: {DEFAULT_GRACE_S:g})")
+    p.add_argument("script", metavar="SCRIPT", help="the Python training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="arguments for the script")
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="[torchpass-p2p launch] %(message)s")
+    try:
+        options = LaunchOptions(
+            script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
+            spares=args.spares, host=args.host, base_port=args.base_port, seeds=args.seeds,
+            topology=args.topology, key_file=args.key_file, profile=args.config,
+            cluster=args.cluster, respawn=args.respawn, max_respawns=args.max_respawns,
+            grace_s=args.grace)
+        return asyncio.run(launch(options))
+    except LaunchError as exc:
+        log.error("error: %s", exc)
+        return 2
+
+
+def _seeds(text: str) -> tuple[Address, ...]:
+    try:
+        return tuple(parse_address(s, where="--seeds") for s in text.split(",") if s.strip())
+    except SettingsError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _topology(text: str) -> Topology:
+    try:
+        return parse_topology(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,0 +1,417 @@
+"""The supervisor: start the children, watch them, report deaths, respawn, stop, clean up.
+
+Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
+
+1. *Setup.* A private run directory (mode 0700) receives the key file (mode 0600, unless one is
+   given) and, unless the children join through seeds, ``configuration-0.json``.
+2. *Start.* One process per member (:mod:`.plan`), each in its own session, each watched by a
+   task that turns its exit into an event on one queue; SIGINT and SIGTERM become events too.
+3. *Supervise.* Each exit is recorded. A failure (non-zero exit or death by signal) is posted
+   as evidence to every live sibling's status page in a background task (bounded by a 2 s
+   deadline per request, never awaited by the loop), and with ``respawn`` the dead process is
+   replaced by a new spare joining through the live members. :func:`.outcome.decide` says when
+   the job is over.
+4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group; after
+   ``grace_s`` seconds the rest get SIGKILL. A child's process group is killed as soon as the
+   child itself is reaped, so its orphans never outlive it.
+5. *Cleanup.* The run directory is removed; the exit code comes from :func:`.outcome.exit_code`.
+
+Several hosts: run the launcher on every host with ``seeds`` naming members on another host; its
+children then join as spares (no configuration 0 is written). Limitation: only hosts that start
+from one launcher's configuration 0 hold ranks at start; a joined host's processes take ranks
+only as replacements. Deriving one configuration 0 on every host from a shared hosts file is
+not implemented.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from torchpass_p2p.agent.bootstrap import write_configuration
+from torchpass_p2p.config import ConfigError, load_params
+from torchpass_p2p.core.configuration import Address
+from torchpass_p2p.core.messages import Topology
+from torchpass_p2p.core.params import Params
+
+from .children import Child
+from .evidence import notify_siblings
+from .keyfile import (
+    KEY_FILE_NAME,
+    KeyFileError,
+    http_token,
+    make_run_dir,
+    read_primary_key,
+    remove_run_dir,
+    write_key_file,
+)
+from .outcome import ChildExit, Verdict, decide, describe_exit, exit_code
+from .plan import (
+    MAX_LABEL_BYTES,
+    ChildSpec,
+    RunContext,
+    child_environment,
+    configuration_zero,
+    initial_children,
+    new_member_ids,
+)
+from .ports import free_ports
+
+__all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_RESPAWNS", "LaunchError", "LaunchOptions", "launch"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRACE_S = 10.0
+"""Seconds between the polite signal and SIGKILL, and the time finishing processes get after
+the job completed: enough for a training script to write a last checkpoint shard."""
+DEFAULT_MAX_RESPAWNS = 3
+"""Respawns per launcher: a script that dies at start would otherwise be restarted forever."""
+KILL_WAIT_S = 5.0
+"""Seconds to wait for the kernel to reap processes after SIGKILL; past it they are reported
+and abandoned (a process in uninterruptible sleep, e.g. stuck in a GPU driver)."""
+CONFIGURATION_FILE = "configuration-0.json"
+
+
+class LaunchError(Exception):
+    """The launch cannot start (bad options, unreadable key or profile, a script that cannot
+    be executed); the message is for the user."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """What ``torchpass-p2p launch`` was asked to do (see :mod:`torchpass_p2p.cli.launch`).
+
+    ``base_port``: process ``i`` binds ``base_port + i`` (respawns continue the count); ``None``
+    picks free ports. ``seeds``: join through these members instead of writing configuration 0.
+    ``topology``: ``None`` is this host's name with no domain. ``grace_s`` in seconds.
+    """
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    nproc: int = 1
+    spares: int = 0
+    host: str = "127.0.0.1"
+    base_port: int | None = None
+    seeds: tuple[Address, ...] = ()
+    topology: Topology | None = None
+    key_file: str | None = None
+    profile: str | None = None
+    cluster: str = "torchpass"
+    respawn: bool = False
+    max_respawns: int = DEFAULT_MAX_RESPAWNS
+    grace_s: float = DEFAULT_GRACE_S
+    python: str = field(default=sys.executable)
+
+    def __post_init__(self) -> None:
+        if self.nproc < 0 or self.spares < 0 or self.nproc + self.spares < 1:
+            raise LaunchError("--nproc and --spares must be >= 0 and start at least one process")
+        if self.nproc < 1 and not self.seeds:
+            raise LaunchError("--nproc must be >= 1 (without --seeds there is no job to join)")
+        if self.max_respawns < 0 or not self.grace_s >= 0:
+            raise LaunchError("--max-respawns and --grace must be >= 0")
+        last = (self.base_port or 1) + self.nproc + self.spares + self.max_respawns
+        if self.base_port is not None and not (0 < self.base_port and last <= 65536):
+            raise LaunchError("--base-port: every process's port must be in 1..65535")
+
+    @property
+    def joining(self) -> bool:
+        return bool(self.seeds)
+
+
+async def launch(options: LaunchOptions, *, environ: Mapping[str, str] | None = None) -> int:
+    """Run the job described by ``options`` until it is over; returns the exit code
+    (:func:`.outcome.exit_code`). ``environ`` (default ``os.environ``) is the base of every
+    child's environment and may supply ``TORCHPASS_KEY_FILE`` or ``TORCHPASS_KEY``.
+
+    Raises:
+        LaunchError: the job could not start; every child already started has been killed.
+    """
+    supervisor = _Supervisor(options, dict(os.environ if environ is None else environ))
+    try:
+        return await supervisor.run()
+    except BaseExceptionGroup as group:  # the TaskGroup wraps what its body raised
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], LaunchError):
+            raise group.exceptions[0] from None
+        raise
+
+
+@dataclass(frozen=True)
+class _Exited:
+    child: Child
+    returncode: int
+
+
+@dataclass(frozen=True)
+class _Signalled:
+    signum: int
+
+
+class _Supervisor:
+    def __init__(self, options: LaunchOptions, environ: dict[str, str]) -> None:
+        self.options = options
+        self.environ = environ
+        self.events: asyncio.Queue[_Exited | _Signalled] = asyncio.Queue()
+        # Unbounded but finite: at most one exit per child (N + S + max_respawns) plus the
+        # signals a person sends.
+        self.children: list[Child] = []
+        self.exits: list[ChildExit] = []
+        self.recorded: set[int] = set()  # pids whose exit is in ``exits``
+        self.respawns = 0
+        self.stopped_by: int | None = None
+        self.evidence: set[asyncio.Task[int]] = set()
+
+    # --- setup ---
+
+    async def run(self) -> int:
+        if not os.path.isfile(self.options.script):
+            raise LaunchError(f"{self.options.script}: no such script")
+        self.run_dir = make_run_dir()
+        loop = asyncio.get_running_loop()
+        try:
+            key, self.key_file = self._key()
+            self.token = http_token(key)
+            self.run_context, specs = self._plan()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, self.events.put_nowait, _Signalled(sig))
+            async with aiohttp.ClientSession() as self.session, asyncio.TaskGroup() as tasks:
+                self.tasks = tasks
+                for spec in specs:
+                    await self._start(spec, child_environment(
+                        spec, self.run_context, seeds=self.options.seeds, base=self.environ))
+                await self._supervise()
+                for task in self.evidence:  # nobody is left to tell
+                    task.cancel()
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await self._kill_all()  # only does something when an error cut the run short
+            remove_run_dir(self.run_dir)
+        code, reason = exit_code(self.exits, stopped_by=self.stopped_by)
+        log.info("exit code %d: %s", code, reason)
+        return code
+
+    def _key(self) -> tuple[bytes, str]:
+        """The primary key and the key file path the children read."""
+        path = self.options.key_file or self.environ.get("TORCHPASS_KEY_FILE") or None
+        try:
+            if path is not None:
+                path = os.path.abspath(path)
+                key = read_primary_key(path)
+                if os.stat(path).st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+                    log.warning("key file %s is readable by others; use mode 0600", path)
+                return key, path
+            own = str(self.run_dir / KEY_FILE_NAME)
+            text = self.environ.get("TORCHPASS_KEY")
+            if text:
+                return write_key_file(own, _hex_key(text)), own
+        except (OSError, KeyFileError) as exc:
+            raise LaunchError(f"cluster key: {exc}") from exc
+        if self.options.joining:
+            raise LaunchError("joining through --seeds needs the cluster's key: --key-file")
+        return write_key_file(own), own
+
+    def _plan(self) -> tuple[RunContext, list[ChildSpec]]:
+        o = self.options
+        params = Params()
+        profile = None
+        if o.profile is not None:
+            profile = os.path.abspath(o.profile)
+            try:
+                params = load_params(profile)
+            except (ConfigError, OSError) as exc:
+                raise LaunchError(f"--config: {exc}") from exc
+        topology = o.topology or Topology(_host_label())
+        total = o.nproc + o.spares
+        try:
+            if o.base_port is not None:
+                ports = [o.base_port + i for i in range(total)]
+            else:
+                ports = free_ports(total, o.host)
+            status = free_ports(total, "127.0.0.1", udp=False, avoid=ports)
+        except OSError as exc:
+            raise LaunchError(f"ports on {o.host}: {exc}") from exc
+        specs = initial_children(new_member_ids(total), o.host, ports, status, o.nproc,
+                                 joining=o.joining)
+        configuration = None
+        if not o.joining:
+            configuration = str(self.run_dir / CONFIGURATION_FILE)
+            config = configuration_zero(specs, topology, observers=params.observers)
+            write_configuration(configuration, config)
+            log.info("configuration 0: %d rank(s), %d spare(s) in %s", o.nproc, o.spares,
+                     configuration)
+        run = RunContext(o.cluster, self.key_file, str(self.run_dir), topology, o.nproc,
+                         configuration=configuration, profile=profile)
+        return run, specs
+
+    async def _start(self, spec: ChildSpec, env: Mapping[str, str]) -> None:
+        argv = [self.options.python, self.options.script, *self.options.script_args]
+        try:
+            child = await Child.start(spec, argv, env)
+        except OSError as exc:
+            raise LaunchError(f"cannot start {self.options.python}: {exc}") from exc
+        self.children.append(child)
+        self.tasks.create_task(self._watch(child), name=f"watch {spec.name}")
+        log.info("started %s: pid %d, %s:%d", spec.name, child.process.pid, *spec.bind)
+
+    async def _watch(self, child: Child) -> None:
+        returncode = await child.wait()
+        child.kill_group()  # orphans of a dead child are of no use and may hold a GPU
+        self.events.put_nowait(_Exited(child, returncode))
+
+    # --- supervise ---
+
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        finish_at: float | None = None
+        while True:
+            try:
+                async with asyncio.timeout_at(finish_at):
+                    event = await self.events.get()
+            except TimeoutError:
+                log.info("grace period over; stopping the remaining processes")
+                await self._stop(signal.SIGTERM)
+                return
+            if isinstance(event, _Signalled):
+                self.stopped_by = event.signum
+                log.info("received %s; forwarding it to every process",
+                         signal.Signals(event.signum).name)
+                await self._stop(event.signum)
+                return
+            self._record(event)
+            if event.returncode != 0 and not event.child.signalled:
+                self._report(event)
+                if finish_at is None:
+                    await self._maybe_respawn(event.child)
+            verdict, reason = decide(
+                self.exits, running=len(self._running()),
+                running_ranks=sum(c.spec.rank is not None for c in self._running()),
+                joining=self.options.joining)
+            if verdict is Verdict.DONE:
+                log.info("%s", reason)
+                return
+            if verdict is Verdict.STOP:
+                log.info("%s", reason)
+                await self._stop(signal.SIGTERM)
+                return
+            if verdict is Verdict.FINISH and finish_at is None:
+                log.info("%s; waiting up to %.1f s", reason, self.options.grace_s)
+                finish_at = loop.time() + self.options.grace_s
+
+    def _running(self) -> list[Child]:
+        return [c for c in self.children if c.running]
+
+    def _record(self, event: _Exited) -> None:
+        child = event.child
+        if child.pgid in self.recorded:
+            return
+        self.recorded.add(child.pgid)
+        self.exits.append(ChildExit(child.spec.member_id, child.spec.rank is not None,
+                                    event.returncode, by_launcher=child.signalled))
+        log.info("%s %s", child.spec.name, describe_exit(event.returncode))
+
+    def _report(self, event: _Exited) -> None:
+        """Post the death as evidence to the live siblings, in the background."""
+        siblings = [("127.0.0.1", c.spec.status_port) for c in self._running()]
+        if not siblings:
+            return
+        task = self.tasks.create_task(notify_siblings(
+            self.session, siblings, event.child.spec.member_id,
+            describe_exit(event.returncode), self.token))
+        self.evidence.add(task)
+        task.add_done_callback(self.evidence.discard)
+
+    async def _maybe_respawn(self, dead: Child) -> None:
+        o = self.options
+        if not o.respawn:
+            return
+        if self.respawns >= o.max_respawns:
+            log.warning("not respawning %s: %d respawn(s) used", dead.spec.name, self.respawns)
+            return
+        seeds = [c.spec.bind for c in self._running()] + list(o.seeds)
+        if not seeds:
+            log.warning("not respawning %s: no live member to join through", dead.spec.name)
+            return
+        self.respawns += 1
+        in_use = [p for c in self.children for p in (c.spec.bind[1], c.spec.status_port)]
+        try:
+            if o.base_port is not None:
+                port = o.base_port + o.nproc + o.spares + self.respawns - 1
+            else:
+                port = free_ports(1, o.host, avoid=in_use)[0]
+            status = free_ports(1, "127.0.0.1", udp=False, avoid=[*in_use, port])[0]
+        except OSError as exc:
+            log.warning("not respawning %s: %s", dead.spec.name, exc)
+            return
+        (member,) = new_member_ids(1, taken=(c.spec.member_id for c in self.children))
+        spec = ChildSpec(member, "spare", None, (o.host, port), status)
+        env = child_environment(spec, self.run_context, seeds=seeds, base=self.environ)
+        log.info("respawning %s as new %s (%d of %d)", dead.spec.name, spec.name,
+                 self.respawns, o.max_respawns)
+        try:
+            await self._start(spec, env)
+        except LaunchError as exc:
+            log.warning("respawn failed: %s", exc)
+
+    # --- stop ---
+
+    async def _stop(self, sig: int) -> None:
+        """Send ``sig`` to every running child's group, wait up to ``grace_s`` for them, then
+        SIGKILL. A second SIGINT or SIGTERM meanwhile skips the rest of the wait."""
+        for child in self._running():
+            child.send(sig)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.options.grace_s
+        while self._running():
+            try:
+                async with asyncio.timeout_at(deadline):
+                    event = await self.events.get()
+            except TimeoutError:
+                break
+            if isinstance(event, _Signalled):
+                log.info("second signal: killing every process now")
+                break
+            self._record(event)
+        await self._kill_all()
+
+    async def _kill_all(self) -> None:
+        """SIGKILL every running child's group and wait (at most :data:`KILL_WAIT_S`)."""
+        running = self._running()
+        if not running:
+            return
+        for child in running:
+            log.info("killing %s", child.spec.name)
+            child.send(signal.SIGKILL)
+        # Wait on the processes, not on the queue: after an error the watchers are cancelled.
+        waits = [asyncio.ensure_future(c.wait()) for c in running]
+        _, pending = await asyncio.wait(waits, timeout=KILL_WAIT_S)
+        for task in pending:
+            task.cancel()
+        for child in running:
+            returncode = child.process.returncode
+            if returncode is None:
+                log.error("%s (pid %d) survived SIGKILL for %.0f s; abandoned",
+                          child.spec.name, child.process.pid, KILL_WAIT_S)
+            else:
+                self._record(_Exited(child, returncode))
+
+
+def _host_label() -> str:
+    name = socket.gethostname() or "localhost"
+    return name.encode()[:MAX_LABEL_BYTES].decode(errors="ignore")
+
+
+def _hex_key(text: str) -> bytes:
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise KeyFileError("TORCHPASS_KEY: 64 hex digits") from None
+

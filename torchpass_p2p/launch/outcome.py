@@ -1,0 +1,104 @@
+"""Pure decisions of the supervisor: keep running, finish, stop; and the launcher's exit code.
+
+Theory of operation. The launcher cannot see which member holds which rank once the agents have
+replaced one (that is agreed among the agents, DESIGN section 5), so it reasons from exits only:
+
+- *Roles are known* while this launcher wrote configuration 0 and every exit so far was a clean
+  exit (code 0): no rank was vacated, so no spare was promoted, and the processes started as
+  ranks still hold exactly the ranks. Once all of them have exited (each with 0) the job is
+  complete and every process still running is an idle spare: **stop** them now.
+- After a failure (any non-zero exit or death by signal), or when the children joined through
+  seeds, any running process may hold a rank. The job is complete when some process exits 0 (a
+  training script returns only when training is done); the others, which may be finishing the
+  same last step, then get a grace period to exit on their own: **finish**, then stop.
+- With no child left, the launcher is **done**.
+
+Exit code (:func:`exit_code`): 0 when some process exited 0 and no process failed after the
+first such exit, except processes the launcher itself signalled while shutting down; 128 + the
+signal number when a signal stopped the launcher; 1 otherwise (every exit failed, or a failure
+after completion). Known limitation: a rank drained on purpose that exits 0 while roles are
+known makes the launcher believe its rank is finished; if every starting rank leaves that way,
+the spares that took over are stopped. Reading the live configuration from a status page would
+lift this.
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from torchpass_p2p.core.messages import MemberId, format_member_id
+
+__all__ = ["ChildExit", "Verdict", "decide", "describe_exit", "exit_code"]
+
+
+class Verdict(StrEnum):
+    RUN = "run"
+    """Keep supervising."""
+    FINISH = "finish"
+    """The job completed: give the running processes a grace period to exit, then stop them."""
+    STOP = "stop"
+    """The job completed and the running processes are idle spares: stop them now."""
+    DONE = "done"
+    """No process is left."""
+
+
+@dataclass(frozen=True)
+class ChildExit:
+    """One process's end. ``returncode`` follows :mod:`subprocess`: ``-N`` is death by signal
+    ``N``. ``by_launcher``: the launcher had signalled it (shutdown), so it is no failure."""
+
+    member_id: MemberId
+    started_as_rank: bool
+    returncode: int
+    by_launcher: bool = False
+
+
+def describe_exit(returncode: int) -> str:
+    """``exited with 3`` or ``exited with signal SIGKILL``: the evidence reason and log text."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = str(-returncode)
+    return f"exited with signal {name}"
+
+
+def decide(
+    exits: Sequence[ChildExit], *, running: int, running_ranks: int, joining: bool
+) -> tuple[Verdict, str]:
+    """What to do after the exits so far (in the order they happened).
+
+    ``running``: processes still running; ``running_ranks``: those of them started as ranks;
+    ``joining``: the children joined through seeds (no configuration 0 from this launcher).
+    """
+    if running == 0:
+        return Verdict.DONE, "no process is left"
+    roles_known = not joining and all(e.returncode == 0 for e in exits)
+    if roles_known:
+        if running_ranks == 0 and any(e.started_as_rank for e in exits):
+            return Verdict.STOP, f"every rank exited 0; stopping {running} idle spare(s)"
+        return Verdict.RUN, f"{running_ranks} rank(s) running"
+    if any(e.returncode == 0 for e in exits):
+        first = next(e for e in exits if e.returncode == 0)
+        return Verdict.FINISH, (f"{format_member_id(first.member_id)} exited 0: job complete; "
+                                f"{running} process(es) may still be finishing")
+    return Verdict.RUN, f"{running} process(es) running, roles unknown after a failure"
+
+
+def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None) -> tuple[int, str]:
+    """The launcher's exit code and the reason (module docstring). ``stopped_by``: the signal
+    number that stopped the launcher, if one did."""
+    if stopped_by is not None:
+        return 128 + stopped_by, f"stopped by {signal.Signals(stopped_by).name}"
+    first = next((i for i, e in enumerate(exits) if e.returncode == 0), None)
+    if first is None:
+        return 1, "no process exited 0"
+    for e in exits[first + 1:]:
+        if e.returncode != 0 and not e.by_launcher:
+            return 1, (f"{format_member_id(e.member_id)} {describe_exit(e.returncode)} after "
+                       "the job completed")
+    return 0, "job complete"
