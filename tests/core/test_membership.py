@@ -1178,3 +1178,16 @@ def test_evidence_about_self_a_stranger_or_after_leaving_is_ignored():
     drain(o)
     assert o.report_unreachable(0.3, SUBJECT) is False
     assert drain(o) == [] and o.counters["alerts_raised"] == 0
+
+
+def test_last_ack_at_moves_only_with_answers_to_open_probes_not_with_a_stall():
+    fleet = Fleet(8, params=P)
+    fleet.run_until(3.0)
+    o = fleet[1]
+    answered = o.last_ack_at
+    assert 2.0 < answered <= 3.0
+    # Ten silent seconds of our own (a SIGSTOP): the stall voids the open rounds and must not
+    # look like an answer, so a lease resting on last_ack_at has expired on waking.
+    o.handle_timer(13.0)
+    assert o.counters["stalls"] == 1
+    assert o.last_ack_at == answered

@@ -40,8 +40,6 @@ events_log = logging.getLogger("torchpass_p2p.events")
 
 RECENT_EVENTS = 64
 """Events kept for ``/status``."""
-JOIN_FETCH_TIMEOUT_S = 30.0
-"""How long a joining process keeps asking its seeds for the configuration."""
 
 
 class Phase:
@@ -128,7 +126,8 @@ class AgentRuntime:
 
         Raises:
             OSError: the bind address is taken.
-            TransportError: joining, and no seed gave a configuration within 30 s.
+            TransportError: joining, and no seed gave a configuration within
+                ``settings.join_timeout_s``.
         """
         s = self.settings
         self.address = await self.transport.start(s.bind)
@@ -194,9 +193,13 @@ class AgentRuntime:
 
     @property
     def fenced(self) -> bool:
-        """True while training must not go on (quorum lost, or removed)."""
+        """True while training must not go on: quorum lost (the core's lease), removed, or no
+        probe of ours answered for ``lease_s`` (after a SIGSTOP this holds from the first
+        instant the process runs again, before any timer has fired)."""
         m = self.member
-        return m is None or m.removed or m.fenced
+        if m is None or m.removed or m.fenced:
+            return True
+        return m.joining is None and self._clock() - m.last_ack_at > m.params.lease_s
 
     # ------------------------------------------------------------------ inputs from the host
 
@@ -486,7 +489,8 @@ class AgentRuntime:
         self.status_address = await self._status_server.start()
 
     async def _fetch_configuration(self) -> Configuration:
-        deadline = self._clock() + JOIN_FETCH_TIMEOUT_S
+        timeout = self.settings.join_timeout_s
+        deadline = self._clock() + timeout
         last: Exception | None = None
         while self._clock() < deadline:
             for seed in self.settings.seeds:
@@ -502,8 +506,7 @@ class AgentRuntime:
                     last = exc
                     log.warning("seed %s:%d gave no configuration: %s", *seed, exc)
             await asyncio.sleep(0.5)
-        raise TransportError(f"no seed gave a configuration within {JOIN_FETCH_TIMEOUT_S} s: "
-                             f"{last}")
+        raise TransportError(f"no seed gave a configuration within {timeout} s: {last}")
 
 
 def _seed_members(config: Configuration, seeds: tuple[Address, ...]) -> tuple[MemberId, ...]:

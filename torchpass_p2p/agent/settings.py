@@ -20,6 +20,7 @@ Environment (the launcher's contract with the processes it starts):
 ``TORCHPASS_HANG_TIMEOUT``  seconds without reported progress before the hang watchdog fires
 ``TORCHPASS_POLICY``        ``wait``, ``shrink`` or ``stop`` when no spare is left
 ``TORCHPASS_HEALTH``        ``auto`` (NVML when present) or ``off``
+``TORCHPASS_JOIN_TIMEOUT``  seconds a joining process asks its seeds before giving up (30)
 ==========================  ==================================================================
 """
 
@@ -72,6 +73,8 @@ class AgentSettings:
     policy: Policy = Policy.WAIT
     hang_timeout_s: float | None = None
     health: bool = True
+    join_timeout_s: float = 30.0
+    """How long a joining process keeps asking its seeds for the configuration (seconds)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.member_id <= MAX_MEMBER_ID:
@@ -201,6 +204,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         out["topology"] = Topology(host, domain)
     if (v := get("HANG_TIMEOUT")) is not None:
         out["hang_timeout_s"] = _float(v, ENV_PREFIX + "HANG_TIMEOUT")
+    if (v := get("JOIN_TIMEOUT")) is not None:
+        out["join_timeout_s"] = _float(v, ENV_PREFIX + "JOIN_TIMEOUT")
     if (v := get("POLICY")) is not None:
         out["policy"] = _policy(v, ENV_PREFIX + "POLICY")
     if (v := get("HEALTH")) is not None:

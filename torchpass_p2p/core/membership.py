@@ -288,6 +288,7 @@ class Member:
         self._alerted: dict[MemberId, int] = {}  # subject -> incarnation we alerted about
         self._seq = 0
         self._last_ack_at = now
+        self._answered_at = now  # like _last_ack_at, but a stall does not refresh it
         self._queue: dict[tuple[int, int, int], _Pending] = {}
         self._queue_order = 0
         self._outbox: deque[tuple[MemberId, Message]] = deque()
@@ -545,6 +546,13 @@ class Member:
             raise KeyError(member)
         return self._view.get(member, (ALIVE, 0))
 
+    @property
+    def last_ack_at(self) -> float:
+        """When a probe of this member's was last acknowledged (seconds). Acks to rounds a
+        stall voided do not count, so after a long pause this stays old until a fresh probe
+        is answered: the host's lease on training can rest on it (DESIGN section 5)."""
+        return self._answered_at
+
     def alerts_about(self, subject: MemberId) -> tuple[MemberId, ...]:
         """Observers whose alerts about ``subject``'s current incarnation this member holds."""
         susp = self._suspicions.get(subject)
@@ -616,6 +624,7 @@ class Member:
             self._cut_dirty = True
         rnd = self._rounds.pop(seq, None)
         if rnd is not None:
+            self._answered_at = now
             self._probe_acks += 1
             self._failed_rounds.pop(rnd.subject, None)
             self._last_ack_from[rnd.subject] = now

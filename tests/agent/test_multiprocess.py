@@ -1,0 +1,233 @@
+"""Scenarios with real processes under the real launcher (shared/scenarios/SCENARIOS.md, MP).
+
+Every member is its own Python process started by ``torchpass-p2p launch`` running
+``tests/agent/mp_member.py``: an agent in a background thread and a stand-in training loop that
+logs its steps, role changes and fencing to ``<member>.jsonl``. Faults are real: SIGSTOP and
+SIGCONT, a network namespace without a route, a process holding the GIL, a process without the
+key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch.procs import REPO, clean_environ, finish, start_launcher, wait_for
+
+MEMBER = str(REPO / "tests" / "agent" / "mp_member.py")
+
+
+class Run:
+    """One launcher with its children, and their logs."""
+
+    def __init__(self, tmp_path: Path, ranks: int, spares: int, **env: str) -> None:
+        self.logs = tmp_path / "logs"
+        self.logs.mkdir()
+        environ = clean_environ() | {"MP_LOG_DIR": str(self.logs), "PYTHONPATH": str(REPO)}
+        environ |= env
+        self.ranks, self.spares = ranks, spares
+        self.launcher = start_launcher(
+            ["--nproc", str(ranks), "--spares", str(spares), "--grace", "3", MEMBER],
+            env=environ)
+
+    def records(self) -> dict[str, list[dict]]:
+        out = {}
+        for path in self.logs.glob("*.jsonl"):
+            with open(path) as f:
+                out[path.stem] = [json.loads(line) for line in f if line.endswith("\n")]
+        return out
+
+    def started(self) -> dict[str, dict]:
+        def all_up():
+            recs = self.records()
+            up = {m: r[0] for m, r in recs.items() if r and r[0]["event"] == "started"}
+            return up if len(up) == self.ranks + self.spares else None
+        return wait_for(all_up, 30, "every member started")
+
+    def pid_of(self, member: str) -> int:
+        status = self.started()[member]["status"]
+        return _pid_listening(status[1])
+
+    def stop(self) -> str:
+        if self.launcher.poll() is None:
+            self.launcher.send_signal(signal.SIGTERM)
+        _, out = finish(self.launcher, 20)
+        return out
+
+
+def _pid_listening(port: int) -> int:
+    """The pid owning the TCP socket listening on ``port`` (the member's status page)."""
+    inode = None
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if int(fields[1].split(":")[1], 16) == port and fields[3] == "0A":
+                inode = fields[9]
+    assert inode is not None
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
+                    return int(pid)
+        except OSError:
+            continue
+    raise AssertionError(f"no process listens on {port}")
+
+
+def events(records: list[dict], kind: str) -> list[dict]:
+    return [r for r in records if r["event"] == kind]
+
+
+@pytest.mark.slow
+def test_s03_a_paused_rank_is_replaced_once_fenced_on_waking_and_never_trains_again(tmp_path):
+    run = Run(tmp_path, 8, 2)
+    try:
+        up = run.started()
+        victim = next(m for m, r in up.items() if r["rank"] == 3)
+        pid = run.pid_of(victim)
+        time.sleep(2)
+        os.kill(pid, signal.SIGSTOP)
+        stopped_at = time.time()
+        spares = [m for m, r in up.items() if r["role"] == "spare"]
+        wait_for(lambda: any(events(run.records()[s], "role") for s in spares), 20,
+                 "a spare promoted")
+        time.sleep(max(0.0, stopped_at + 8.0 - time.time()))  # past the 5 s lease
+        os.kill(pid, signal.SIGCONT)
+        resumed_at = time.time()
+        wait_for(lambda: events(run.records()[victim], "role"), 15, "the victim learning")
+        time.sleep(1.0)
+    finally:
+        run.stop()
+    recs = run.records()
+    mine = recs[victim]
+    assert [r["role"] for r in events(mine, "role")] == ["removed"]
+    assert not [r for r in events(mine, "step") if r["t"] >= stopped_at]  # never trained again
+    fenced = events(mine, "fenced")
+    assert fenced and fenced[0]["t"] >= resumed_at  # fenced as soon as it ran again
+    promoted = [m for m in spares if events(recs[m], "role")]
+    assert len(promoted) == 1  # replaced exactly once
+    heir = events(recs[promoted[0]], "role")
+    assert [(r["role"], r["rank"], r["config_id"]) for r in heir] == [("rank", 3, 1)]
+    assert events(recs[promoted[0]], "step")  # and the heir trains
+    survivors = [m for m, r in up.items() if r["role"] == "rank" and m != victim]
+    assert all(max(r["config_id"] for r in events(recs[m], "step")) == 1 for m in survivors)
+
+
+def test_s07_a_member_whose_sends_fail_suspects_itself_and_is_replaced(tmp_path):
+    run = Run(tmp_path, 3, 1, MP_UNSHARE_RANK="2")
+    try:
+        up = run.started()
+        victim = next(m for m, r in up.items() if r["rank"] == 2)
+        spare = next(m for m, r in up.items() if r["role"] == "spare")
+        wait_for(lambda: events(run.records()[spare], "role"), 20, "the spare promoted")
+        wait_for(lambda: events(run.records()[victim], "fenced"), 15, "the victim fencing")
+        status = up[victim]["status"]
+    finally:
+        out = run.stop()
+    recs = run.records()
+    assert [(r["rank"], r["config_id"]) for r in events(recs[spare], "role")] == [(2, 1)]
+    assert status is not None, out
+    # The others never heard it: no step of the victim happened after it was fenced.
+    fenced_at = events(recs[victim], "fenced")[0]["t"]
+    assert not [r for r in events(recs[victim], "step") if r["t"] > fenced_at]
+
+
+@pytest.mark.slow
+def test_s01_members_holding_the_gil_in_bursts_are_never_removed(tmp_path):
+    # Every member holds its GIL for 0.8-3 s chunks, half the time, for 40 s: their agents
+    # stall, their peers must not remove anyone (S01, MP version, shortened from 10 minutes).
+    run = Run(tmp_path, 4, 1, MP_GIL_BURSTS="0.8,3.0,0.5", MP_STEPS="100000")
+    try:
+        run.started()
+        time.sleep(40)
+    finally:
+        run.stop()
+    recs = run.records()
+    assert all(not events(r, "role") for r in recs.values())  # nobody removed or promoted
+    assert all(events(r, "step") for m, r in recs.items() if r[0]["role"] == "rank")
+    # The bursts really stalled the agents (else this test proves nothing).
+    stalls = [max((c["stalls"] for c in events(r, "counters")), default=0)
+              for r in recs.values()]
+    assert sum(s > 0 for s in stalls) >= 3
+
+
+ROGUE = """
+import asyncio, json, socket, sys
+import torchpass_p2p
+from torchpass_p2p.agent.api import AgentError
+from torchpass_p2p.agent.transport import Transport, Kind, TransportError
+from torchpass_p2p.core.codec import encode
+from torchpass_p2p.core.messages import Cut, Join, Joiner, Vote
+from torchpass_p2p.core.seal import Keyring, Sealer
+
+targets = [tuple(a) for a in json.loads(sys.argv[1])]
+key = bytes(range(32))  # not the cluster's
+outcome = {}
+try:  # join as a spare through the members
+    torchpass_p2p.start(key=key, seeds=tuple(targets), status=None, health=False,
+                        member_id=0xBAD, bind=("127.0.0.1", 0), join_timeout_s=2.0)
+    outcome["join"] = "accepted"
+except AgentError as exc:
+    outcome["join"] = "refused"
+sealer = Sealer("torchpass", Keyring(key), 0xBAD)
+vote = Vote(0, 0, Cut(removed=()), 0, bytes([255, 255]), 5)  # votes for everyone
+join = Join(Joiner(0xBAD, "127.0.0.1", 1), 0)
+with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    for t in targets:
+        for m in (vote, join):
+            s.sendto(sealer.seal(encode(m), 0), t)
+
+async def claim():  # ask for the configuration over TCP, as a joiner would
+    tr = Transport("torchpass", Keyring(key), 0xBAD, on_message=print,
+                   on_send_error=print, on_request=lambda k, b: None)
+    try:
+        await tr.request(targets[0], Kind.CONFIG_REQUEST, b"", timeout_s=2)
+        return "answered"
+    except TransportError:
+        return "refused"
+outcome["claim"] = asyncio.run(claim())
+print(json.dumps(outcome))
+"""
+
+
+def test_s16_a_process_without_the_key_cannot_join_vote_or_claim(tmp_path):
+    import subprocess
+    import sys
+    import urllib.request
+
+    run = Run(tmp_path, 3, 1)
+    try:
+        up = run.started()
+        targets = [r["address"] for r in up.values()]
+        rogue = subprocess.run(
+            [sys.executable, "-c", ROGUE, json.dumps(targets)], cwd=REPO, capture_output=True,
+            text=True, timeout=60, env=clean_environ() | {"PYTHONPATH": str(REPO)})
+        assert rogue.returncode == 0, rogue.stderr
+        assert json.loads(rogue.stdout.splitlines()[-1]) == {"join": "refused",
+                                                             "claim": "refused"}
+        time.sleep(1.0)
+        statuses, metrics = [], []
+        for r in up.values():
+            host, port = r["status"]
+            with urllib.request.urlopen(f"http://{host}:{port}/status", timeout=5) as f:
+                statuses.append(json.load(f))
+            with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5) as f:
+                metrics.append(f.read().decode())
+    finally:
+        run.stop()
+    assert all(s["config_id"] == 0 and len(s["members"]) == 4 for s in statuses)
+    for doc in statuses:
+        counters = doc["counters"]
+        # the vote and the join datagrams, and the joiner's requests: all refused, counted
+        assert counters.get("rejected_unknown_key", 0) + counters.get("rejected_auth_failed",
+                                                                       0) >= 2
+    assert any(doc["counters"].get("rejected_frame_unknown_key", 0)
+               + doc["counters"].get("rejected_frame_auth_failed", 0) >= 1 for doc in statuses)
+    assert all("torchpass_rejected_datagrams_total" in m for m in metrics)
