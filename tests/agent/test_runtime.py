@@ -7,6 +7,7 @@ That is a property of the protocol's timers (seconds), not of this machine's spe
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
 
@@ -14,6 +15,7 @@ import pytest
 
 from sims.scenario import run_scenario, scenario_from_mapping
 from tests.agent.cluster import LocalCluster
+from torchpass_p2p.agent.transport import TransportError
 from torchpass_p2p.core import events as ev
 
 RANKS, SPARES = 12, 4
@@ -136,3 +138,17 @@ async def test_status_document_lists_every_member(role):
 
 def test_events_are_plain_data():
     assert ev.ConfigurationDecided.__slots__  # _describe walks the slots of every event
+
+
+async def test_a_service_registered_by_one_member_is_found_by_another_with_the_key():
+    cluster = LocalCluster(2, 0, seed=6)
+    await cluster.start()
+    try:
+        lookup = asyncio.create_task(cluster[2].lookup_service(1, "store", 0, timeout_s=5))
+        await asyncio.sleep(0.2)  # asked before it exists: the lookup keeps asking
+        cluster[1].register_service("store", 0, 4242)
+        assert await lookup == (cluster[1].address[0], 4242)
+        with pytest.raises(TransportError):
+            await cluster[2].lookup_service(1, "store", 1, timeout_s=0.3)
+    finally:
+        await cluster.stop()

@@ -171,6 +171,24 @@ class Agent:
         runtime = self._live()
         return self._call(runtime.drain, timeout_s)
 
+    def register_service(self, name: str, config_id: int, port: int) -> None:
+        """Announce a port this process serves ``name`` on for ``config_id`` (see
+        :meth:`~.runtime.AgentRuntime.register_service`)."""
+        runtime = self._live()
+        self._post(runtime.register_service, name, config_id, port)
+
+    def lookup_service(self, member: int, name: str, config_id: int, *,
+                       timeout_s: float = 30.0) -> Address:
+        """(host, port) where ``member`` serves ``name`` for ``config_id``; waits until it is
+        registered.
+
+        Raises:
+            TransportError: not registered within ``timeout_s`` seconds.
+        """
+        runtime = self._live()
+        return self._call(lambda: runtime.lookup_service(member, name, config_id,
+                                                         timeout_s=timeout_s), timeout_s + 5)
+
     # ------------------------------------------------------------------ agent -> host
 
     def next_change(self, timeout_s: float | None = None) -> Change | None:

@@ -96,6 +96,8 @@ class AgentRuntime:
         self.status_address: Address | None = None
         self.http_token = http_token(settings.keyring)
         self._peer_addresses: dict[MemberId, Address] = {}
+        self.services: dict[tuple[str, int], int] = {}
+        """(name, config_id) -> port this process serves it on (:meth:`register_service`)."""
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self._listeners: list[Listener] = []
         self._changes: deque[Change] = deque(maxlen=64)
@@ -387,10 +389,59 @@ class AgentRuntime:
             self._flush()
 
     def _on_request(self, kind: int, body: bytes) -> tuple[int, bytes] | None:
-        if kind != Kind.CONFIG_REQUEST or self.member is None:
+        if self.member is None:
             return None
-        data = configuration_to_data(self.member.configuration)
-        return Kind.CONFIG_REPLY, msgpack.packb(data)
+        if kind == Kind.CONFIG_REQUEST:
+            data = configuration_to_data(self.member.configuration)
+            return Kind.CONFIG_REPLY, msgpack.packb(data)
+        if kind == Kind.SERVICE_REQUEST:
+            try:
+                name, config_id = msgpack.unpackb(body, max_str_len=64, max_array_len=2)
+                port = self.services.get((str(name), int(config_id)))
+            except (ValueError, TypeError, msgpack.UnpackException):
+                self.transport.rejected_frames["bad_service_request"] += 1
+                return None
+            return Kind.SERVICE_REPLY, msgpack.packb(port)
+        return None
+
+    def register_service(self, name: str, config_id: int, port: int) -> None:
+        """Announce that this process serves ``name`` for ``config_id`` on ``port`` of this
+        member's host (e.g. the rendezvous store of a configuration; DESIGN section 8). Peers
+        find it with :meth:`lookup_service`, over the authenticated TCP port."""
+        self.services[(name, config_id)] = port
+        for old in [k for k in self.services if k[0] == name and k[1] < config_id - 2]:
+            del self.services[old]  # keep the last few configurations only
+
+    async def lookup_service(self, member: MemberId, name: str, config_id: int, *,
+                             timeout_s: float = 30.0) -> Address:
+        """(host, port) where ``member`` serves ``name`` for ``config_id``; asks again every
+        50 ms until it is registered.
+
+        Raises:
+            TransportError: no answer within ``timeout_s`` seconds, or ``member`` has no
+                known address.
+        """
+        address = self._peer_addresses.get(member) or self.configuration.addresses.get(member)
+        if address is None:
+            raise TransportError(f"no address for member {member:016x}")
+        if member == self.member_id:
+            address = self.address or address
+        deadline = self._clock() + timeout_s
+        body = msgpack.packb([name, config_id])
+        while True:
+            left = deadline - self._clock()
+            if left <= 0:
+                raise TransportError(f"member {member:016x} serves no {name!r} for config "
+                                     f"{config_id} after {timeout_s} s")
+            try:
+                kind, reply = await self.transport.request(address, Kind.SERVICE_REQUEST,
+                                                           body, timeout_s=min(left, 2.0))
+                port = msgpack.unpackb(reply) if kind == Kind.SERVICE_REPLY else None
+            except (TransportError, ValueError, msgpack.UnpackException):
+                port = None
+            if type(port) is int and 0 < port < 65536:
+                return address[0], port
+            await asyncio.sleep(0.05)
 
     def _member_at(self, address: Address) -> MemberId | None:
         for member, addr in self._peer_addresses.items():

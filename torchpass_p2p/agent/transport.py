@@ -54,6 +54,11 @@ class Kind:
     """A core message (codec body), handled as if it had come by UDP."""
     CONFIG_REQUEST = 1
     CONFIG_REPLY = 2
+    SERVICE_REQUEST = 3
+    """msgpack ``[name, config_id]``: where does this member serve ``name`` (e.g. the
+    rendezvous store of a configuration)?"""
+    SERVICE_REPLY = 4
+    """msgpack ``port`` (int), or None when the member does not serve it (yet)."""
 
 
 class TransportError(ConnectionError):
