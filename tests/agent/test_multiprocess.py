@@ -231,3 +231,31 @@ def test_s16_a_process_without_the_key_cannot_join_vote_or_claim(tmp_path):
     assert any(doc["counters"].get("rejected_frame_unknown_key", 0)
                + doc["counters"].get("rejected_frame_auth_failed", 0) >= 1 for doc in statuses)
     assert all("torchpass_rejected_datagrams_total" in m for m in metrics)
+
+
+def test_a_sigkilled_rank_is_reported_by_the_launcher_and_replaced(tmp_path):
+    import urllib.request
+
+    run = Run(tmp_path, 3, 1)
+    try:
+        up = run.started()
+        victim = next(m for m, r in up.items() if r["rank"] == 1)
+        spare = next(m for m, r in up.items() if r["role"] == "spare")
+        time.sleep(1.0)
+        os.kill(run.pid_of(victim), signal.SIGKILL)
+        killed_at = time.time()
+        wait_for(lambda: events(run.records()[spare], "role"), 20, "the spare promoted")
+        promoted_at = events(run.records()[spare], "role")[0]["t"]
+        counters = []
+        for m, r in up.items():
+            if m != victim:
+                host, port = r["status"]
+                with urllib.request.urlopen(f"http://{host}:{port}/status", timeout=5) as f:
+                    counters.append(json.load(f)["counters"])
+    finally:
+        run.stop()
+    # The launcher saw the exit and told the siblings at once (fast evidence).
+    assert sum(c.get("evidence_reported", 0) for c in counters) >= 2
+    print(f"killed -> spare holds the rank: {promoted_at - killed_at:.2f} s")
+    assert [(r["rank"], r["config_id"]) for r in events(run.records()[spare], "role")] \
+        == [(1, 1)]

@@ -152,3 +152,24 @@ async def test_a_service_registered_by_one_member_is_found_by_another_with_the_k
             await cluster[2].lookup_service(1, "store", 1, timeout_s=0.3)
     finally:
         await cluster.stop()
+
+
+async def test_hang_watchdog_drains_a_rank_stuck_in_compute_but_not_one_waiting_on_peers():
+    from dataclasses import replace
+
+    cluster = LocalCluster(4, 1, seed=9)
+    for m in (2, 3):
+        old = cluster[m]
+        cluster.agents[m] = type(old)(replace(old.settings, hang_timeout_s=0.5),
+                                      rng=old._rng)
+    await cluster.start()
+    try:
+        cluster[2].report_progress(7, "compute")  # then silence: its own loop is stuck
+        cluster[3].report_progress(7, "collective")  # then silence: waiting on peers
+        await cluster.until(lambda: cluster[5].rank == 1, timeout_s=15)
+        assert cluster[2].role in ("leaving", "removed")
+        assert cluster[3].role == "rank" and not cluster[3].draining
+        assert [e["detail"] for e in cluster[2]._recent if e["type"] == "HangDetected"] \
+            == ["compute"]
+    finally:
+        await cluster.stop()
