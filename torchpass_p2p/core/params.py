@@ -100,10 +100,12 @@ class Params:
     answering, so no vote comes sooner than 1.5 + 1.6 = 3.1 s into a stall: a member blocked
     for up to 3 s refutes first. Ours; a crash is decided about as fast, since the first alert
     reaches everyone ~1 s before the conviction does."""
-    vote_push_interval_s: float = 0.05
-    """Shortest gap between two eager pushes of changed vote bitmaps by one member (ours: fast
-    enough that a bitmap crosses 16k members in ~10 hops within 0.5 s, slow enough that one
-    member does not send a push per received vote)."""
+    vote_push_interval_s: float = 0.025
+    """Shortest gap between two eager pushes of changed vote bitmaps by one member (ours: a
+    bitmap crosses 16k members in ~10 hops within 0.25 s, and one member still does not send a
+    push per received vote). Measured at 1,000 members, 1 % loss: the last member decides
+    0.1-0.25 s sooner than at 50 ms, for the same bytes per member (pushes only run while a
+    change is undecided)."""
     vote_resend_s: float = 0.5
     """While undecided, every member sends all its tallies to one random peer this often (anti-
     entropy for lost pushes)."""
