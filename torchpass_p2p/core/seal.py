@@ -128,6 +128,12 @@ class Keyring:
         primary = derived.pop(self.primary_id)
         return Keyring(primary, list(derived.values()))
 
+    def derive_secrets(self, label: bytes) -> dict[int, bytes]:
+        """Key id of each cluster key -> 32 bytes derived from it for ``label`` (HKDF-SHA256):
+        what another channel with its own MAC keys (state transfer) verifies with, so it can
+        follow the same key rotation without holding the cluster keys themselves."""
+        return {kid: _hkdf(key, label) for kid, key in self._keys.items()}
+
     def derive_secret(self, label: bytes) -> bytes:
         """32 bytes derived from the primary key for ``label`` (HKDF-SHA256): a shared secret
         every holder of the cluster key computes alike, e.g. a bearer token for local HTTP."""

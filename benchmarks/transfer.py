@@ -1,0 +1,225 @@
+"""State-transfer throughput between processes on loopback.
+
+Run ``python -m benchmarks.transfer [--json] [--gib 1.0] [--repeats 5]``. Starts two source
+processes that each hold the same ``--gib`` GiB state (16 float32 tensors) and serve it three
+ways; the receiver (this process) measures, in interleaved rounds, the median of ``repeats``
+runs of:
+
+* ``gb_per_s``: :func:`torchpass_p2p.transfer.fetch` from one source, digest ``xxh3`` with
+  keyed-BLAKE3 chunk tags (every byte hashed on the receiver), received in place;
+* ``gb_per_s_blake3``: the same with BLAKE3 chunk digests (cryptographic per byte);
+* ``two_sources_gb_per_s``: ``fetch`` striped over both sources (xxh3);
+* ``raw_socket_gb_per_s``: a plain blocking-socket loop, ``sendall`` / ``recv_into`` of the
+  same bytes in 4 MiB pieces into a preallocated buffer, no integrity checks (same 4 MiB
+  kernel socket buffers as the transfer client);
+* ``torch_save_gb_per_s``: ``torch.save`` into memory, send, receive, ``torch.load``;
+
+with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (and the same for the others).
+GB = 1e9 bytes. The sources' one-time digest cost per published snapshot is reported as
+``source_digest_s``. Figures only: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+
+import torch
+
+from torchpass_p2p.transfer import Snapshot, TransferKeys, TransferServer, fetch
+from torchpass_p2p.transfer.frames import set_buffers
+from torchpass_p2p.transfer.snapshot import byte_view
+
+N_TENSORS = 16
+PIECE = 4 << 20
+
+
+def _state(total_bytes: int, fill: bool) -> dict[str, torch.Tensor]:
+    n = total_bytes // 4 // N_TENSORS
+    out = {}
+    for k in range(N_TENSORS):
+        t = torch.empty(n, dtype=torch.float32)
+        if fill:
+            t.copy_(torch.arange(n, dtype=torch.float32)).mul_(1.0 + k)
+        out[f"w{k}"] = t
+    return out
+
+
+def _raw_server(lsock: socket.socket, views: list[memoryview]) -> None:
+    while True:
+        try:
+            c, _ = lsock.accept()
+        except OSError:
+            return
+        with c:
+            set_buffers(c)
+            c.recv(1)
+            for v in views:
+                for p in range(0, len(v), PIECE):
+                    c.sendall(v[p:p + PIECE])
+
+
+def _save_server(lsock: socket.socket, state: dict[str, torch.Tensor]) -> None:
+    while True:
+        try:
+            c, _ = lsock.accept()
+        except OSError:
+            return
+        with c:
+            c.recv(1)
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            data = buf.getbuffer()
+            c.sendall(struct.pack(">Q", len(data)))
+            c.sendall(data)
+
+
+def _source_main(pipe, total_bytes: int, key: bytes) -> None:
+    state = _state(total_bytes, fill=True)
+    snap = Snapshot.capture({"model": state}, step=1)
+    views = [byte_view(t) for t in snap.tensors]
+    socks = []
+    for target, arg in ((_raw_server, views), (_save_server, state)):
+        ls = socket.create_server(("127.0.0.1", 0))
+        socks.append(ls)
+        threading.Thread(target=target, args=(ls, arg), daemon=True).start()
+
+    async def serve() -> None:
+        t0 = time.perf_counter()
+        for algo in ("xxh3", "blake3"):
+            snap.digests(algo)
+        digest_s = time.perf_counter() - t0
+        async with TransferServer(TransferKeys(key), lambda: 1) as server:
+            server.publish(snap)
+            pipe.send({"transfer": server.port, "raw": socks[0].getsockname()[1],
+                       "save": socks[1].getsockname()[1], "digest_s": digest_s})
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, pipe.recv)  # any message: stop
+
+    asyncio.run(serve())
+
+
+def _raw_recv(port: int, views: list[memoryview]) -> None:
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        set_buffers(c)  # the same kernel buffers as the transfer client asks for
+        c.sendall(b"g")
+        for v in views:
+            pos = 0
+            while pos < len(v):
+                n = c.recv_into(v[pos:pos + PIECE])
+                if n == 0:
+                    raise ConnectionError("closed")
+                pos += n
+
+
+def _save_recv(port: int) -> dict[str, torch.Tensor]:
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"g")
+        hdr = bytearray(8)
+        memoryview(hdr)[:] = c.recv(8, socket.MSG_WAITALL)
+        (n,) = struct.unpack(">Q", hdr)
+        buf = bytearray(n)
+        mv, pos = memoryview(buf), 0
+        while pos < n:
+            k = c.recv_into(mv[pos:])
+            if k == 0:
+                raise ConnectionError("closed")
+            pos += k
+    return torch.load(io.BytesIO(buf), weights_only=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    args = ap.parse_args(argv)
+    total = int(args.gib * (1 << 30)) // (4 * N_TENSORS) * 4 * N_TENSORS
+    key = os.urandom(32)
+    keys = TransferKeys(key)
+    ctx = mp.get_context("spawn")
+    procs, pipes, ports = [], [], []
+    for _ in range(2):
+        a, b = ctx.Pipe()
+        p = ctx.Process(target=_source_main, args=(b, total, key), daemon=True)
+        p.start()
+        procs.append(p)
+        pipes.append(a)
+    for a in pipes:
+        if not a.poll(300):
+            raise SystemExit("source did not start")
+        ports.append(a.recv())
+    target = _state(total, fill=False)
+    into = Snapshot.capture({"model": target}, step=0)
+    views = [byte_view(t) for t in into.tensors]
+    src = [("127.0.0.1", p["transfer"]) for p in ports]
+
+    def run_fetch(sources, algo):
+        t0 = time.perf_counter()
+        res = asyncio.run(fetch(sources, keys, 1, into=into, algo=algo))
+        dt = time.perf_counter() - t0
+        assert res.allocated_bytes == 0 and not res.failures
+        return dt
+
+    def run_raw():
+        t0 = time.perf_counter()
+        _raw_recv(ports[0]["raw"], views)
+        return time.perf_counter() - t0
+
+    def run_save():
+        t0 = time.perf_counter()
+        _save_recv(ports[0]["save"])
+        return time.perf_counter() - t0
+
+    cases = {
+        "gb_per_s": lambda: run_fetch(src[:1], "xxh3"),
+        "raw_socket_gb_per_s": run_raw,
+        "two_sources_gb_per_s": lambda: run_fetch(src, "xxh3"),
+        "gb_per_s_blake3": lambda: run_fetch(src[:1], "blake3"),
+        "torch_save_gb_per_s": run_save,
+    }
+    times: dict[str, list[float]] = {k: [] for k in cases}
+    for f in cases.values():  # warm-up: page in buffers, first connections
+        f()
+    for _ in range(args.repeats):
+        for k, f in cases.items():
+            times[k].append(f())
+    out: dict[str, object] = {"bytes": total, "repeats": args.repeats}
+    for k, ts in times.items():
+        out[k] = round(total / statistics.median(ts) / 1e9, 3)
+    raw = out["raw_socket_gb_per_s"]
+    out["ratio_vs_raw"] = round(out["gb_per_s"] / raw, 3)  # type: ignore[operator]
+    out["ratio_vs_raw_blake3"] = round(out["gb_per_s_blake3"] / raw, 3)  # type: ignore
+    out["two_sources_vs_one"] = round(out["two_sources_gb_per_s"] / out["gb_per_s"], 3)  # type: ignore
+    out["all_gb_per_s"] = {k: [round(total / t / 1e9, 3) for t in ts] for k, ts in times.items()}
+    out["source_digest_s"] = round(ports[0]["digest_s"], 3)
+    out["python"] = platform.python_version()
+    out["torch"] = torch.__version__
+    out["cpus"] = os.cpu_count()
+    for a in pipes:
+        a.send("stop")
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:>24}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

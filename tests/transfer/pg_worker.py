@@ -1,0 +1,50 @@
+"""One rank of the process-group conformance run: ``python -m tests.transfer.pg_worker RANK
+WORLD STORE_PATH OUT_JSON``. Ranks 0..WORLD-2 are sources, the last rank receives."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import sys
+
+import torch.distributed as dist
+
+from torchpass_p2p.transfer.pg_transport import PgTransport
+from torchpass_p2p.transfer.transport import TransferPlan
+
+from .states import CASES, build, capture, report
+
+
+async def main(rank: int, world: int, out: str) -> None:
+    sources = tuple(range(world - 1))
+    receiver = world - 1
+    transport = PgTransport()
+    reports = {}
+    for case in CASES:
+        plan = TransferPlan(sources=sources, config_id=1, receiver=receiver,
+                            progress_timeout_s=60.0)
+        if rank == receiver:
+            objs = build(case, "receiver")[0]
+            result = await transport.receive(plan, into=objs)
+            reports[case] = report(case, result, objs)
+            reports[case]["failures"] = dict(result.failures)
+            reports[case]["sources_used"] = sum(1 for b in result.bytes_by_source.values() if b)
+        else:
+            snap, _ = capture(case, "source")
+            await transport.provide(snap, plan)
+        dist.barrier()
+    if rank == receiver:
+        with open(out, "w") as f:
+            json.dump(reports, f)
+
+
+if __name__ == "__main__":
+    r, w, store_path, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    store = dist.FileStore(store_path, w)
+    dist.init_process_group("gloo", store=store, rank=r, world_size=w,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        asyncio.run(main(r, w, out_path))
+    finally:
+        dist.destroy_process_group()

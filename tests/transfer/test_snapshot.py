@@ -1,0 +1,117 @@
+"""Snapshot capture, restore, refusal of non-plain data, and manifest validation."""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from torchpass_p2p.transfer import PeerError, RNGState, Snapshot
+from torchpass_p2p.transfer.manifest import decode_manifest, encode_manifest
+
+from .states import capture
+
+
+@pytest.mark.parametrize(("bad", "where"), [
+    ({1, 2}, "metadata.x"), (object(), "metadata.x"), (np.float64(1.0), "metadata.x"),
+    (1 << 64, "metadata.x"), ({(1, 2): 3}, "metadata.x"),
+    ([torch.empty(2, device="meta")], "metadata.x[0]"),
+])
+def test_non_plain_metadata_is_refused_with_its_path(bad, where):
+    with pytest.raises(TypeError, match=where.replace("[", r"\[").replace("]", r"\]")):
+        Snapshot.capture({}, step=0, metadata={"x": bad})
+
+
+def test_round_trip_keeps_types_exactly():
+    od = OrderedDict([("b", 1), ("a", (2, [3, (4,)]))])
+    od._metadata = {"": {"version": 2}}  # type: ignore[attr-defined]
+    meta = {"od": od, "t": (), "f": float("-inf"), 5: b"\x00", "n": None}
+    snap = Snapshot.capture({"obj": {"w": torch.ones(2)}}, step=4, metadata=meta)
+    st = snap.state()
+    assert st["metadata"] == meta
+    assert type(st["metadata"]["od"]) is OrderedDict
+    assert st["metadata"]["od"]._metadata == {"": {"version": 2}}
+    assert type(st["metadata"]["od"]["a"][1][1]) is tuple
+
+
+def test_rng_state_round_trip():
+    rng = RNGState()
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    snap = Snapshot.capture({"rng": rng}, step=0, copy=True)
+    want = (torch.rand(3), random.random(), np.random.rand())
+    torch.manual_seed(9)
+    random.seed(9)
+    np.random.seed(9)
+    snap.restore({"rng": rng})
+    got = (torch.rand(3), random.random(), np.random.rand())
+    assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
+
+
+def test_copy_snapshot_is_frozen_and_reference_is_live():
+    w = torch.zeros(1000)
+    frozen = Snapshot.capture({"m": {"w": w}}, step=1, copy=True)
+    live = Snapshot.capture({"m": {"w": w}}, step=1)
+    f0, l0 = frozen.fingerprint(), live.fingerprint()
+    assert f0 == l0
+    w.add_(1)
+    assert Snapshot.capture({"m": {"w": w}}, step=1, copy=True).fingerprint() != f0
+    assert frozen.fingerprint() == f0  # cached, and its bytes are a copy anyway
+    assert Snapshot(1, frozen.table, frozen.tensors, frozen.tree).fingerprint() == f0
+
+
+def test_tied_tensors_are_one_entry():
+    t = torch.rand(4, 4)
+    snap = Snapshot.capture({"m": {"a": t, "b": t, "c": t[1]}}, step=0)
+    assert [e.name for e in snap.table] == ["m.a", "m.c"]
+    st = snap.state()["objects"]["m"]
+    assert st["a"] is st["b"]
+
+
+def test_chunks_cover_every_byte_once():
+    snap = capture("edge_tensors", "source")[0]
+    joined = b"".join(bytes(v) for i in range(snap.num_chunks) for v in snap.segments(i))
+    assert joined == b"".join(bytes(v) for v in snap._views)
+    assert all(sum(len(v) for v in snap.segments(i)) == snap.chunk_range(i)[1]
+               for i in range(snap.num_chunks))
+
+
+def _manifest(**overrides):
+    snap = capture("edge_tensors", "source")[0]
+    m = msgpack.unpackb(encode_manifest(snap, "xxh3"))
+    m.update(overrides)
+    return msgpack.packb(m, use_bin_type=True), snap
+
+
+def test_manifest_fingerprint_is_recomputed():
+    data, snap = _manifest()
+    assert decode_manifest(data, 1 << 30).fingerprint == snap.fingerprint()
+
+
+@pytest.mark.parametrize(("overrides", "reason"), [
+    ({"total_bytes": 4 << 30}, "too_large"),
+    ({"total_bytes": 12}, "bad_manifest"),
+    ({"chunk_bytes": 1}, "bad_manifest"),
+    ({"digests": b"x"}, "bad_manifest"),
+    ({"algo": "md5"}, "bad_manifest"),
+    ({"tree": b"\x80\x04\x95"}, "bad_manifest"),   # a pickle where the tree goes
+    ({"table": msgpack.packb([["w", "float32", [1 << 40], 4, 0]])}, "bad_manifest"),
+    ({"v": 2}, "bad_manifest"),
+])
+def test_bad_manifest_is_refused(overrides, reason):
+    data, _ = _manifest(**overrides)
+    with pytest.raises(PeerError) as e:
+        decode_manifest(data, 1 << 31)
+    assert e.value.reason == reason
+
+
+def test_pickle_as_manifest_is_refused():
+    import pickle
+    with pytest.raises(PeerError) as e:
+        decode_manifest(pickle.dumps({"v": 1}), 1 << 30)
+    assert e.value.reason == "bad_manifest"

@@ -1,0 +1,339 @@
+"""The TCP transfer service against bad input and failing sources, on real loopback sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import socket
+import struct
+
+import pytest
+
+from torchpass_p2p.core.seal import key_id
+from torchpass_p2p.transfer import Refused, Snapshot, TransferFailed, TransferKeys, fetch
+from torchpass_p2p.transfer.auth import client_handshake
+from torchpass_p2p.transfer.frames import Conn, encode_frame
+from torchpass_p2p.transfer.server import TransferServer
+
+from .states import build, capture
+
+CONFIG = 7
+_PICKLE = pickle.dumps({"op": "hello", "v": 1})
+
+
+@pytest.fixture
+def keys():
+    return TransferKeys(os.urandom(32))
+
+
+@pytest.fixture
+def snap():
+    return capture("edge_tensors", "source")[0]
+
+
+class CorruptServer(TransferServer):
+    """Flips one byte in the middle of every chunk (a faulty source or an on-path attacker)."""
+
+    def chunk_buffers(self, snapshot, index):
+        bufs = super().chunk_buffers(snapshot, index)
+        data = bytearray(b"".join(bufs))
+        data[len(data) // 2] ^= 0x01
+        return [memoryview(data)]
+
+
+class PickleServer(TransferServer):
+    """Sends a pickle (padded to the chunk's length) as the body of every chunk."""
+
+    def chunk_buffers(self, snapshot, index):
+        n = sum(len(b) for b in super().chunk_buffers(snapshot, index))
+        payload = pickle.dumps({"evil": list(range(10))})
+        return [memoryview((payload * (n // len(payload) + 1))[:n])]
+
+
+class StallServer(TransferServer):
+    """Serves two chunks, then stops making progress (a hung source)."""
+
+    async def serve_chunk(self, conn, snapshot, index, header):
+        self.stats["stall_calls"] += 1
+        if self.stats["stall_calls"] > 2:
+            await asyncio.sleep(3600)
+        await super().serve_chunk(conn, snapshot, index, header)
+
+
+def received_fingerprint(result) -> bytes:
+    """Fingerprint recomputed from the received bytes (no cached digests)."""
+    s = result.snapshot
+    return Snapshot(s.step, s.table, s.tensors, s.tree, s.chunk_bytes).fingerprint()
+
+
+async def serving(snap, keys, *classes, config=CONFIG):
+    servers = [cls(keys, lambda: config) for cls in classes]
+    for s in servers:
+        await s.start()
+        s.publish(snap)
+    return servers
+
+
+async def close_all(servers):
+    for s in servers:
+        await s.close()
+
+
+async def test_two_sources_exact_and_counted(snap, keys):
+    servers = await serving(snap, keys, TransferServer, TransferServer)
+    try:
+        res = await fetch([s.address for s in servers], keys, CONFIG)
+        assert received_fingerprint(res) == snap.fingerprint() == res.fingerprint
+        assert sum(res.bytes_by_source.values()) == snap.total_bytes
+        assert all(b > 0 for b in res.bytes_by_source.values())
+        assert sum(s.stats["chunks"] for s in servers) == snap.num_chunks
+        assert [s.refused for s in servers] == [{}, {}]
+    finally:
+        await close_all(servers)
+
+
+async def test_peer_without_the_key_is_refused(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        other = TransferKeys(os.urandom(32))
+        with pytest.raises(TransferFailed) as e:
+            await fetch([server.address], other, CONFIG)
+        assert e.value.reason == "no_sources"
+        assert e.value.failures == {"unknown_key": 1}
+        assert server.refused == {"unknown_key": 1}
+        # A key with the same 1-byte id but other bytes: the server's proof fails the client.
+        target_id = keys.primary_id
+        while True:
+            k = os.urandom(32)
+            if key_id(k) == target_id:
+                break
+        with pytest.raises(TransferFailed) as e:
+            await fetch([server.address], TransferKeys(k), CONFIG)
+        assert e.value.failures == {"server_auth_failed": 1}
+        await asyncio.sleep(0.05)
+        assert server.refused["closed"] == 1
+        assert server.stats["transfers"] == 0
+    finally:
+        await server.close()
+
+
+async def test_replayed_proof_is_refused(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        loop = asyncio.get_running_loop()
+        tid = os.urandom(16)
+        # Record a real handshake's frames, then replay the proof on a new connection.
+        sent: list[bytes] = []
+
+        class Recorder(Conn):
+            async def send(self, data):
+                sent.append(bytes(data))
+                await super().send(data)
+
+        c1 = Recorder(socket.create_connection(server.address), loop)
+        await client_handshake(c1, keys, CONFIG, tid)
+        c1.close()
+        hello, proof = sent
+        c2 = Conn(socket.create_connection(server.address), loop)
+        await c2.send(hello)
+        challenge = await c2.read_frame()
+        assert challenge["op"] == "challenge"
+        await c2.send(proof)
+        assert (await c2.read_frame()) == {"op": "error", "reason": "auth_failed"}
+        c2.close()
+        await asyncio.sleep(0.05)
+        assert server.refused["auth_failed"] == 1
+    finally:
+        await server.close()
+
+
+async def test_stale_config_is_refused(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        with pytest.raises(TransferFailed) as e:
+            await fetch([server.address], keys, CONFIG - 1)
+        assert e.value.failures == {"stale_config": 1}
+        assert server.refused == {"stale_config": 1}
+        res = await fetch([server.address], keys, CONFIG + 1)  # a newer one is fine
+        assert res.fingerprint == snap.fingerprint()
+    finally:
+        await server.close()
+
+
+async def _raw(server, data: bytes) -> bytes:
+    loop = asyncio.get_running_loop()
+    sock = socket.create_connection(server.address)
+    sock.setblocking(False)
+    try:
+        await loop.sock_sendall(sock, data)
+        return await asyncio.wait_for(loop.sock_recv(sock, 100), 5)
+    except ConnectionResetError:  # the server closed with our bytes unread
+        return b""
+    finally:
+        sock.close()
+
+
+@pytest.mark.parametrize(("data", "reason"), [
+    (b"\xff\xff\xff\xff" + b"x" * 100, "frame_too_large"),        # a header claiming 4 GB
+    (pickle.dumps({"op": "hello"}), "frame_too_large"),            # a bare pickle
+    (struct.pack(">I", len(_PICKLE)) + _PICKLE, "bad_frame"),       # a framed pickle
+    (encode_frame("get", i=0), "bad_frame"),                       # request before hello
+])
+async def test_garbage_is_counted_and_server_survives(snap, keys, data, reason):
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        assert await _raw(server, data) in (b"", encode_frame("error", reason=reason))
+        await asyncio.sleep(0.05)
+        assert server.refused == {reason: 1}
+        res = await fetch([server.address], keys, CONFIG)
+        assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await server.close()
+
+
+async def test_pickle_request_after_auth_is_refused(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        loop = asyncio.get_running_loop()
+        c = Conn(socket.create_connection(server.address), loop)
+        await client_handshake(c, keys, CONFIG, os.urandom(16))
+        body = pickle.dumps(["manifest?"])
+        await c.send(struct.pack(">I", len(body)) + body)
+        try:
+            assert await loop.sock_recv(c.sock, 10) == b""
+        except ConnectionResetError:
+            pass
+        c.close()
+        await asyncio.sleep(0.05)
+        assert server.refused == {"bad_frame": 1}
+    finally:
+        await server.close()
+
+
+@pytest.mark.parametrize("bad_server", [CorruptServer, PickleServer])
+async def test_bad_chunk_moves_to_a_good_source(snap, keys, bad_server):
+    servers = await serving(snap, keys, bad_server, TransferServer)
+    try:
+        res = await fetch([s.address for s in servers], keys, CONFIG, window=1)
+        assert res.failures == {"bad_chunk": 1}
+        assert res.refetched_chunks >= 1
+        assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await close_all(servers)
+
+
+async def test_only_bad_sources_fail_cleanly(snap, keys):
+    servers = await serving(snap, keys, CorruptServer)
+    try:
+        with pytest.raises(TransferFailed) as e:
+            await fetch([s.address for s in servers], keys, CONFIG)
+        assert e.value.reason == "no_sources_left"
+        assert e.value.failures == {"bad_chunk": 1}
+    finally:
+        await close_all(servers)
+
+
+async def test_stalled_source_is_dropped_after_no_progress(snap, keys):
+    servers = await serving(snap, keys, StallServer, TransferServer)
+    try:
+        res = await fetch([s.address for s in servers], keys, CONFIG, progress_timeout_s=0.3)
+        assert res.failures == {"no_progress": 1}
+        assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await close_all(servers)
+
+
+async def test_step_and_snapshot_presence(snap, keys):
+    empty = TransferServer(keys, lambda: CONFIG)
+    (server,) = await serving(snap, keys, TransferServer)
+    await empty.start()
+    try:
+        with pytest.raises(TransferFailed) as e:
+            await fetch([server.address], keys, CONFIG, step=snap.step + 1)
+        assert e.value.failures == {"step_mismatch": 1}
+        with pytest.raises(TransferFailed) as e:
+            await fetch([empty.address], keys, CONFIG)
+        assert e.value.failures == {"no_snapshot": 1}
+        assert server.refused == {"step_mismatch": 1} and empty.refused == {"no_snapshot": 1}
+    finally:
+        await server.close()
+        await empty.close()
+
+
+async def test_sources_must_agree(snap, keys):
+    other = capture("edge_tensors", "receiver")[0]
+    a, b = await serving(snap, keys, TransferServer, TransferServer)
+    b.publish(other)
+    try:
+        with pytest.raises(TransferFailed) as e:
+            await fetch([a.address, b.address], keys, CONFIG)
+        assert e.value.reason == "sources_disagree"
+        res = await fetch([a.address, b.address], keys, CONFIG,
+                          expected_fingerprint=snap.fingerprint())
+        assert res.failures == {"fingerprint_mismatch": 1}
+        assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await close_all([a, b])
+
+
+async def test_unreachable_source_is_skipped(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    port = dead.getsockname()[1]
+    dead.close()
+    try:
+        res = await fetch([("127.0.0.1", port), server.address], keys, CONFIG)
+        assert res.failures == {"closed": 1}
+        assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await server.close()
+
+
+async def test_receives_in_place(keys):
+    snap = capture("mlp_adam", "source")[0]
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        objs = build("mlp_adam", "receiver")[0]
+        weight = objs["model"][0].weight
+        before = weight.data_ptr()
+        res = await fetch([server.address], keys, CONFIG, into=objs)
+        got = dict(zip((e.name for e in res.snapshot.table), res.snapshot.tensors, strict=True))
+        assert got["model.0.weight"].data_ptr() == before  # no copy of existing tensors
+        res.snapshot.restore(objs)
+        assert weight.data_ptr() == before
+    finally:
+        await server.close()
+
+
+async def test_refused_is_a_peer_error():
+    assert issubclass(Refused, Exception)
+
+
+async def test_keyring_rotation(snap):
+    from torchpass_p2p.core.seal import Keyring
+    old, new = os.urandom(32), os.urandom(32)
+    while key_id(new) == key_id(old):
+        new = os.urandom(32)
+    server_keys = TransferKeys.from_keyring(Keyring(new, [old]))
+    server = TransferServer(server_keys, lambda: CONFIG)
+    await server.start()
+    server.publish(snap)
+    try:  # a spare that was offline still proves the old primary
+        res = await fetch([server.address], TransferKeys.from_keyring(Keyring(old)), CONFIG)
+        assert res.fingerprint == snap.fingerprint()
+    finally:
+        await server.close()
+
+
+def test_transfer_keys_from_a_keyring_equal_those_from_its_raw_keys():
+    from torchpass_p2p.core.seal import Keyring
+    from torchpass_p2p.transfer.auth import TransferKeys
+
+    a, b = bytes(range(32)), bytes(range(1, 33))
+    from_ring = TransferKeys.from_keyring(Keyring(a, [b]))
+    raw = TransferKeys(a, [b])
+    assert from_ring.primary_id == raw.primary_id
+    assert from_ring.primary == raw.primary
+    assert all(from_ring.get(kid) == raw.get(kid) for kid in Keyring(a, [b]).key_ids)

@@ -1,0 +1,23 @@
+"""State transfer (DESIGN section 7): a promoted spare receives a rank's exact training state
+peer-to-peer from surviving replicas.
+
+* ``snapshot``: the state as a table of tensors plus plain metadata (``Snapshot.capture``,
+  ``restore``, ``RNGState``);
+* ``fingerprint``: chunk digests (xxh3 / blake3), the state fingerprint, chunk tags;
+* ``frames``: bounded msgpack control frames on a socket; ``manifest``: the table a source sends;
+* ``auth``: transfer keys derived from the cluster key, mutual challenge-response;
+* ``server``: ``TransferServer`` serves the last published snapshot;
+* ``client``: ``fetch`` pulls stripes from several sources with failover;
+* ``transport``: the one interface, ``TcpTransport``; ``pg_transport``: torch.distributed.
+"""
+
+from .auth import TransferKeys
+from .client import FetchResult, fetch
+from .errors import PeerError, Refused, TransferError, TransferFailed
+from .server import TransferServer
+from .snapshot import RNGState, Snapshot, Stateful, TensorEntry
+
+__all__ = [
+    "FetchResult", "PeerError", "RNGState", "Refused", "Snapshot", "Stateful", "TensorEntry",
+    "TransferError", "TransferFailed", "TransferKeys", "TransferServer", "fetch",
+]

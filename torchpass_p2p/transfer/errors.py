@@ -1,0 +1,39 @@
+"""Errors of the state-transfer layer.
+
+Local misuse (a non-plain object in metadata, a bad argument) raises ``TypeError`` /
+``ValueError``. A peer's fault never raises out of the server: it is counted by reason and the
+connection is dropped. On the receiving side a source's fault is counted and its chunks move to
+another source; only when no source is left does :class:`TransferFailed` reach the caller.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+
+class TransferError(Exception):
+    """Base class. ``reason`` is a short snake_case string that tests and metrics use."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+        self.detail = detail
+
+
+class PeerError(TransferError):
+    """One peer misbehaved or refused (bad frame, failed authentication, stale config_id,
+    corrupted chunk, ...). The connection is dropped; the caller counts ``reason``."""
+
+
+class Refused(PeerError):
+    """The server answered with an explicit refusal (``reason`` is the server's)."""
+
+
+class TransferFailed(TransferError):
+    """The receiver could not complete the transfer from any source. ``failures`` counts the
+    per-source reasons that led there. The receiver's tensors may hold partial data: the spare
+    must not join (its state was never valid before a complete, verified transfer)."""
+
+    def __init__(self, reason: str, detail: str = "", failures: Counter[str] | None = None):
+        super().__init__(reason, detail)
+        self.failures: Counter[str] = failures if failures is not None else Counter()

@@ -1,0 +1,146 @@
+"""The manifest: what a source tells a receiver before any tensor byte moves.
+
+msgpack map ``{v, step, algo, total_bytes, chunk_bytes, table, tree, digests}`` where ``table``
+and ``tree`` are the snapshot's exact encoded bytes and ``digests`` the concatenated chunk
+digests. The receiver recomputes the fingerprint from these bytes (a source cannot claim one),
+validates every field against hard limits, and builds its receive target from the table:
+tensors it already holds with the same name, dtype and shape are received into in place;
+the others (e.g. Adam's moments before the spare's first step) are allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+from . import fingerprint as fp
+from .errors import PeerError
+from .snapshot import DTYPES, Snapshot, TensorEntry, decode_tree
+
+VERSION = 1
+MAX_TENSORS = 1 << 20
+"""A million tensors: far above any model's state (a 1T-parameter model has ~1e5)."""
+MAX_NAME_BYTES = 1024
+MAX_DIMS = 32
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    step: int
+    algo: str
+    total_bytes: int
+    chunk_bytes: int
+    table: tuple[TensorEntry, ...]
+    table_bytes: bytes
+    tree: bytes
+    digests: bytes
+    fingerprint: bytes
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.total_bytes // self.chunk_bytes)
+
+    def digest(self, index: int) -> bytes:
+        n = fp.DIGEST_BYTES[self.algo]
+        return self.digests[index * n:(index + 1) * n]
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        off = index * self.chunk_bytes
+        return off, min(self.chunk_bytes, self.total_bytes - off)
+
+    def allocate(self, target: Snapshot | None, max_alloc_bytes: int) -> tuple[Snapshot, int]:
+        """The receive snapshot: ``target``'s tensors where name, dtype and shape match (in
+        place), new ones elsewhere. Returns ``(snapshot, bytes_allocated)``. Raises
+        :class:`PeerError` ``too_large`` when new allocations would exceed
+        ``max_alloc_bytes``."""
+        have: dict[str, torch.Tensor] = {}
+        if target is not None:
+            have = {e.name: t for e, t in zip(target.table, target.tensors, strict=True)}
+        tensors, new = [], 0
+        for e in self.table:
+            dtype = DTYPES[e.dtype]
+            t = have.get(e.name)
+            if (t is None or t.dtype != dtype or tuple(t.shape) != e.shape
+                    or not t.is_contiguous() or t.device.type != "cpu"):
+                new += e.nbytes
+                if new > max_alloc_bytes:
+                    raise PeerError("too_large", f"needs more than {max_alloc_bytes} new bytes")
+                t = torch.empty(e.shape, dtype=dtype)
+            tensors.append(t)
+        snap = Snapshot(self.step, list(self.table), tensors, self.tree, self.chunk_bytes)
+        return snap, new
+
+
+def encode_manifest(snap: Snapshot, algo: str) -> bytes:
+    """Manifest bytes of ``snap`` (computes its digests if not done: blocking)."""
+    return msgpack.packb({
+        "v": VERSION, "step": snap.step, "algo": algo, "total_bytes": snap.total_bytes,
+        "chunk_bytes": snap.chunk_bytes, "table": snap.table_bytes, "tree": snap.tree,
+        "digests": snap.digests(algo)}, use_bin_type=True)
+
+
+def _bad(what: str) -> PeerError:
+    return PeerError("bad_manifest", what)
+
+
+def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
+    """Parse and validate untrusted manifest bytes. Raises :class:`PeerError`
+    ``bad_manifest`` (or ``too_large`` for a state above ``max_state_bytes``)."""
+    try:
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
+        rows = msgpack.unpackb(m["table"], raw=False, strict_map_key=True, ext_hook=_no_ext)
+    except Exception as e:
+        raise _bad(type(e).__name__) from None
+    if type(m) is not dict or m.get("v") != VERSION:
+        raise _bad("version")
+    step, algo = m.get("step"), m.get("algo")
+    total, chunk = m.get("total_bytes"), m.get("chunk_bytes")
+    tree, digests = m.get("tree"), m.get("digests")
+    if (type(step) is not int or algo not in fp.ALGORITHMS or type(total) is not int
+            or type(chunk) is not int or type(tree) is not bytes or type(digests) is not bytes):
+        raise _bad("fields")
+    if not 0 <= total <= max_state_bytes:
+        raise PeerError("too_large", f"state of {total} bytes > {max_state_bytes}")
+    if not MIN_CHUNK_BYTES <= chunk <= MAX_CHUNK_BYTES:
+        raise _bad("chunk_bytes")
+    if type(rows) is not list or len(rows) > MAX_TENSORS:
+        raise _bad("table")
+    table, offset = [], 0
+    for r in rows:
+        if type(r) is not list or len(r) != 5:
+            raise _bad("table row")
+        name, dtype, shape, nbytes, off = r
+        if (type(name) is not str or len(name) > MAX_NAME_BYTES or dtype not in DTYPES
+                or type(shape) is not list or len(shape) > MAX_DIMS
+                or any(type(d) is not int or d < 0 for d in shape) or off != offset):
+            raise _bad(f"table row {name!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        if nbytes != numel * DTYPES[dtype].itemsize:
+            raise _bad(f"byte length of {name!r}")
+        offset += nbytes
+        if offset > total:
+            raise _bad("table exceeds total_bytes")
+        table.append(TensorEntry(name, dtype, tuple(shape), nbytes, off))
+    if offset != total:
+        raise _bad("total_bytes")
+    n_chunks = -(-total // chunk)
+    if len(digests) != n_chunks * fp.DIGEST_BYTES[algo]:
+        raise _bad("digests")
+    # The tree must decode against this table (tensor references in range, plain data).
+    try:
+        decode_tree(tree, [torch.empty(0)] * len(table), len(data))
+    except (ValueError, RecursionError) as e:
+        raise _bad(f"tree: {e}") from None
+    fpr = fp.fingerprint(algo, step, total, chunk, m["table"], tree, digests)
+    return Manifest(step, algo, total, chunk, tuple(table), m["table"], tree, digests, fpr)
+
+
+def _no_ext(code: int, data: bytes) -> Any:
+    raise ValueError("ext types are not allowed here")

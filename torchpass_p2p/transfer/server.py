@@ -1,0 +1,230 @@
+"""The transfer server: every member serves the snapshot of its last committed step.
+
+Lifecycle: ``server = TransferServer(keys, current_config_id)``, ``await server.start()``,
+``server.publish(snapshot)`` after each committed step, ``await server.close()`` (bounded).
+``async with TransferServer(...) as server`` does start and close.
+
+Per connection: handshake (``auth``) within ``handshake_timeout_s``, then requests: a manifest,
+then any number of chunk requests, each answered in order. Serving costs no hashing: chunk
+digests are computed once per published snapshot (in a worker thread, on the first request)
+and each chunk's 16-byte tag is a keyed hash of its digest.
+
+Consistency: a connection serves the snapshot that was published when its manifest was asked
+for, for its whole life, even if a newer one is published meanwhile (the old one stays alive
+until the connection ends: see ``snapshot`` for the memory cost). A receiver that asks for a
+``step`` the server does not hold is refused ``step_mismatch``.
+
+Bad input never crashes the server: each refused or dropped connection is counted in
+``refused`` by reason (``bad_frame``, ``frame_too_large``, ``bad_version``, ``unknown_key``,
+``auth_failed``, ``stale_config``, ``bad_request``, ``no_snapshot``, ``step_mismatch``,
+``handshake_timeout``, ``too_many_connections``, ``closed``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from . import fingerprint as fp
+from .auth import TransferKeys, server_handshake
+from .errors import PeerError
+from .frames import Conn, encode_frame, field, set_buffers
+from .manifest import encode_manifest
+from .snapshot import Snapshot
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT_S = 5.0
+"""Three small frames on a LAN take milliseconds; 5 s tolerates a loaded host."""
+IDLE_TIMEOUT_S = 60.0
+"""A connection with no request for this long is closed (a receiver sends its next request
+as soon as a chunk arrives; 60 s only reaps abandoned connections)."""
+SEND_TIMEOUT_S = 30.0
+"""No progress on sending one chunk for this long drops the connection."""
+MAX_CONNECTIONS = 64
+"""Concurrent connections; a transfer uses one per receiver per source."""
+_LOG_EVERY_S = 10.0
+
+
+class TransferServer:
+    """Serves published snapshots over TCP to key holders with a current ``config_id``.
+
+    ``current_config_id()`` is read at each handshake; a client presenting an older one is
+    refused. ``algo`` names the chunk digest (``fingerprint.ALGORITHMS``); the receiver asks
+    for one and the server serves whichever is asked.
+    """
+
+    def __init__(self, keys: TransferKeys, current_config_id: Callable[[], int], *,
+                 host: str = "127.0.0.1", port: int = 0,
+                 max_connections: int = MAX_CONNECTIONS,
+                 handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+        self.keys = keys
+        self.current_config_id = current_config_id
+        self.host, self.port = host, port
+        self.max_connections = max_connections
+        self.handshake_timeout_s = handshake_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.send_timeout_s = send_timeout_s
+        self.refused: Counter[str] = Counter()
+        """Dropped connections by reason (a peer's fault, or a refusal)."""
+        self.stats: Counter[str] = Counter()
+        """``connections``, ``transfers`` (manifests served), ``chunks``, ``bytes``."""
+        self._snapshot: Snapshot | None = None
+        self._lsock: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._conns: set[asyncio.Task] = set()
+        self._last_log = 0.0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind and listen. ``address`` is then the bound ``(host, port)``."""
+        lsock = socket.create_server((self.host, self.port), backlog=128)
+        lsock.setblocking(False)
+        set_buffers(lsock)
+        self._lsock = lsock
+        self.port = lsock.getsockname()[1]
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, cancel every connection and wait at most ``timeout_s`` seconds."""
+        tasks = list(self._conns)
+        if self._accept_task is not None:
+            tasks.append(self._accept_task)
+        for t in tasks:
+            t.cancel()
+        if self._lsock is not None:
+            self._lsock.close()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
+    async def __aenter__(self) -> TransferServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    def publish(self, snapshot: Snapshot | None) -> None:
+        """Serve ``snapshot`` from now on (``None``: serve nothing). Transfers already reading
+        an older snapshot finish on it."""
+        self._snapshot = snapshot
+
+    # -- hooks (tests override these to inject faults) -------------------------------------
+    def chunk_buffers(self, snapshot: Snapshot, index: int) -> list[memoryview]:
+        """The bytes sent for chunk ``index``: the snapshot's own memory, no copy."""
+        return snapshot.segments(index)
+
+    async def serve_chunk(self, conn: Conn, snapshot: Snapshot, index: int,
+                          header: bytes) -> None:
+        """Send one chunk: its header frame, then :meth:`chunk_buffers`."""
+        await conn.send(header)
+        for buf in self.chunk_buffers(snapshot, index):
+            await conn.send(buf)
+
+    # -- serving ---------------------------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._lsock is not None
+        while True:
+            try:
+                sock, _ = await loop.sock_accept(self._lsock)
+            except OSError as e:
+                log.warning("accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._conns) >= self.max_connections:
+                self._count("too_many_connections")
+                sock.close()
+                continue
+            task = loop.create_task(self._serve(Conn(sock, loop)))
+            self._conns.add(task)
+            task.add_done_callback(self._conns.discard)
+
+    def _count(self, reason: str, detail: str = "") -> None:
+        self.refused[reason] += 1
+        now = time.monotonic()
+        if now - self._last_log >= _LOG_EVERY_S:  # bounded-rate logging of bad input
+            self._last_log = now
+            log.warning("transfer server dropped a connection: %s %s (totals %s)", reason,
+                        detail, dict(self.refused))
+
+    async def _serve(self, conn: Conn) -> None:
+        self.stats["connections"] += 1
+        try:
+            try:
+                async with asyncio.timeout(self.handshake_timeout_s):
+                    session, tid, _ = await server_handshake(conn, self.keys,
+                                                             self.current_config_id())
+            except TimeoutError:
+                self._count("handshake_timeout")
+                return
+            await self._requests(conn, session, tid)
+        except PeerError as e:
+            self._count(e.reason, e.detail)
+        except (ConnectionError, OSError) as e:
+            self._count("closed", type(e).__name__)
+        except Exception as e:  # never let a peer crash the server
+            log.exception("transfer server: unexpected error")
+            self._count("internal_error", type(e).__name__)
+        finally:
+            conn.close()
+
+    async def _requests(self, conn: Conn, session: bytes, tid: bytes) -> None:
+        snap: Snapshot | None = None
+        algo = "xxh3"
+        digests = b""
+        dlen = 0
+        while True:
+            try:
+                async with asyncio.timeout(self.idle_timeout_s):
+                    msg = await conn.read_frame()
+            except TimeoutError:
+                self.stats["idle_timeouts"] += 1
+                return
+            op = msg["op"]
+            if op == "get":
+                if snap is None:
+                    raise PeerError("bad_request", "get before manifest")
+                i = field(msg, "i", int)
+                if i >= snap.num_chunks:
+                    raise PeerError("bad_request", f"chunk {i} out of range")
+                off, n = snap.chunk_range(i)
+                tag = fp.chunk_tag(session, tid, i, off, n, digests[i * dlen:(i + 1) * dlen])
+                async with asyncio.timeout(self.send_timeout_s):
+                    await self.serve_chunk(conn, snap, i,
+                                           encode_frame("chunk", i=i, o=off, n=n, tag=tag))
+                self.stats["chunks"] += 1
+                self.stats["bytes"] += n
+            elif op == "manifest?":
+                algo = msg.get("algo")
+                step = msg.get("step")
+                if algo not in fp.ALGORITHMS or (step is not None and type(step) is not int):
+                    raise PeerError("bad_request", "manifest request")
+                snap = self._snapshot
+                if snap is None:
+                    await conn.send(encode_frame("error", reason="no_snapshot"))
+                    raise PeerError("no_snapshot")
+                if step is not None and step != snap.step:
+                    await conn.send(encode_frame("error", reason="step_mismatch"))
+                    raise PeerError("step_mismatch", f"asked {step}, have {snap.step}")
+                body = await asyncio.to_thread(encode_manifest, snap, algo)
+                digests = snap.digests(algo)  # cached by encode_manifest
+                dlen = fp.DIGEST_BYTES[algo]
+                tag = fp.frame_tag(session, b"manifest", body)
+                await conn.send(encode_frame("manifest", size=len(body), tag=tag))
+                await conn.send(body)
+                self.stats["transfers"] += 1
+            elif op == "bye":
+                return
+            else:
+                raise PeerError("bad_request", f"op {op!r}")
