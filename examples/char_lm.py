@@ -1,0 +1,151 @@
+"""A character-level transformer language model on the text of Python's own standard library,
+trained data-parallel under torchpass_p2p: run it with the launcher,
+
+    python -m torchpass_p2p.cli.main launch --nproc 4 --spares 2 examples/char_lm.py --out OUT
+
+Every process (ranks and spares) builds the model first; spares then wait for a rank inside
+``Trainer.run``. The data needs no download: the ``.py`` files of the running interpreter's
+standard library (sorted by name, first ``--corpus-kib`` KiB, bytes above 127 mapped to ``?``).
+Rank ``r``'s batch of step ``k`` is ``--batch`` windows of ``--context + 1`` characters at
+offsets drawn from a generator seeded by ``(seed, r, k)``. Each rank writes
+``OUT/final-<member>.json`` (rank, steps, state fingerprint, weights digest, loss curve) when
+training ends; a member removed from the job exits with code 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchpass_p2p
+from torchpass_p2p.trainer import Removed, Trainer, step_generator
+
+VOCAB = 128
+REMOVED_EXIT = 3
+
+
+def corpus(max_bytes: int) -> torch.Tensor:
+    """``[n] int64`` character codes (0..127) of the standard library's sources."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        size += len(data)
+        if size >= max_bytes:
+            break
+    raw = torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
+    return torch.where(raw < VOCAB, raw, ord("?")).long()
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + F.dropout(self.mlp(self.ln2(x)), self.dropout, self.training)
+
+
+class CharLM(nn.Module):
+    """Tokens ``[batch, context] int64`` -> logits ``[batch, context, 128] float32``."""
+
+    def __init__(self, context: int, dim: int = 64, heads: int = 4, layers: int = 2,
+                 dropout: float = 0.1) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(VOCAB, dim), nn.Embedding(context, dim)
+        self.blocks = nn.Sequential(*(Block(dim, heads, dropout) for _ in range(layers)))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        return self.head(self.ln(self.blocks(x)))
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over every parameter and buffer's bytes, in state-dict order."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for final-<member>.json")
+    ap.add_argument("--log-dir", help="directory for the trainers' timelines")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--corpus-kib", type=int, default=4096)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+    agent = torchpass_p2p.start()
+    text = corpus(args.corpus_kib << 10)
+    torch.manual_seed(args.seed)  # the same initial weights everywhere
+    model = CharLM(args.context)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = max(1, args.steps // 10)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    me = f"{agent.member_id:016x}"
+    log_path = os.path.join(args.log_dir, f"{me}.jsonl") if args.log_dir else None
+    trainer = Trainer(model, optimizer, agent=agent, scheduler=scheduler, seed=args.seed,
+                      log_path=log_path)
+
+    def loss_fn(step: int, rank: int) -> torch.Tensor:
+        g = step_generator(args.seed, rank, step, salt=1)
+        starts = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=g)
+        window = torch.stack([text[s:s + args.context + 1] for s in starts.tolist()])
+        logits = model(window[:, :-1])
+        return F.cross_entropy(logits.reshape(-1, VOCAB), window[:, 1:].reshape(-1))
+
+    try:
+        result = trainer.run(loss_fn, args.steps)
+    except Removed as exc:
+        print(f"member {me}: {exc}; exiting", file=sys.stderr, flush=True)
+        agent.stop(leave=False, timeout_s=2.0)
+        return REMOVED_EXIT
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"final-{me}.json").write_text(json.dumps({
+        "member": me, "rank": result.rank, "steps": result.steps,
+        "fingerprint": result.fingerprint.hex(), "weights_sha256": weights_digest(model),
+        "recoveries": result.recoveries,
+        "losses": {str(k): v for k, v in sorted(result.losses.items())},
+    }))
+    agent.stop(leave=False, timeout_s=2.0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

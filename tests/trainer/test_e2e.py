@@ -1,0 +1,89 @@
+"""S17 and S12 end to end: real processes under the launcher, gloo, SIGKILLs in the middle of
+a step.
+
+Four ranks and a spare train the example language model (smaller settings) for 57 steps. In
+the second run rank 1 SIGKILLs itself at step 37 while its peers are inside the gradient
+all-reduce. Must hold: the spare's restored state has the sources' fingerprint before it
+joins, and every member of the new configuration holds that same fingerprint at the resume
+step; no step is lost (step 37 is redone, nobody committed it); after 20 more steps every rank's
+state (weights, optimizer, schedule, data position) is bitwise equal to the fault-free run's.
+
+S12: rank 0 (the member that served the last rendezvous: it hosted configuration 0's store) and
+rank 2 die in the same step; two spares. Must hold: both ranks replaced in one or two
+configuration changes, same step, no hang, the same final state as the fault-free run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from examples.main_job import Run, run_job
+from torchpass_p2p.trainer.timeline import recoveries
+
+ARGS = ("--batch", "8", "--context", "32", "--corpus-kib", "512")
+STEPS = 57
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """The fault-free run both scenarios compare with."""
+    run = run_job(tmp_path_factory.mktemp("clean"), nproc=4, spares=1, steps=STEPS,
+                  script_args=ARGS, timeout_s=200)
+    assert run.code == 0, run.output[-3000:]
+    assert len(run.finals) == 4 and all(r["steps"] == STEPS for r in run.finals)
+    assert len({r["fingerprint"] for r in run.finals}) == 1
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_s17_killed_rank_is_healed_exactly(tmp_path: Path, clean: Run) -> None:
+    faulty = run_job(tmp_path / "faults", nproc=4, spares=1, steps=STEPS,
+                     faults="kill@37:grad:rank=1", script_args=ARGS, timeout_s=200)
+    assert faulty.code == 0, faulty.output[-3000:]
+
+    [fault] = recoveries(faulty.events)
+    assert (fault.kind, fault.rank, fault.step, fault.config_id) == ("kill", 1, 37, 1)
+    assert fault.resume_step == 37 and fault.last_committed == 36 and fault.steps_lost == 0
+    assert fault.action == ("redo",)
+    assert fault.resumed_s is not None and fault.resumed_s < 30
+
+    # The replacement's fingerprint equals the sources' before it joins ...
+    [fetched] = [r for r in faulty.events if r["event"] == "state_fetched"]
+    assert fetched["step"] == 37 and fetched["restored_fingerprint"] == fetched["fingerprint"]
+    joined = [r for r in faulty.events if r["event"] == "joined" and r["config_id"] == 1]
+    assert len(joined) == 4 and {r["fingerprint"] for r in joined} == {fetched["fingerprint"]}
+    assert fetched["t"] < min(r["t"] for r in joined)
+    # ... and the end state is the fault-free run's, on every rank:
+    assert len(clean.finals) == len(faulty.finals) == 4
+    assert {r["rank"] for r in faulty.finals} == {0, 1, 2, 3}
+    assert all(r["steps"] == STEPS for r in clean.finals + faulty.finals)
+    prints = {r["fingerprint"] for r in clean.finals + faulty.finals}
+    weights = {r["weights_sha256"] for r in clean.finals + faulty.finals}
+    assert len(prints) == 1 and len(weights) == 1
+    assert clean.finals[0]["losses"] == faulty.finals[0]["losses"]  # same curve, bit for bit
+    # A survivor ran every step once in the final history; the replacement ran 37..56.
+    assert sorted(map(int, faulty.finals[0]["losses"])) == list(range(STEPS))
+    assert sorted(map(int, faulty.finals[1]["losses"])) == list(range(37, STEPS))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_s12_two_ranks_at_once_including_the_rendezvous_host(tmp_path: Path,
+                                                             clean: Run) -> None:
+    faulty = run_job(tmp_path / "faults", nproc=4, spares=2, steps=STEPS,
+                     faults="kill@37:grad:rank=0,kill@37:grad:rank=2", script_args=ARGS,
+                     timeout_s=200)
+    assert faulty.code == 0, faulty.output[-3000:]
+    faults = recoveries(faulty.events)
+    assert sorted(f.rank for f in faults) == [0, 2]
+    assert {f.config_id for f in faults} <= {1, 2}
+    assert all(f.resume_step == 37 and f.steps_lost == 0 and f.resumed_s is not None
+               for f in faults)
+    fetched = [r for r in faulty.events if r["event"] == "state_fetched"]
+    assert len(fetched) == 2 and all(r["step"] == 37 for r in fetched)
+    assert {r["rank"] for r in faulty.finals} == {0, 1, 2, 3}
+    assert {r["fingerprint"] for r in faulty.finals} == {clean.finals[0]["fingerprint"]}
+    assert {r["weights_sha256"] for r in faulty.finals} == {clean.finals[0]["weights_sha256"]}

@@ -1,0 +1,102 @@
+"""The trainer's pure parts: the commit rule, seeding, fault specs, gradient flattening and
+the rank-order sum, and reading timelines back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torchpass_p2p.collective import flatten, sum_in_rank_order, unflatten_into
+from torchpass_p2p.trainer import Fault, parse_faults, resolve, step_generator, step_seed
+from torchpass_p2p.trainer.timeline import read_events, recoveries
+
+
+@pytest.mark.parametrize(("applied", "reduced", "resume", "action"), [
+    (37, None, 37, "redo"),          # killed in the gradient all-reduce: nobody has it
+    (37, 37, 37, "redo"),            # all-reduce done, nobody committed: drop it
+    (37, 37, 38, "roll_forward"),    # someone committed 37: apply the held gradient
+    (38, None, 38, "redo"),          # this one already applied 37, blocked in 38
+    (37, None, 38, "fetch"),         # cannot happen to a survivor: fall back to a transfer
+    (39, None, 38, "fetch"),
+])
+def test_commit_rule(applied: int, reduced: int | None, resume: int, action: str) -> None:
+    got, reason = resolve(applied, reduced, resume)
+    assert got == action
+    assert reason == resolve(applied, reduced, resume)[1]  # deterministic
+
+
+def test_commit_rule_reasons_are_exact() -> None:
+    assert resolve(5, 5, 6) == ("roll_forward",
+                                "step 5 was committed: apply its averaged gradient")
+    assert resolve(5, 5, 5) == ("redo", "nobody committed step 5: redo it, dropping the "
+                                        "averaged gradient of step 5")
+
+
+def test_step_seed_is_a_fixed_function_of_seed_rank_step() -> None:
+    assert step_seed(1234, 1, 37) == step_seed(1234, 1, 37)
+    seeds = {step_seed(1234, r, k) for r in range(4) for k in range(100)}
+    assert len(seeds) == 400
+    assert all(0 <= s < 1 << 63 for s in seeds)
+    a = torch.rand(5, generator=step_generator(1, 2, 3))
+    assert torch.equal(a, torch.rand(5, generator=step_generator(1, 2, 3)))
+    assert not torch.equal(a, torch.rand(5, generator=step_generator(1, 2, 3, salt=1)))
+
+
+def test_fault_specs() -> None:
+    assert parse_faults("kill@37:grad:rank=1, stop@80:commit:rank=2:8") == [
+        Fault("kill", 37, "grad", 1), Fault("stop", 80, "commit", 2, 8.0)]
+    assert parse_faults("") == []
+    for bad in ("kill@x:grad:rank=1", "boom@1:grad:rank=1", "kill@1:nowhere:rank=1",
+                "kill@1:grad:r=1"):
+        with pytest.raises(ValueError, match="bad fault"):
+            parse_faults(bad)
+
+
+def test_flatten_roundtrip_and_missing_grads() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    params = list(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    params[3].grad = None
+    flat = flatten(params)
+    assert flat.shape == (3 * 4 + 4 + 4 * 2 + 2,) and flat.dtype == torch.float32
+    assert torch.count_nonzero(flat[-2:]) == 0
+    before = [None if p.grad is None else p.grad.clone() for p in params]
+    unflatten_into(flat * 2, params)
+    assert torch.equal(params[0].grad, before[0] * 2)
+    assert torch.equal(params[3].grad, torch.zeros(2))
+    with pytest.raises(ValueError, match="elements"):
+        unflatten_into(flat[:-1], params)
+
+
+def test_sum_in_rank_order_is_left_to_right() -> None:
+    parts = [torch.tensor([1e8], dtype=torch.float32), torch.tensor([1.0]),
+             torch.tensor([-1e8])]
+    assert sum_in_rank_order(parts).item() == 0.0  # (1e8 + 1) - 1e8 in float32
+    assert sum_in_rank_order([parts[0], parts[2], parts[1]]).item() == 1.0
+    with pytest.raises(ValueError):
+        sum_in_rank_order([])
+
+
+def test_recovery_timeline_from_logs(tmp_path) -> None:
+    recs = [
+        {"t": 10.0, "event": "step", "member": "a", "step": 36, "config_id": 0},
+        {"t": 10.5, "event": "fault", "member": "b", "kind": "kill", "step": 37,
+         "point": "grad", "rank": 1, "seconds": 0.0},
+        {"t": 12.0, "event": "change", "member": "a", "config_id": 1, "decided_at": 11.9,
+         "ready_at": 11.95, "resume_step": 37, "removed": ["b"], "assignments": [[1, "s"]],
+         "alerts_at": [9.0, 10.6]},
+        {"t": 12.0, "event": "commit_rule", "member": "a", "action": "redo", "config_id": 1},
+        {"t": 12.3, "event": "state_fetched", "member": "s", "config_id": 1},
+        {"t": 12.4, "event": "group_formed", "member": "a", "config_id": 1},
+        {"t": 12.5, "event": "group_formed", "member": "s", "config_id": 1},
+        {"t": 12.9, "event": "step", "member": "a", "step": 37, "config_id": 1},
+        {"t": 13.0, "event": "step", "member": "s", "step": 37, "config_id": 1},
+    ]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs[::-1]))
+    [f] = recoveries(read_events(tmp_path))
+    assert (f.kind, f.rank, f.config_id, f.resume_step, f.last_committed, f.steps_lost,
+            f.action) == ("kill", 1, 1, 37, 36, 0, ("redo",))
+    assert [round(v, 6) for v in (f.detected_s, f.decided_s, f.transferred_s, f.rebuilt_s,
+                                  f.resumed_s)] == [0.1, 1.4, 1.8, 2.0, 2.5]

@@ -1,0 +1,292 @@
+"""One process group per configuration, waited on in slices and abandoned, never aborted.
+
+Theory of operation (DESIGN sections 8 and 13). gloo operations cannot be aborted in place:
+``abort()``, ``shutdown()`` and destroying the group from another thread all return without
+freeing a blocked operation. So a :class:`ManagedGroup` never blocks in one: every operation is
+started asynchronously, and the caller's thread waits for its completion in slices of
+``slice_s`` seconds, calling ``watch()`` between slices. When ``watch()`` says a newer
+configuration is due, the wait ends with :class:`Superseded` and the group is *stuck*: it stays
+referenced (in :data:`_STUCK`; destroying it would block) while the next configuration's group
+is built alongside. When the operation fails (a peer's connection closed), the wait ends with
+:class:`CollectiveError` and the group is *failed*: every reference to it, its work objects and
+the backend's exception is dropped at once, so its sockets close and the error reaches the next
+peer immediately instead of after the group timeout.
+
+Each operation takes fresh buffers that the caller never reads before the operation completed:
+an abandoned operation may still write into them later (a woken peer finishing its send), and
+must never write into live training state.
+
+States: ``ready`` -> ``failed`` (an operation failed) | ``stuck`` (superseded while one was in
+flight) | ``closed`` (:meth:`ManagedGroup.close`). Only ``ready`` accepts operations.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .reduce import sum_in_rank_order
+from .rendezvous import STORE_TIMEOUT_S, ServiceDirectory, StoreKeeper, connect_store
+
+__all__ = ["CollectiveError", "GroupSpec", "ManagedGroup", "Superseded", "build_group"]
+
+Watch = Callable[[], bool]
+"""Called between wait slices; True: stop waiting, a newer configuration is due."""
+
+SLICE_S = 0.05
+"""Seconds between ``watch()`` calls while an operation or a rendezvous is in flight: a new
+configuration is noticed within 50 ms, and a poll costs microseconds."""
+GROUP_TIMEOUT_S = 1800.0
+"""The backend's own operation timeout (torch's 30-minute default). Never what ends a wait
+here: a new configuration does, via ``watch``."""
+
+_STUCK: list[Any] = []
+"""Groups superseded with an operation in flight, kept alive until the process exits
+(destroying one blocks in gloo)."""
+
+
+class CollectiveError(RuntimeError):
+    """An operation of the group failed (a peer closed its connection or timed out). The
+    group is failed; build the next configuration's. ``config_id``: the group's."""
+
+    def __init__(self, message: str, config_id: int) -> None:
+        super().__init__(message)
+        self.config_id = config_id
+
+
+class Superseded(Exception):
+    """``watch()`` asked to stop waiting (a newer configuration is due) before the operation or
+    the rendezvous completed."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSpec:
+    """Who this member is in the group of one configuration.
+
+    Attributes:
+        config_id: the configuration (fencing token; part of every store key).
+        rank: this member's rank, ``0 <= rank < world_size``.
+        world_size: ranks in the configuration (none vacant).
+        holder: member id holding rank 0 (hosts the store).
+    """
+
+    config_id: int
+    rank: int
+    world_size: int
+    holder: int
+
+    @classmethod
+    def of(cls, configuration: Any, member_id: int) -> GroupSpec:
+        """The spec of ``member_id`` in a :class:`~torchpass_p2p.core.Configuration`.
+
+        Raises:
+            ValueError: the member holds no rank there, or a rank is vacant.
+        """
+        rank = configuration.rank_of(member_id)
+        if rank is None:
+            raise ValueError(f"member {member_id:016x} holds no rank in configuration "
+                             f"{configuration.config_id}")
+        if configuration.vacant_ranks:
+            raise ValueError(f"configuration {configuration.config_id} has vacant ranks "
+                             f"{configuration.vacant_ranks}")
+        return cls(configuration.config_id, rank, configuration.world_size,
+                   configuration.ranks[0])
+
+
+def _wait_done(done: threading.Event, watch: Watch | None, slice_s: float) -> None:
+    while not done.wait(slice_s):
+        if watch is not None and watch():
+            raise Superseded
+
+
+def build_group(spec: GroupSpec, directory: ServiceDirectory, keeper: StoreKeeper, *,
+                backend: str = "gloo", watch: Watch | None = None, slice_s: float = SLICE_S,
+                timeout_s: float = STORE_TIMEOUT_S, device: torch.device | None = None,
+                ) -> ManagedGroup:
+    """Rendezvous and build the group of ``spec.config_id``.
+
+    The rendezvous and the backend's connection setup run in a helper thread; this thread waits
+    in slices and stops with :class:`Superseded` when ``watch()`` is true (the helper then
+    gives up on its own within ``timeout_s``).
+
+    Args:
+        spec: this member's place in the configuration.
+        directory: where the store's port is announced (the agent).
+        keeper: this process's hosted stores.
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors; needs a CUDA build).
+        watch: stop condition checked every ``slice_s`` seconds.
+        timeout_s: longest the rendezvous waits for the other members.
+        device: the CUDA device for ``"nccl"``.
+
+    Returns:
+        A ``ready`` :class:`ManagedGroup`; about 5 ms after the last member arrives (gloo).
+
+    Raises:
+        Superseded: ``watch()`` was true first.
+        CollectiveError: the rendezvous failed (store unreachable, a member never came).
+        ValueError: unknown backend.
+    """
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'gloo' or 'nccl'")
+    done = threading.Event()
+    box: dict[str, Any] = {}
+
+    def form() -> None:
+        try:
+            store = connect_store(spec.config_id, spec.rank, spec.holder, directory, keeper,
+                                  timeout_s=timeout_s)
+            box["pg"] = _make_pg(backend, store, spec, device)
+        except Exception as exc:  # reported to the waiting thread as text only
+            box["error"] = f"{type(exc).__name__}: {exc}"
+        finally:
+            done.set()
+
+    started = time.monotonic()
+    threading.Thread(target=form, name=f"rendezvous-{spec.config_id}", daemon=True).start()
+    _wait_done(done, watch, slice_s)
+    if "error" in box:
+        raise CollectiveError(f"rendezvous of configuration {spec.config_id} failed: "
+                              f"{box['error']}", spec.config_id)
+    return ManagedGroup(box["pg"], spec, backend, time.monotonic() - started)
+
+
+def _make_pg(backend: str, store: dist.Store, spec: GroupSpec,
+             device: torch.device | None) -> Any:
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, timeout)
+    nccl = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl is None:
+        raise RuntimeError("this torch build has no NCCL")
+    opts = nccl.Options()
+    opts._timeout = timeout
+    if device is not None:
+        torch.cuda.set_device(device)
+    return nccl(store, spec.rank, spec.world_size, opts)
+
+
+class ManagedGroup:
+    """The process group of one configuration (module docstring). Build with
+    :func:`build_group`.
+
+    Attributes:
+        spec: this member's place in it.
+        backend: ``"gloo"`` or ``"nccl"``.
+        formed_s: seconds the rendezvous and connection setup took here.
+        state: ``ready``, ``failed``, ``stuck`` or ``closed``.
+    """
+
+    def __init__(self, pg: Any, spec: GroupSpec, backend: str, formed_s: float = 0.0) -> None:
+        self._pg: Any = pg
+        self.spec = spec
+        self.backend = backend
+        self.formed_s = formed_s
+        self.state = "ready"
+
+    @property
+    def config_id(self) -> int:
+        return self.spec.config_id
+
+    # ------------------------------------------------------------------ operations
+
+    def allgather(self, tensor: torch.Tensor, *, watch: Watch | None = None,
+                  slice_s: float = SLICE_S) -> list[torch.Tensor]:
+        """Every rank's ``tensor``: a list of ``world_size`` new tensors, entry ``r`` from rank
+        ``r`` (shape and dtype of ``tensor``, equal on every rank).
+
+        Raises:
+            CollectiveError: the operation failed; the group is failed.
+            Superseded: ``watch()`` was true first; the group is stuck.
+            RuntimeError: the group is not ``ready`` (local misuse).
+        """
+        src = tensor.detach().clone()
+        out = [torch.empty_like(src) for _ in range(self.spec.world_size)]
+        self._run(lambda pg: pg.allgather([out], [src]), watch, slice_s)
+        return out
+
+    def allreduce_sum(self, tensor: torch.Tensor, *, watch: Watch | None = None,
+                      slice_s: float = SLICE_S) -> torch.Tensor:
+        """The backend's sum of every rank's ``tensor``, in a new tensor (order of the sum is
+        the backend's). Errors as :meth:`allgather`."""
+        buf = tensor.detach().clone()
+        self._run(lambda pg: pg.allreduce([buf]), watch, slice_s)
+        return buf
+
+    def mean_in_rank_order(self, tensor: torch.Tensor, *, watch: Watch | None = None,
+                           slice_s: float = SLICE_S) -> torch.Tensor:
+        """``(t_0 + t_1 + ... + t_{n-1}) / n`` summed left to right in rank order: the same
+        bits for the same inputs whatever the backend's algorithm (:mod:`.reduce`). Costs an
+        all-gather: ``n`` times ``tensor``'s memory. Errors as :meth:`allgather`."""
+        parts = self.allgather(tensor, watch=watch, slice_s=slice_s)
+        total = sum_in_rank_order(parts)
+        del parts
+        return total.div_(self.spec.world_size)
+
+    def _run(self, start: Callable[[Any], Any], watch: Watch | None, slice_s: float) -> None:
+        if self.state != "ready":
+            raise RuntimeError(f"group of configuration {self.config_id} is {self.state}")
+        done = threading.Event()
+        work = start(self._pg)
+        work.get_future().add_done_callback(lambda _fut: done.set())
+        try:
+            _wait_done(done, watch, slice_s)
+        except BaseException:  # Superseded, or the watch's own exception: left in flight
+            self._retire("stuck", work)
+            raise
+        error = None
+        try:
+            work.wait()
+        except Exception as exc:  # the backend's error; keep its text, not the object
+            error = f"{type(exc).__name__}: {exc}"
+        del work
+        if error is not None:
+            self._retire("failed", None)
+            raise CollectiveError(f"configuration {self.config_id}: {error}", self.config_id)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def abandon(self) -> None:
+        """Give the group up without an operation in flight (e.g. a newer configuration arrived
+        between operations): references dropped, like a failed group."""
+        if self.state == "ready":
+            self._retire("failed", None)
+
+    def _retire(self, state: str, work: Any) -> None:
+        if state == "stuck":
+            if self.backend == "nccl":
+                try:
+                    self._pg.abort()  # NCCL can abort in place (gloo cannot)
+                except Exception:  # noqa: BLE001 - best effort; the group is abandoned
+                    pass
+            _STUCK.append((self._pg, work))
+        self._pg = None
+        self.state = state
+
+    def close(self) -> None:
+        """Shut a ``ready`` group down (its connections close); a failed or stuck one is only
+        dropped. Idempotent."""
+        pg, self._pg = self._pg, None
+        if pg is not None and self.state == "ready":
+            try:
+                pg.shutdown()
+            except Exception:  # noqa: BLE001 - nothing more to do at teardown
+                pass
+        if self.state == "ready":
+            self.state = "closed"
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"ManagedGroup(config {s.config_id}, rank {s.rank}/{s.world_size}, "
+                f"{self.backend}, {self.state})")
+
+
+def stuck_groups() -> int:
+    """How many superseded groups this process keeps alive."""
+    return len(_STUCK)

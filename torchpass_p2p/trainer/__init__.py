@@ -1,0 +1,13 @@
+"""Data-parallel training through faults (issue #7 part 2): the step loop with the commit rule
+(``loop``), the rule itself (``commit``), per-step seeding (``seeding``), the transfer service
+(``service``), fault injection (``faults``) and the timeline (``events``)."""
+
+from .commit import resolve
+from .faults import Fault, FaultInjector, parse_faults
+from .loop import Removed, Trainer, TrainResult
+from .seeding import seed_step, step_generator, step_seed
+
+__all__ = [
+    "Fault", "FaultInjector", "Removed", "TrainResult", "Trainer", "parse_faults", "resolve",
+    "seed_step", "step_generator", "step_seed",
+]

@@ -1,0 +1,460 @@
+"""The data-parallel step loop with the commit rule, and the spare's path into it.
+
+A script adopts it in a few lines::
+
+    agent = torchpass_p2p.start()
+    model, optimizer = build()                 # spares build before they are needed
+    trainer = Trainer(model, optimizer, agent=agent, scheduler=scheduler, seed=0)
+    result = trainer.run(loss_fn, steps=200)   # loss_fn(step, rank) -> scalar loss tensor
+
+Theory of operation (DESIGN sections 6 and 8).
+
+* *Step k* (a rank): seed every generator from ``(seed, rank, k)``; forward and backward
+  (``loss_fn``); the flattened gradient is averaged over the configuration's group, summed in
+  rank order (bitwise independent of the backend's algorithm); a tiny commit all-reduce; the
+  agent hears ``k`` committed; the optimizer (and scheduler) step; a copy of the state after
+  ``k + 1`` steps is published to this member's transfer server.
+* *A fault* ends a wait: the operation fails (:class:`CollectiveError`, a neighbour of a killed
+  rank) or the agent delivers a configuration whose rank map differs (:class:`Superseded`, the
+  others). The group is abandoned (dropped, or kept referenced when stuck).
+* *Recovery* takes the newest such configuration ``c``: the commit rule
+  (:func:`~.commit.resolve`) brings a survivor to ``resume_step`` (roll forward or redo; no
+  step any member committed is ever lost); a promoted spare fetches the state of
+  ``resume_step`` from the plan's sources. Every member publishes that state, announces its
+  transfer server for ``c``, builds the group of ``c`` (:mod:`torchpass_p2p.collective`) and
+  all-gathers the 32-byte state fingerprints: training goes on only when they are all equal.
+  A newer configuration during recovery restarts it.
+* Changes that leave the rank map as it is (a spare joined or left) cost nothing: the group
+  stays; only the services are announced under the new ``config_id``.
+* A member removed from the configuration (or fenced and then removed) stops at once with
+  :class:`Removed`; it never writes to the new group.
+
+The transferred state is rank-independent: model, optimizer, scheduler, ``extra`` objects, the
+step and the data position (``step * world_size`` batches). Generators are not part of it: they
+are a function of ``(seed, rank, step)``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from torchpass_p2p.agent.runtime import Phase
+from torchpass_p2p.collective import (
+    CollectiveError,
+    GroupSpec,
+    ManagedGroup,
+    StoreKeeper,
+    Superseded,
+    build_group,
+    flatten,
+    unflatten_into,
+)
+from torchpass_p2p.collective.rendezvous import STORE_SERVICE
+from torchpass_p2p.transfer import Snapshot, TransferError, TransferKeys
+
+from .commit import resolve
+from .events import EventLog
+from .faults import FaultInjector
+from .seeding import seed_step
+from .service import StateService
+
+__all__ = ["Removed", "TrainResult", "Trainer"]
+
+TRANSFER_SERVICE = "transfer"
+SLICE_S = 0.05
+"""Seconds between checks of the agent while waiting for a configuration."""
+LOOKUP_TIMEOUT_S = 30.0
+"""How long a spare waits for a source to announce its transfer server for the new
+configuration (a survivor announces it once it holds the resume state: milliseconds after the
+decision, plus any roll-forward)."""
+FETCH_ATTEMPTS = 5
+
+
+class Removed(RuntimeError):
+    """This member is no longer part of the training world (removed, or the agent stopped):
+    stop at once and never touch a process group again. Scripts exit with code 3."""
+
+
+@dataclass
+class TrainResult:
+    """What :meth:`Trainer.run` returns.
+
+    Attributes:
+        steps: steps applied (the state is after this many steps).
+        losses: mean loss over ranks per step this member ran, ``{step: loss}``.
+        fingerprint: 32-byte fingerprint of the final state.
+        rank: the rank this member held at the end (-1 before it held one).
+        recoveries: configurations this member entered after the first.
+    """
+
+    steps: int
+    losses: dict[int, float] = field(default_factory=dict)
+    fingerprint: bytes = b""
+    rank: int = -1
+    recoveries: int = 0
+
+
+class Trainer:
+    """Data-parallel training that survives losing ranks (module docstring).
+
+    Args:
+        model: the replica (same on every member); gradients of its parameters (one dtype)
+            are averaged.
+        optimizer: steps the model's parameters.
+        agent: this process's :class:`~torchpass_p2p.agent.api.Agent` (already started).
+        scheduler: optional LR scheduler, stepped after each optimizer step.
+        seed: the job's seed; step ``k`` of rank ``r`` draws from ``(seed, r, k)``.
+        extra: more state to transfer, ``{name: Stateful}`` (rank-independent).
+        backend: ``"gloo"`` or ``"nccl"``.
+        log_path: JSON-lines timeline (:mod:`.events`); None: no log.
+        faults: fault injector (default: from ``TORCHPASS_FAULTS``).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+                 agent: Any, scheduler: Any = None, seed: int = 0,
+                 extra: Mapping[str, Any] | None = None, backend: str = "gloo",
+                 log_path: str | os.PathLike[str] | None = None,
+                 faults: FaultInjector | None = None) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.agent = agent
+        self.seed = seed
+        self.backend = backend
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.objects: dict[str, Any] = {"model": model, "optimizer": optimizer}
+        if scheduler is not None:
+            self.objects["scheduler"] = scheduler
+        self.objects.update(extra or {})
+        self.me: int = agent.member_id
+        self.log = EventLog(log_path, self.me)
+        self.faults = faults or FaultInjector.from_env(
+            before=lambda f: self.log("fault", kind=f.kind, step=f.step, point=f.point,
+                                      rank=f.rank, seconds=f.seconds))
+        self.keeper = StoreKeeper(agent.address[0])
+        self.service = StateService(TransferKeys.from_keyring(agent.settings.keyring),
+                                    self._known_config_id, host=agent.address[0])
+        self.step = 0
+        """Steps applied: the state is after this many steps; step ``self.step`` runs next."""
+        self.group: ManagedGroup | None = None
+        self.config_id = -1
+        """The configuration this member trains in (its group's, or newer with the same
+        ranks)."""
+        self._ranks: tuple[Any, ...] = ()
+        self._latest: Any = None  # newest Change seen
+        self._reduced: tuple[int, torch.Tensor] | None = None
+        self._snapshot: Snapshot | None = None
+        self.result = TrainResult(0)
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def rank(self) -> int:
+        assert self.group is not None
+        return self.group.spec.rank
+
+    @property
+    def world_size(self) -> int:
+        assert self.group is not None
+        return self.group.spec.world_size
+
+    def run(self, loss_fn: Callable[[int, int], torch.Tensor], steps: int) -> TrainResult:
+        """Train until ``steps`` steps are applied; returns the :class:`TrainResult`.
+
+        ``loss_fn(step, rank)`` returns the scalar loss of this rank's batch of ``step``; it
+        must depend only on its arguments, the model and generators seeded for the step.
+        A spare first waits for a rank.
+
+        Raises:
+            Removed: this member was removed (or its agent stopped) before training ended.
+        """
+        self.service.start()
+        try:
+            self._begin()
+            while self.step < steps:
+                try:
+                    self._one_step(loss_fn)
+                except (CollectiveError, Superseded) as exc:
+                    self._recover(exc)
+            self._finish()
+            return self.result
+        finally:
+            self._close()
+
+    # ------------------------------------------------------------------ steps
+
+    def _begin(self) -> None:
+        agent = self.agent
+        self.log("start", role=agent.role, config_id=agent.config_id)
+        if agent.role == "spare":
+            self.log("spare_waiting", config_id=agent.config_id)
+            try:
+                change = agent.wait_for_rank()
+            except Exception as exc:
+                raise Removed(f"no rank for this spare: {exc}") from None
+            self._latest = change
+            self._drain_changes()
+            self._enter(self._latest if self._changes_ranks() else change)
+            return
+        configuration = agent.configuration
+        self._enter_configuration(configuration, resume=0, fetch_from=None)
+
+    def _one_step(self, loss_fn: Callable[[int, int], torch.Tensor]) -> None:
+        if self._poll():
+            raise Superseded
+        group = self.group
+        assert group is not None
+        k, rank, agent = self.step, group.spec.rank, self.agent
+        self.faults.at(k, "compute", rank)
+        seed_step(self.seed, rank, k)
+        agent.report_progress(k, Phase.COMPUTE)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(k, rank)
+        loss.backward()
+        flat = flatten(self.params)
+        self.faults.at(k, "grad", rank)
+        agent.report_progress(k, Phase.COLLECTIVE)
+        avg = group.mean_in_rank_order(flat, watch=self._watch)
+        self._reduced = (k, avg)
+        self.faults.at(k, "commit", rank)
+        vote = torch.tensor([0.0 if agent.fenced else 1.0, float(loss.detach())],
+                            dtype=torch.float64)
+        votes = group.mean_in_rank_order(vote, watch=self._watch)
+        if votes[0].item() != 1.0:  # a member is fenced: nobody commits; wait for the change
+            self.log("commit_vetoed", step=k, config_id=group.config_id)
+            group.abandon()
+            raise Superseded
+        agent.report_progress(k, Phase.COMMITTED)
+        self._apply(k, avg)
+        self.result.losses[k] = votes[1].item()
+        self._publish()
+        self.log("step", step=k, loss=votes[1].item(), config_id=self.config_id, rank=rank)
+
+    def _apply(self, k: int, avg: torch.Tensor) -> None:
+        unflatten_into(avg, self.params)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.step = k + 1
+        self._reduced = None
+
+    def _publish(self) -> Snapshot:
+        snap = Snapshot.capture(self.objects, self.step, self._metadata(), copy=True)
+        self._snapshot = snap
+        self.service.publish(snap)
+        return snap
+
+    def _metadata(self) -> dict[str, Any]:
+        world = len(self._ranks)
+        return {"seed": self.seed, "world_size": world, "data_position": self.step * world}
+
+    # ------------------------------------------------------------------ configurations
+
+    def _known_config_id(self) -> int:
+        latest = self._latest
+        return max(self.config_id, latest.configuration.config_id if latest else -1, 0)
+
+    def _drain_changes(self) -> None:
+        while (change := self.agent.next_change(0)) is not None:
+            if self._latest is None or change.configuration.config_id > \
+                    self._latest.configuration.config_id:
+                self._latest = change
+
+    def _changes_ranks(self) -> bool:
+        latest = self._latest
+        return (latest is not None and latest.configuration.config_id > self.config_id
+                and tuple(latest.configuration.ranks) != self._ranks)
+
+    def _poll(self) -> bool:
+        """Take in the agent's changes; True when the newest one changes the rank map (the
+        group must be rebuilt). Raises :class:`Removed` if this member was removed."""
+        self._drain_changes()
+        role = self.agent.role
+        if role in ("removed", "leaving"):
+            raise Removed(f"this member is {role}")
+        if self._changes_ranks():
+            return True
+        latest = self._latest
+        if latest is not None and latest.configuration.config_id > self.config_id:
+            self._announce(latest.configuration.config_id)  # same ranks: keep the group
+            self.config_id = latest.configuration.config_id
+        return False
+
+    def _watch(self) -> bool:
+        return self._poll()
+
+    def _announce(self, config_id: int) -> None:
+        self.agent.register_service(TRANSFER_SERVICE, config_id, self.service.port)
+
+    def _await_change(self) -> Any:
+        """Block until the agent delivers a configuration with another rank map."""
+        waited = time.monotonic()
+        while not self._poll():
+            time.sleep(SLICE_S)
+            if time.monotonic() - waited > 600:
+                raise Removed("no new configuration for 600 s after a collective failure")
+        return self._latest
+
+    def _recover(self, exc: BaseException) -> None:
+        kind = "collective_failed" if isinstance(exc, CollectiveError) else "superseded"
+        self.log(kind, step=self.step, config_id=self.config_id, error=str(exc)[:160])
+        if isinstance(exc, CollectiveError):
+            self.agent.report_error(exc)
+        if self.group is not None:
+            self.group.abandon()
+            self.group = None
+        del exc
+        while True:
+            change = self._await_change()
+            try:
+                self._enter(change)
+                self.result.recoveries += 1
+                return
+            except (CollectiveError, Superseded, TransferError) as again:
+                self.log("recovery_restarted", config_id=change.configuration.config_id,
+                         error=f"{type(again).__name__}: {again}"[:160])
+                if self.group is not None:
+                    self.group.abandon()
+                    self.group = None
+
+    def _enter(self, change: Any) -> None:
+        """Join the configuration of ``change`` at its ``resume_step``."""
+        configuration, plan = change.configuration, change.plan
+        resume = plan.resume_step
+        self._log_change(change)
+        rank = configuration.rank_of(self.me)
+        if rank is None:
+            raise Removed(f"no rank in configuration {configuration.config_id}")
+        assigned = dict(plan.assignments).get(rank) == self.me
+        fetch_from = None
+        if assigned:
+            fetch_from = dict(plan.sources).get(rank, ())
+        else:
+            reduced = None if self._reduced is None else self._reduced[0]
+            action, reason = resolve(self.step, reduced, resume)
+            self.log("commit_rule", action=action, reason=reason, step=self.step,
+                     resume_step=resume, config_id=configuration.config_id)
+            if action == "roll_forward":
+                assert self._reduced is not None
+                self._apply(self._reduced[0], self._reduced[1])
+            elif action == "redo":
+                self._reduced = None
+            else:
+                fetch_from = tuple(m for r, m in enumerate(configuration.ranks)
+                                   if m != self.me and r not in dict(plan.assignments))
+        self._enter_configuration(configuration, resume=resume, fetch_from=fetch_from)
+
+    def _enter_configuration(self, configuration: Any, *, resume: int,
+                             fetch_from: tuple[int, ...] | None) -> None:
+        c = configuration.config_id
+        spec = GroupSpec.of(configuration, self.me)
+        self._ranks = tuple(configuration.ranks)
+        if spec.rank == 0:  # host the store first: the others can connect while we fetch
+            self.agent.register_service(STORE_SERVICE, c, self.keeper.host_store(c).port)
+        if fetch_from is not None:
+            self._fetch(fetch_from, c, resume)
+        if self.step != resume:
+            raise RuntimeError(f"state after {self.step} steps, resume step {resume}")
+        snap = self._publish()
+        self.config_id = c
+        self._announce(c)
+        mine = snap.fingerprint()
+        self.log("state_ready", config_id=c, step=resume, fingerprint=mine.hex(),
+                 fetched=fetch_from is not None)
+        self.group = build_group(spec, self.agent, self.keeper, backend=self.backend,
+                                 watch=self._watch)
+        self.log("group_formed", config_id=c, rank=spec.rank, world_size=spec.world_size,
+                 seconds=self.group.formed_s)
+        prints = self.group.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
+                                      watch=self._watch)
+        every = {bytes(p.tolist()) for p in prints}
+        if every != {mine}:
+            self.group.abandon()
+            raise RuntimeError(f"configuration {c}: state fingerprints differ at step {resume}:"
+                               f" {sorted(f.hex()[:16] for f in every)}")
+        self.log("joined", config_id=c, rank=spec.rank, step=resume, fingerprint=mine.hex())
+
+    def _fetch(self, members: tuple[int, ...], config_id: int, step: int) -> None:
+        if not members:
+            raise RuntimeError(f"no state source for configuration {config_id}")
+        t0 = time.monotonic()
+        self.log("fetch_started", config_id=config_id, step=step, sources=len(members))
+
+        def lookup(member: int) -> tuple[str, int] | None:
+            try:
+                return self.agent.lookup_service(member, TRANSFER_SERVICE, config_id,
+                                                 timeout_s=LOOKUP_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - a source that never announces is skipped
+                return None
+
+        last: Exception | None = None
+        for _ in range(FETCH_ATTEMPTS):
+            with ThreadPoolExecutor(len(members)) as pool:
+                addresses = [a for a in pool.map(lookup, members) if a is not None]
+            if not addresses:
+                raise TransferError("no_sources", f"no source announced state for {config_id}")
+            try:
+                result = self.service.fetch(addresses, config_id, step=step, into=self.objects)
+                break
+            except TransferError as exc:
+                last = exc
+                self.log("fetch_retry", config_id=config_id, error=str(exc)[:160])
+                if self._poll():
+                    raise Superseded from None
+                time.sleep(0.2)
+        else:
+            assert last is not None
+            raise last
+        got_step, metadata = result.snapshot.restore(self.objects)
+        self.step = got_step
+        self._reduced = None
+        own = Snapshot.capture(self.objects, self.step, self._metadata()).fingerprint()
+        self.log("state_fetched", config_id=config_id, step=got_step, seconds=result.seconds,
+                 bytes=result.snapshot.total_bytes, sources=len(addresses),
+                 fingerprint=result.fingerprint.hex(), restored_fingerprint=own.hex(),
+                 failures=dict(result.failures), total_s=time.monotonic() - t0)
+        if own != result.fingerprint:
+            raise RuntimeError("the restored state's fingerprint differs from the sources'")
+        del metadata
+
+    def _log_change(self, change: Any) -> None:
+        alerts = []
+        try:
+            for e in self.agent.status()["recent_events"]:
+                if e["type"] in ("MemberSuspected", "AlertRaised", "MemberDead"):
+                    alerts.append(e["at"])
+        except Exception:  # noqa: BLE001 - status is only for the timeline
+            pass
+        plan = change.plan
+        self.log("change", config_id=change.configuration.config_id,
+                 decided_at=change.decided_at, ready_at=change.ready_at,
+                 resume_step=plan.resume_step, removed=[f"{m:016x}" for m in plan.removed],
+                 assignments=[[r, f"{m:016x}"] for r, m in plan.assignments],
+                 alerts_at=alerts)
+
+    # ------------------------------------------------------------------ the end
+
+    def _finish(self) -> None:
+        group = self.group
+        assert group is not None
+        # Everyone holds the final state before anyone leaves (no late promotion of a spare).
+        group.allgather(torch.zeros(1), watch=self._watch)
+        snap = self._snapshot or self._publish()
+        self.result.steps = self.step
+        self.result.rank = group.spec.rank
+        self.result.fingerprint = snap.fingerprint()
+        self.log("finished", step=self.step, config_id=self.config_id,
+                 fingerprint=self.result.fingerprint.hex())
+
+    def _close(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
+        self.keeper.close()
+        self.service.close()
+        self.log.close()

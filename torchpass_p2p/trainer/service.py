@@ -1,0 +1,71 @@
+"""This member's state service: a transfer server on its own event loop thread, and the client.
+
+The training thread publishes a snapshot after each committed step (:meth:`StateService.publish`)
+and, as a promoted spare, fetches one (:meth:`StateService.fetch`); both hand work to the
+service's loop, so the agent's loop and the training thread never wait on transfers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torchpass_p2p.transfer import FetchResult, Snapshot, TransferKeys, TransferServer, fetch
+
+__all__ = ["StateService"]
+
+START_TIMEOUT_S = 10.0
+
+
+class StateService:
+    """A :class:`~torchpass_p2p.transfer.TransferServer` on ``host`` (ephemeral port) serving
+    to holders of ``keys`` whose configuration is at least ``current_config_id()``."""
+
+    def __init__(self, keys: TransferKeys, current_config_id: Callable[[], int], *,
+                 host: str = "127.0.0.1") -> None:
+        self.keys = keys
+        self._loop = asyncio.new_event_loop()
+        self._server = TransferServer(keys, current_config_id, host=host)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="state-service",
+                                        daemon=True)
+
+    def start(self) -> None:
+        """Start the loop thread and bind. Raises ``OSError`` if binding fails."""
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._server.start(), self._loop).result(
+            START_TIMEOUT_S)
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    def publish(self, snapshot: Snapshot | None) -> None:
+        """Serve ``snapshot`` from now on (transfers in progress finish on the old one)."""
+        self._loop.call_soon_threadsafe(self._server.publish, snapshot)
+
+    def fetch(self, sources: Sequence[tuple[str, int]], config_id: int, *, step: int,
+              into: Mapping[str, Any] | Snapshot | None = None,
+              timeout_s: float = 600.0) -> FetchResult:
+        """Pull the snapshot of ``step`` from ``sources`` (``(host, port)`` list) with failover
+        (see :func:`~torchpass_p2p.transfer.fetch`); blocks the calling thread.
+
+        Raises:
+            TransferFailed: no source could serve it.
+            TimeoutError: no result within ``timeout_s`` seconds (a backstop: the client's own
+                deadline is "no progress for 10 s").
+        """
+        coro = fetch(list(sources), self.keys, config_id, step=step, into=into)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Close the server and stop the loop thread (bounded by ``timeout_s``)."""
+        if not self._thread.is_alive():
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(timeout_s)
+        except Exception:  # noqa: BLE001 - teardown is best effort
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout_s)
