@@ -15,7 +15,8 @@ __version__ = "0.1.0"
 def start(config=None, **settings):  # type: ignore[no-untyped-def]
     """Start this process's agent in a background thread: see :func:`.agent.api.start`.
 
-    Imported on first use, so that the simulator and the core never load the runtime."""
-    from .agent.api import start as _start
+    Imported on first use, and by name, so that neither the simulator nor the mypyc build of
+    the core (which type-checks what it imports) loads the runtime."""
+    import importlib
 
-    return _start(config, **settings)
+    return importlib.import_module("torchpass_p2p.agent.api").start(config, **settings)
