@@ -23,6 +23,7 @@ MODULES = [
     "torchpass_p2p/core/hashing.py",
     "torchpass_p2p/core/configuration.py",
     "torchpass_p2p/core/membership.py",
+    "torchpass_p2p/core/reconfiguration.py",
     "torchpass_p2p/core/sizes.py",
     "sims/engine.py",
     "sims/network.py",

@@ -30,17 +30,11 @@ on every datagram (fewest-sent first) until each was sent ``lambda * ceil(log10(
 Every ``sync_interval`` a member sends one random peer a digest of its view; on mismatch the peer
 answers with its view in pages and asks for ours.
 
-Agreement. Removing a member and promoting a spare are decided, never assumed (DESIGN section 5).
-A :class:`Dead` verdict is evidence for the cut detector (:mod:`.cut`), not a removal: a member
-that hears one about itself refutes it like an alert. Once its proposal settles, a member votes in
-the fast round of :class:`~.agreement.Consensus`; vote bitmaps ride the gossip path; a quorum
-decides; every member computes the next configuration and plan
-(:func:`~.plan.next_configuration`) and installs it. A member learns it was removed only from a
-decided configuration. Members behind catch up from a peer's log of certificates (on any
-message from a newer configuration, and through the anti-entropy digest, which carries
-``config_id``). After a decision the surviving rank holders
-gossip their last committed step (:class:`Progress`) until the plan's ``resume_step`` is fixed.
-A member that believes less than a majority reachable for ``lease_s`` raises ``QuorumLost``.
+Agreement. A :class:`Dead` verdict is evidence, not a removal: a member that hears one about
+itself refutes it like an alert. Whenever the view changes, the member's
+:class:`~.reconfiguration.Reconfiguration` re-runs cut detection, votes, decides and installs the
+next configuration (its module tells how); a member learns it was removed only from a decided
+configuration.
 """
 
 from __future__ import annotations
@@ -51,16 +45,8 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING, Final
 
 from . import events as ev
-from .agreement import (
-    SEGMENT_BITS,
-    Certificate,
-    Consensus,
-    Tally,
-    classic_quorum,
-    progress_messages,
-)
+from .agreement import Consensus
 from .configuration import Configuration
-from .cut import Suspected, propose_cut
 from .errors import LocalProtocolError
 from .hashing import mix_triple
 from .messages import (
@@ -68,7 +54,6 @@ from .messages import (
     Ack,
     Alert,
     Alive,
-    Cut,
     Dead,
     Digest,
     Gossip,
@@ -89,7 +74,8 @@ from .messages import (
     Vote,
 )
 from .params import Params
-from .plan import Plan, Policy, next_configuration, with_resume_step
+from .plan import Plan, Policy
+from .reconfiguration import Reconfiguration, Transitions
 
 if TYPE_CHECKING:
     from random import Random
@@ -101,34 +87,6 @@ DEAD: Final = MemberState.DEAD
 LEFT: Final = MemberState.LEFT
 _INF: Final = math.inf
 _SEQ_MOD: Final = 1 << 32
-_MAX_CUT_REMOVED: Final = 32  # the codec's limits on one cut
-_MAX_CUT_JOINED: Final = 4
-_MAX_FUTURE: Final = 64  # messages held for a configuration this member has not reached yet
-_CATCHUP_GAP_S: Final = 0.2  # at most one catch-up reply per peer this often
-_CATCHUP_GRACE_S: Final = 1.0  # stale votes right after our decision get no certificate
-AgreementMessage = Vote | Prepare | Promise | Accept | Progress
-
-
-class Transition:
-    """A decided change worked out once: the next configuration, its plan, and the plan with
-    each ``resume_step`` seen (keyed by the max committed step)."""
-
-    __slots__ = ("configuration", "plan", "ready", "survivors")
-
-    def __init__(self, old: Configuration, configuration: Configuration, plan: Plan) -> None:
-        self.configuration = configuration
-        self.plan = plan
-        self.ready: dict[int, Plan] = {}
-        # Bitmap over the new configuration's members that held a rank in the old one: the
-        # members whose last committed step the plan waits for.
-        survivors = 0
-        for i, member in enumerate(configuration.members):
-            if old.rank_of(member) is not None:
-                survivors |= 1 << i
-        self.survivors = survivors
-
-
-Transitions = dict[tuple[Configuration, Cut, Policy], Transition]
 
 
 # The four records below are plain classes, not dataclasses: mypyc builds a dataclass through
@@ -297,45 +255,17 @@ class Member:
         self._sync_at = now + params.sync_interval_s * (0.5 + rng.random())
         self._probe_cursor = 0
         self._next_probe_at = now + params.probe_interval_s * rng.random()
-        # --- agreement ---
-        self.policy = Policy(policy)
         self.joining = joining
-        self._seeds = seeds
-        self._transitions: Transitions = {} if transitions is None else transitions
-        self._transition: Transition | None = None
-        self._join_at = now if joining is not None else _INF
-        self.last_committed_step = -1
-        """Set by the host (:meth:`report_progress`); voted and reported for the plan."""
-        self.fenced = False
-        """True while :class:`~.events.QuorumLost` holds: the host must not train."""
-        self.plan: Plan | None = None
-        """The plan of the last decided change; ``resume_step`` is set once it is ready."""
-        self._certificates: deque[tuple[Certificate, int]] = deque(
-            maxlen=params.certificate_log)  # (certificate, members of its configuration)
-        self._joiners: dict[MemberId, Joiner] = {}
-        self._future: deque[tuple[MemberId, AgreementMessage]] = deque(maxlen=_MAX_FUTURE)
-        self._decided_at = -_INF
-        self._catchup_sent: dict[MemberId, float] = {}  # peer -> when we sent certificates
-        self._digest_sent: dict[MemberId, float] = {}  # peer -> when we nudged it with a digest
-        self._cut_dirty = False
-        self._proposal: Cut | None = None
-        self._settle_at = _INF
-        self._classic_at = _INF
-        self._classic_attempt = 0
-        self._vote_push_at = _INF
-        self._last_vote_push = -_INF
-        self._vote_resend_at = _INF
-        self._lease_at = _INF
+        self._cut_dirty = False  # the view changed since the last cut detection
         self._unreachable = 0  # members of the configuration our view holds suspect or worse
         self._accused_at: dict[MemberId, float] = {}  # first alert or verdict we heard of
         self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
         self._in_contact = True  # heard from at least half our neighbours lately
-        self._progress: Tally | None = None
-        self._survivors = 0  # bitmap of the members whose progress the plan waits for
         self._set_configuration(configuration)
         self._cut_dirty = False
-        self._consensus = Consensus(configuration, None if joining else member_id,
-                                    dropped=self._counts)
+        self._reconf = Reconfiguration(self, configuration, policy=policy, joining=joining,
+                                       seeds=seeds, transitions=transitions, now=now)
+        """The agreement layer: cut proposal, votes, decisions, joins, progress, fencing."""
 
     # ------------------------------------------------------------------ public: inputs
 
@@ -358,7 +288,7 @@ class Member:
                 self._failed_rounds.pop(sender, None)
         if self.joining is not None:
             if isinstance(message, Vote) or isinstance(message, Progress):
-                self._on_agreement(now, sender, message)
+                self._reconf.receive(now, sender, message)
             elif isinstance(message, Ping):
                 # A configuration we have not caught up with yet admitted us, and its members
                 # probe us: answer, so they do not convict us before its certificate arrives.
@@ -392,16 +322,16 @@ class Member:
         elif isinstance(message, SyncState):
             self._on_sync_state(now, sender, message)
         elif isinstance(message, Vote) or isinstance(message, Progress):
-            self._on_agreement(now, sender, message)
+            self._reconf.receive(now, sender, message)
         elif (isinstance(message, Prepare) or isinstance(message, Promise)
               or isinstance(message, Accept)):
-            self._on_agreement(now, sender, message)
+            self._reconf.receive(now, sender, message)
         elif isinstance(message, Join):
-            self._on_join(sender, message)
+            self._reconf.on_join(now, sender, message)
         else:  # pragma: no cover - the codec only yields known types
             self._counts["dropped_unknown_message"] += 1
         if self._cut_dirty:
-            self._consider_cut(now)
+            self._reconf.consider_cut(now)
 
     def handle_timer(self, now: float) -> None:
         """Run everything due at ``now``. Call it when ``now >= next_deadline()``.
@@ -413,8 +343,9 @@ class Member:
         self._advance(now)
         if self.removed:
             return
-        if now >= self._agree_at():
-            self._agreement_timer(now)
+        reconf = self._reconf
+        if now >= reconf.due_at():
+            reconf.handle_timer(now)
         if self.joining is not None:
             return
         self._expire_rounds(now)
@@ -427,7 +358,7 @@ class Member:
         if now >= self._sync_at:
             self._start_sync(now)
         if self._cut_dirty:
-            self._consider_cut(now)
+            self._reconf.consider_cut(now)
 
     def report_send_error(self, now: float, dest: MemberId) -> None:
         """The host failed to send to ``dest`` (e.g. "network unreachable"). Counts as a failed
@@ -458,7 +389,7 @@ class Member:
         if subject in self._subjects:
             raised = self._raise_alert(now, subject)
             if raised and self._cut_dirty:
-                self._consider_cut(now)
+                self._reconf.consider_cut(now)
             return raised
         if all(rnd.subject != subject for rnd in self._rounds.values()):
             self._start_round(now, subject)
@@ -483,7 +414,7 @@ class Member:
         """
         if self.removed:
             return _INF
-        t = self._agree_at()
+        t = self._reconf.due_at()
         if self.joining is not None:
             return t if t > self._now else self._now
         if self._gossip_at < t:
@@ -562,6 +493,38 @@ class Member:
         """(digest, entries): the order-independent 64-bit hash anti-entropy compares."""
         return self._digest, self._digest_entries
 
+    # ------------------------------------------------------------------ public: agreement
+
+    def report_progress(self, step: int) -> None:
+        """The host's training loop completed the commit of ``step`` (DESIGN section 6). The
+        latest value goes into this member's vote and its progress report after a decision."""
+        self._reconf.last_committed_step = step
+
+    @property
+    def last_committed_step(self) -> int:
+        """Set by the host (:meth:`report_progress`); voted and reported for the plan."""
+        return self._reconf.last_committed_step
+
+    @property
+    def policy(self) -> Policy:
+        """What a decided change does with a rank no spare is left for."""
+        return self._reconf.policy
+
+    @property
+    def fenced(self) -> bool:
+        """True while :class:`~.events.QuorumLost` holds: the host must not train."""
+        return self._reconf.fenced
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the last decided change; ``resume_step`` is set once it is ready."""
+        return self._reconf.plan
+
+    @property
+    def _consensus(self) -> Consensus:
+        """The agreement of the current configuration (read by sims/safety_runs.py's checker)."""
+        return self._reconf.consensus
+
     # ------------------------------------------------------------------ probing
 
     def _set_configuration(self, config: Configuration) -> None:
@@ -587,10 +550,6 @@ class Member:
             self._rebase_suspicion(subject)
         for key in [k for k, p in self._queue.items() if _about(p.update) not in config]:
             del self._queue[key]
-        for member in [m for m in self._joiners if m in config]:
-            del self._joiners[member]
-        self._catchup_sent.clear()
-        self._digest_sent.clear()
         self._cut_dirty = True
 
     def _scaled(self, seconds: float) -> float:
@@ -716,11 +675,8 @@ class Member:
         for susp in self._suspicions.values():
             if susp.deadline < grace:
                 susp.deadline = grace
-        # Likewise a vote or a classic round that fell due while we were stalled: the
-        # refutation that voids the cut may be in the backlog.
-        self._settle_at = max(self._settle_at, grace) if self._settle_at < _INF else _INF
-        if self._classic_at < grace:
-            self._classic_at = grace
+        # Likewise a vote or a classic round that fell due while we were stalled.
+        self._reconf.postpone(grace)
         self._adjust_health(+1)
         self._next_probe_at = min(self._next_probe_at, now)
 
@@ -797,7 +753,7 @@ class Member:
         # A member that a configuration we hold removed (or one never in it) gossips a stale
         # world: its verdicts must not touch ours. Our digest tells it that it is behind; it
         # asks for our certificates and learns its removal.
-        self._send_digest_to(now, sender)
+        self._reconf.send_digest_to(now, sender)
         if updates:
             self._counts["dropped_stranger_updates"] += 1
 
@@ -964,361 +920,7 @@ class Member:
                 break
             self._send(target, Gossip(updates))
 
-    # ------------------------------------------------------------------ agreement
-
-    def report_progress(self, step: int) -> None:
-        """The host's training loop completed the commit of ``step`` (DESIGN section 6). The
-        latest value goes into this member's vote and its progress report after a decision."""
-        self.last_committed_step = step
-
-    def _agree_at(self) -> float:
-        # Plain compares, no tuple: this runs on every next_deadline() (boxing five floats
-        # into a tuple there cost the compiled simulator a third of its speed).
-        t = self._settle_at
-        if self._classic_at < t:
-            t = self._classic_at
-        if self._vote_push_at < t:
-            t = self._vote_push_at
-        if self._vote_resend_at < t:
-            t = self._vote_resend_at
-        if self._lease_at < t:
-            t = self._lease_at
-        if self._join_at < t:
-            t = self._join_at
-        return t
-
-    def _agreement_timer(self, now: float) -> None:
-        if self.joining is not None:
-            if now >= self._join_at:
-                self._join_at = now + self.params.join_retry_s
-                seed = self._seeds[int(self._rng.random() * len(self._seeds))]
-                self._send(seed, Join(self.joining, self._config.config_id))
-            return
-        if now >= self._settle_at:
-            self._consider_cut(now)
-        if now >= self._classic_at:
-            self._start_classic(now)
-        if now >= self._vote_push_at:
-            self._push_votes(now)
-        if now >= self._vote_resend_at:
-            self._vote_resend_at = _INF
-            self._resend(now)
-        if now >= self._lease_at:
-            self._lease_at = _INF
-            self.fenced = True
-            self._emit(ev.QuorumLost(now, self._config.config_id))
-
-    def _consider_cut(self, now: float) -> None:
-        """Re-run cut detection; vote once the proposal has been stable for ``cut_settle_s``."""
-        self._cut_dirty = False
-        if self.joining is not None or self.removed:
-            return
-        self._check_lease(now)
-        p = self.params
-        gone = [m for m, (state, _) in self._view.items() if state >= DEAD and m != self.id]
-        if self.left:
-            gone.append(self.id)
-        suspected = {subject: Suspected(tuple(susp.observers), susp.started_at)
-                     for subject, susp in self._suspicions.items()}
-        proposal = propose_cut(
-            self._config, gone=gone, suspected=suspected, joiners=self._joiners.values(),
-            now=now, high=p.alerts_to_remove, low=p.min_alerts_to_confirm,
-            min_window_s=p.suspicion_min_s, max_removed=_MAX_CUT_REMOVED,
-            max_joined=_MAX_CUT_JOINED)
-        if proposal.cut != self._proposal:
-            self._proposal = proposal.cut
-            self._settle_at = _INF if proposal.cut is None else self._ripe_at(now, proposal.cut)
-            return
-        if proposal.cut is None or now < self._settle_at:
-            return
-        self._settle_at = _INF
-        if self.self_suspected:
-            return  # cut off ourselves: our view of the others is not evidence
-        if self._consensus.vote_fast(proposal.cut, self.last_committed_step):
-            self._counts["votes_cast"] += 1
-            self._after_consensus_input(now)
-
-    def _ripe_at(self, now: float, cut: Cut) -> float:
-        """When we may vote for ``cut``: it settled for ``cut_settle_s``, and every member it
-        removes that did not leave on its own had ``refutation_window_s`` since we first heard
-        it accused (DESIGN section 4: a stalled member must get to refute first)."""
-        ripe = now + self.params.cut_settle_s
-        window = self.params.refutation_window_s
-        for member in cut.removed:
-            if self._view.get(member, (ALIVE, 0))[0] == LEFT or member == self.id:
-                continue
-            accused = self._accused_at.setdefault(member, now)
-            if accused + window > ripe:
-                ripe = accused + window
-        return ripe
-
-    def _on_agreement(self, now: float, sender: MemberId, msg: AgreementMessage) -> None:
-        cid = self._config.config_id
-        if msg.config_id < cid:
-            self._counts["agreement_behind_peer"] += 1
-            # Right after a decision the others are milliseconds behind and about to decide
-            # from the bits already spreading: a certificate to each would cost 8 segments per
-            # peer at 16k members. Only a peer still behind after the grace gets one.
-            if now - self._decided_at >= _CATCHUP_GRACE_S or msg.config_id < cid - 1:
-                self._send_certificates(now, sender, msg.config_id)
-            return
-        if msg.config_id > cid:
-            # We missed a decision: keep the message for later and ask the sender to catch us
-            # up (it answers an older digest with its certificates).
-            self._counts["agreement_ahead_peer"] += 1
-            self._future.append((sender, msg))
-            self._send_digest_to(now, sender)
-            return
-        consensus = self._consensus
-        if isinstance(msg, Vote):
-            if consensus.merge_vote(msg):
-                self._after_consensus_input(now)
-        elif isinstance(msg, Progress):
-            self._merge_progress(now, sender, msg)
-        elif sender not in self._config:
-            self._counts["dropped_stranger_agreement"] += 1
-        elif isinstance(msg, Prepare):
-            consensus.on_prepare(sender, msg)
-            # Someone coordinates: give its round time before starting our own.
-            self._classic_at = max(self._classic_at if self._classic_at < _INF else 0.0,
-                                   now + 2 * self.params.classic_timeout_s)
-            self._after_consensus_input(now)
-        elif isinstance(msg, Promise):
-            consensus.on_promise(sender, msg)
-            self._after_consensus_input(now)
-        else:
-            consensus.on_accept(sender, msg)
-            self._after_consensus_input(now)
-
-    def _after_consensus_input(self, now: float) -> None:
-        consensus = self._consensus
-        for dest, message in consensus.outbox:
-            self._send(dest, message)
-        consensus.outbox.clear()
-        if consensus.decision is not None:
-            self._decide(now, consensus.decision)
-            return
-        if consensus.active:
-            if self._classic_at == _INF:
-                u = mix_triple(self._config.config_id, self._classic_attempt, self.id) / 2.0**64
-                self._classic_at = (now + self.params.classic_timeout_s
-                                    + u * self.params.classic_spread_s)
-            if self._vote_resend_at == _INF:
-                self._vote_resend_at = now + self.params.vote_resend_s
-        self._schedule_vote_push(now)
-
-    def _schedule_vote_push(self, now: float) -> None:
-        if self._vote_push_at == _INF:
-            self._vote_push_at = max(now, self._last_vote_push + self.params.vote_push_interval_s)
-
-    def _push_votes(self, now: float) -> None:
-        self._vote_push_at = _INF
-        self._last_vote_push = now
-        votes = self._consensus.dirty_votes()
-        if votes:
-            for peer in self._sample_members(self.params.gossip_fanout):
-                for vote in votes:
-                    self._send(peer, vote)
-        progress = self._progress
-        if progress is not None and progress.dirty:
-            # Progress is not on the critical path of a decision: one peer per push (a push
-            # per change still spreads it epidemically), a third of the bytes of votes.
-            reports = progress_messages(self._config.config_id, progress, len(self._config),
-                                        progress.dirty)
-            progress.dirty = 0
-            for peer in self._sample_members(1):
-                for report in reports:
-                    self._send(peer, report)
-
-    def _resend(self, now: float) -> None:
-        """Anti-entropy for lost pushes: while undecided, all our vote tallies, and while the
-        plan waits for reports, our progress tally, to one random peer every
-        ``vote_resend_s``."""
-        consensus, progress = self._consensus, self._progress
-        undecided = consensus.active and consensus.decision is None
-        waiting = progress is not None and self.plan is not None and self.plan.resume_step is None
-        if not (undecided or waiting):
-            return
-        self._vote_resend_at = now + self.params.vote_resend_s
-        peers = self._sample_members(1)
-        if not peers:
-            return
-        if undecided:
-            for vote in consensus.all_votes():
-                self._send(peers[0], vote)
-        if waiting and progress is not None:
-            for report in progress_messages(self._config.config_id, progress,
-                                            len(self._config)):
-                self._send(peers[0], report)
-
-    def _start_classic(self, now: float) -> None:
-        consensus = self._consensus
-        self._classic_at = _INF
-        if consensus.decision is not None or consensus.index < 0:
-            return
-        # Our current view, or the empty cut: votes were cast for this configuration, and a
-        # decision, even of nothing, retires them so that the next change can go fast again.
-        fallback = self._proposal or Cut()
-        consensus.prepare(self._classic_attempt, fallback)
-        self._classic_attempt += 1
-        self._counts["classic_rounds_started"] += 1
-        self._after_consensus_input(now)
-        self._classic_at = now + 2 * self.params.classic_timeout_s  # retry if this one stalls
-
-    def _decide(self, now: float, cert: Certificate) -> None:
-        """Install the decided successor of the current configuration."""
-        old = self._config
-        key = (old, cert.cut, self.policy)
-        transition = self._transitions.get(key)
-        if transition is None:
-            new, plan, _reason = next_configuration(old, cert.cut, policy=self.policy)
-            if len(self._transitions) >= 4 * self.params.certificate_log:
-                self._transitions.clear()  # a bound: a miss only recomputes
-            transition = self._transitions[key] = Transition(old, new, plan)
-        self._transition = transition
-        new, plan = transition.configuration, transition.plan
-        self._certificates.append((cert, len(old)))
-        self._decided_at = now
-        self._counts["decisions_fast" if cert.fast else "decisions_classic"] += 1
-        # Push the certificate so that members still counting learn it from us.
-        for peer in self._sample_members(self.params.gossip_fanout):
-            for vote in cert.votes(len(old)):
-                self._send(peer, vote)
-        was_rank = old.rank_of(self.id)
-        # A joiner learns its admission from the members that will probe it.
-        for joiner in cert.cut.joined:
-            if joiner.member in new and self.id in new.observers_of(joiner.member):
-                for vote in cert.votes(len(old)):
-                    self._send(joiner.member, vote)
-        self._set_configuration(new)
-        self._consensus = Consensus(new, self.id if self.id in new else None,
-                                    dropped=self._counts)
-        self._proposal = None
-        self._settle_at = self._classic_at = self._vote_push_at = self._vote_resend_at = _INF
-        self._classic_attempt = 0
-        self.plan = plan
-        self._emit(ev.ConfigurationDecided(now, new, cert.round, cert.bits.bit_count(), plan))
-        if self.id not in new and self.joining is not None:
-            self._replay_future(now)  # a joiner catching up: not admitted yet, keep asking
-            return
-        if self.id not in new:
-            self.removed = True
-            self._rounds.clear()
-            self._relays.clear()
-            self._emit(ev.SelfRemoved(now, self.incarnation))
-            return
-        if self.joining is not None:
-            self.joining = None
-            self._join_at = _INF
-            self._next_probe_at = now
-            self._emit(ev.Joined(now, new.config_id))
-        rank = new.rank_of(self.id)
-        if rank is not None and was_rank is None:
-            self._emit(ev.RankAssigned(now, new.config_id, rank))
-        if plan.vacant:
-            self._emit(ev.WaitingForSpare(now, new.config_id, plan.vacant))
-        # The plan waits for the last committed step of every rank holder that survived.
-        self._survivors = transition.survivors
-        self._progress = Tally()
-        self._vote_resend_at = now + self.params.vote_resend_s
-        if was_rank is not None:
-            index = self._consensus.index
-            self._progress.merge(index // SEGMENT_BITS, 1 << index, self.last_committed_step)
-            self._schedule_vote_push(now)
-        self._check_plan(now)
-        self._replay_future(now)
-
-    def _replay_future(self, now: float) -> None:
-        future = list(self._future)
-        self._future.clear()
-        for sender, message in future:
-            if not self.removed:
-                self._on_agreement(now, sender, message)
-
-    def _merge_progress(self, now: float, sender: MemberId, msg: Progress) -> None:
-        progress = self._progress
-        if progress is None:
-            return
-        n = len(self._config)
-        first = msg.segment * SEGMENT_BITS
-        bits = int.from_bytes(msg.bits, "little")
-        if first >= n or bits >> min(SEGMENT_BITS, n - first):
-            self._counts["dropped_invalid_progress"] += 1
-            return
-        shifted = bits << first
-        segment_mask = ((1 << SEGMENT_BITS) - 1) << first
-        if progress.bits & segment_mask & ~shifted:
-            # The sender knows less of this segment than we do (push-pull, as anti-entropy):
-            # answer with ours, so a member whose pushes found nobody still completes.
-            if self._once_per_gap(self._catchup_sent, sender, now):
-                for report in progress_messages(self._config.config_id, progress, n,
-                                                1 << msg.segment):
-                    self._send(sender, report)
-        if progress.merge(msg.segment, shifted, msg.max_step):
-            self._schedule_vote_push(now)
-            self._check_plan(now)
-
-    def _check_plan(self, now: float) -> None:
-        plan, progress = self.plan, self._progress
-        if plan is None or progress is None or plan.resume_step is not None:
-            return
-        if progress.bits & self._survivors == self._survivors:
-            ready = self._transition.ready if self._transition else {}
-            found = ready.get(progress.max_step)
-            if found is None:
-                found = ready[progress.max_step] = with_resume_step(plan, progress.max_step)
-            self.plan = found
-            self._emit(ev.PlanReady(now, found))
-
-    def _send_certificates(self, now: float, dest: MemberId, since: int) -> None:
-        """Catch ``dest`` up from configuration ``since``: our certificates from there on."""
-        if not self._once_per_gap(self._catchup_sent, dest, now):
-            return
-        sent = 0
-        for cert, members in self._certificates:
-            if cert.config_id >= since and sent < 4:
-                for vote in cert.votes(members):
-                    self._send(dest, vote)
-                sent += 1
-        if sent:
-            self._counts["catchups_sent"] += 1
-        else:
-            self._counts["catchup_unavailable"] += 1
-
-    def _once_per_gap(self, sent: dict[MemberId, float], peer: MemberId, now: float) -> bool:
-        """Whether ``peer`` may get another catch-up reply now (one per ``_CATCHUP_GAP_S``);
-        if so, records it. The table is a bound, not a cache: clearing it only allows a
-        resend."""
-        if now - sent.get(peer, -_INF) < _CATCHUP_GAP_S:
-            return False
-        if len(sent) > 4 * self.params.max_pending_joins:
-            sent.clear()
-        sent[peer] = now
-        return True
-
-    def _send_digest_to(self, now: float, dest: MemberId) -> None:
-        """Our digest carries our ``config_id``: whichever of us is behind learns it (the one
-        ahead answers an older digest with certificates). At most once per peer per gap."""
-        if not self._once_per_gap(self._digest_sent, dest, now):
-            return
-        digest, entries = self.view_digest()
-        self._send(dest, Digest(self._config.config_id, digest, entries))
-
-    def _on_join(self, sender: MemberId, msg: Join) -> None:
-        joiner = msg.joiner
-        if sender == joiner.member and msg.config_id < self._config.config_id:
-            self._send_certificates(self._now, sender, msg.config_id)
-        if (joiner.member in self._config or joiner.member in self._joiners
-                or self.joining is not None):
-            return
-        if len(self._joiners) >= self.params.max_pending_joins:
-            self._counts["dropped_join_overflow"] += 1
-            return
-        self._joiners[joiner.member] = joiner
-        self._cut_dirty = True
-        # Flood it once, so that every member proposes the same cut.
-        for peer in self._sample_members(self.params.gossip_fanout):
-            self._send(peer, Join(joiner, self._config.config_id))
+    # ------------------------------------------------------------------ contact
 
     def _check_contact(self, now: float) -> None:
         """Once per probe interval: did at least half our neighbours (subjects and observers,
@@ -1329,23 +931,22 @@ class Member:
         in_contact = 2 * heard >= len(self._heard)
         if in_contact != self._in_contact:
             self._in_contact = in_contact
-            self._check_lease(now)
+            self._reconf.check_lease(now)
 
-    def _check_lease(self, now: float) -> None:
-        """Fencing (DESIGN section 5): a member that believes fewer than a majority of its
-        configuration reachable for ``lease_s`` must stop training until that changes: its
-        view holds too many members suspect or worse, or too few of its neighbours were heard
-        from lately. Runs when either changes; the lease itself is a deadline, not a poll."""
-        n = len(self._config)
-        ok = (not self.self_suspected and self._in_contact
-              and n - self._unreachable >= classic_quorum(n))
-        if ok:
-            self._lease_at = _INF
-            if self.fenced:
-                self.fenced = False
-                self._emit(ev.QuorumRegained(now, self._config.config_id))
-        elif self._lease_at == _INF and not self.fenced:
-            self._lease_at = now + self.params.lease_s
+    # ------------------------------------------------------------------ decided changes
+
+    def _on_removed(self, now: float) -> None:
+        """A decided configuration left us out: fall silent (the agreement layer calls this)."""
+        self.removed = True
+        self._rounds.clear()
+        self._relays.clear()
+        self._emit(ev.SelfRemoved(now, self.incarnation))
+
+    def _on_admitted(self, now: float, config_id: int) -> None:
+        """A decided configuration admitted us, a joiner: start probing at once."""
+        self.joining = None
+        self._next_probe_at = now
+        self._emit(ev.Joined(now, config_id))
 
     # ------------------------------------------------------------------ anti-entropy
 
@@ -1359,11 +960,11 @@ class Member:
     def _on_digest(self, sender: MemberId, msg: Digest) -> None:
         cid = self._config.config_id
         if msg.config_id < cid:
-            self._send_certificates(self._now, sender, msg.config_id)
+            self._reconf.send_certificates(self._now, sender, msg.config_id)
             return
         if msg.config_id > cid:
             # We are behind: answer with our digest, so the sender sends its certificates.
-            self._send_digest_to(self._now, sender)
+            self._reconf.send_digest_to(self._now, sender)
             return
         if (msg.digest, msg.entries) != self.view_digest():
             self._counts["sync_mismatches"] += 1

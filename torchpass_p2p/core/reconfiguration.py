@@ -1,0 +1,558 @@
+"""The agreement side of one member: from its view of the cluster to an installed configuration.
+
+Theory of operation
+-------------------
+Sans-IO, like :mod:`.membership`, whose :class:`~.membership.Member` creates one
+:class:`Reconfiguration` and drives it: the member owns the view, the clock, the random
+generator, the outbox and the events; this object owns what changes the configuration, and reads
+and sends through its member (composition, not a mixin: both are compiled by mypyc as one group).
+
+Removing a member and promoting a spare are decided, never assumed (DESIGN section 5). A
+:class:`~.messages.Dead` verdict is evidence for the cut detector (:mod:`.cut`), not a removal.
+Whenever the member's view changes it asks for a cut (:meth:`Reconfiguration.consider_cut`);
+once the proposal has been stable for ``cut_settle_s`` (and every accused member had
+``refutation_window_s`` to refute), the member votes in the fast round of
+:class:`~.agreement.Consensus`; vote bitmaps ride the gossip path; a quorum decides. Without a
+decision a member starts a classic round after ``classic_timeout_s`` plus a jitter. Every member
+computes the next configuration and plan (:func:`~.plan.next_configuration`, memoised in a
+:data:`Transitions` table several members may share) and installs it. A member learns it was
+removed only from a decided configuration.
+
+Catch-up. Members behind catch up from a peer's log of certificates: on any agreement message
+from an older configuration, and through the anti-entropy digest, which carries ``config_id``.
+Joins. A process outside the configuration sends :class:`~.messages.Join` to its seeds until a
+decided configuration holds it; members flood each join once, so all propose the same cut.
+Progress. After a decision the surviving rank holders gossip their last committed step
+(:class:`~.messages.Progress`) until the plan's ``resume_step`` is fixed.
+Fencing. A member that believes less than a majority reachable for ``lease_s`` raises
+``QuorumLost`` and sets ``fenced`` until that changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import TYPE_CHECKING, Final
+
+from . import events as ev
+from .agreement import (
+    SEGMENT_BITS,
+    Certificate,
+    Consensus,
+    Tally,
+    classic_quorum,
+    progress_messages,
+)
+from .configuration import Configuration
+from .cut import Suspected, propose_cut
+from .hashing import mix_triple
+from .messages import (
+    Accept,
+    Cut,
+    Digest,
+    Join,
+    Joiner,
+    MemberId,
+    MemberState,
+    Prepare,
+    Progress,
+    Promise,
+    Vote,
+)
+from .plan import Plan, Policy, next_configuration, with_resume_step
+
+if TYPE_CHECKING:
+    from .membership import Member
+
+# Final: the compiled build reads these from C statics, not the module dict, on every use.
+ALIVE: Final = MemberState.ALIVE
+DEAD: Final = MemberState.DEAD
+LEFT: Final = MemberState.LEFT
+_INF: Final = math.inf
+_MAX_CUT_REMOVED: Final = 32  # the codec's limits on one cut
+_MAX_CUT_JOINED: Final = 4
+_MAX_FUTURE: Final = 64  # messages held for a configuration this member has not reached yet
+_CATCHUP_GAP_S: Final = 0.2  # at most one catch-up reply per peer this often
+_CATCHUP_GRACE_S: Final = 1.0  # stale votes right after our decision get no certificate
+AgreementMessage = Vote | Prepare | Promise | Accept | Progress
+
+
+class Transition:
+    """A decided change worked out once: the next configuration, its plan, and the plan with
+    each ``resume_step`` seen (keyed by the max committed step)."""
+
+    __slots__ = ("configuration", "plan", "ready", "survivors")
+
+    def __init__(self, old: Configuration, configuration: Configuration, plan: Plan) -> None:
+        self.configuration = configuration
+        self.plan = plan
+        self.ready: dict[int, Plan] = {}
+        # Bitmap over the new configuration's members that held a rank in the old one: the
+        # members whose last committed step the plan waits for.
+        survivors = 0
+        for i, member in enumerate(configuration.members):
+            if old.rank_of(member) is not None:
+                survivors |= 1 << i
+        self.survivors = survivors
+
+
+Transitions = dict[tuple[Configuration, Cut, Policy], Transition]
+
+
+class Reconfiguration:
+    """The agreement state of one :class:`~.membership.Member`, created by it.
+
+    Args:
+        member: the member this object decides for; it reads the member's view and sends,
+            samples and emits through it.
+        configuration: the configuration the member starts in.
+        policy, joining, seeds, transitions: as for :class:`~.membership.Member`.
+        now: the current time in seconds.
+    """
+
+    def __init__(
+        self,
+        member: Member,
+        configuration: Configuration,
+        *,
+        policy: Policy,
+        joining: Joiner | None,
+        seeds: tuple[MemberId, ...],
+        transitions: Transitions | None,
+        now: float,
+    ) -> None:
+        params = member.params
+        self._member = member
+        self.policy = Policy(policy)
+        self._seeds = seeds
+        self._transitions: Transitions = {} if transitions is None else transitions
+        self._transition: Transition | None = None
+        self._join_at = now if joining is not None else _INF
+        self.last_committed_step = -1
+        """Set by the host (:meth:`~.membership.Member.report_progress`); voted and reported
+        for the plan."""
+        self.fenced = False
+        """True while :class:`~.events.QuorumLost` holds: the host must not train."""
+        self.plan: Plan | None = None
+        """The plan of the last decided change; ``resume_step`` is set once it is ready."""
+        self._certificates: deque[tuple[Certificate, int]] = deque(
+            maxlen=params.certificate_log)  # (certificate, members of its configuration)
+        self.joiners: dict[MemberId, Joiner] = {}
+        self._future: deque[tuple[MemberId, AgreementMessage]] = deque(maxlen=_MAX_FUTURE)
+        self._decided_at = -_INF
+        self._catchup_sent: dict[MemberId, float] = {}  # peer -> when we sent certificates
+        self._digest_sent: dict[MemberId, float] = {}  # peer -> when we nudged it with a digest
+        self._proposal: Cut | None = None
+        self._settle_at = _INF
+        self._classic_at = _INF
+        self._classic_attempt = 0
+        self._vote_push_at = _INF
+        self._last_vote_push = -_INF
+        self._vote_resend_at = _INF
+        self._lease_at = _INF
+        self._progress: Tally | None = None
+        self._survivors = 0  # bitmap of the members whose progress the plan waits for
+        self.consensus = Consensus(configuration, None if joining else member.id,
+                                   dropped=member._counts)
+
+    # ------------------------------------------------------------------ timers
+
+    def due_at(self) -> float:
+        """The earliest of this layer's deadlines (seconds); ``inf`` if none."""
+        # Plain compares, no tuple: this runs on every next_deadline() (boxing five floats
+        # into a tuple there cost the compiled simulator a third of its speed).
+        t = self._settle_at
+        if self._classic_at < t:
+            t = self._classic_at
+        if self._vote_push_at < t:
+            t = self._vote_push_at
+        if self._vote_resend_at < t:
+            t = self._vote_resend_at
+        if self._lease_at < t:
+            t = self._lease_at
+        if self._join_at < t:
+            t = self._join_at
+        return t
+
+    def handle_timer(self, now: float) -> None:
+        """Run whatever of this layer is due at ``now``."""
+        m = self._member
+        if m.joining is not None:
+            if now >= self._join_at:
+                self._join_at = now + m.params.join_retry_s
+                seed = self._seeds[int(m._rng.random() * len(self._seeds))]
+                m._send(seed, Join(m.joining, m._config.config_id))
+            return
+        if now >= self._settle_at:
+            self.consider_cut(now)
+        if now >= self._classic_at:
+            self._start_classic(now)
+        if now >= self._vote_push_at:
+            self._push_votes(now)
+        if now >= self._vote_resend_at:
+            self._vote_resend_at = _INF
+            self._resend(now)
+        if now >= self._lease_at:
+            self._lease_at = _INF
+            self.fenced = True
+            m._emit(ev.QuorumLost(now, m._config.config_id))
+
+    def postpone(self, until: float) -> None:
+        """The member's loop stalled: a vote or a classic round that fell due meanwhile waits
+        until ``until``, for the refutation that voids the cut may be in the backlog."""
+        self._settle_at = max(self._settle_at, until) if self._settle_at < _INF else _INF
+        if self._classic_at < until:
+            self._classic_at = until
+
+    # ------------------------------------------------------------------ cut proposal and votes
+
+    def consider_cut(self, now: float) -> None:
+        """Re-run cut detection; vote once the proposal has been stable for ``cut_settle_s``."""
+        m = self._member
+        m._cut_dirty = False
+        if m.joining is not None or m.removed:
+            return
+        self.check_lease(now)
+        p = m.params
+        gone = [member for member, (state, _) in m._view.items()
+                if state >= DEAD and member != m.id]
+        if m.left:
+            gone.append(m.id)
+        suspected = {subject: Suspected(tuple(susp.observers), susp.started_at)
+                     for subject, susp in m._suspicions.items()}
+        proposal = propose_cut(
+            m._config, gone=gone, suspected=suspected, joiners=self.joiners.values(),
+            now=now, high=p.alerts_to_remove, low=p.min_alerts_to_confirm,
+            min_window_s=p.suspicion_min_s, max_removed=_MAX_CUT_REMOVED,
+            max_joined=_MAX_CUT_JOINED)
+        if proposal.cut != self._proposal:
+            self._proposal = proposal.cut
+            self._settle_at = _INF if proposal.cut is None else self._ripe_at(now, proposal.cut)
+            return
+        if proposal.cut is None or now < self._settle_at:
+            return
+        self._settle_at = _INF
+        if m.self_suspected:
+            return  # cut off ourselves: our view of the others is not evidence
+        if self.consensus.vote_fast(proposal.cut, self.last_committed_step):
+            m._counts["votes_cast"] += 1
+            self._after_consensus_input(now)
+
+    def _ripe_at(self, now: float, cut: Cut) -> float:
+        """When we may vote for ``cut``: it settled for ``cut_settle_s``, and every member it
+        removes that did not leave on its own had ``refutation_window_s`` since we first heard
+        it accused (DESIGN section 4: a stalled member must get to refute first)."""
+        m = self._member
+        ripe = now + m.params.cut_settle_s
+        window = m.params.refutation_window_s
+        for member in cut.removed:
+            if m._view.get(member, (ALIVE, 0))[0] == LEFT or member == m.id:
+                continue
+            accused = m._accused_at.setdefault(member, now)
+            if accused + window > ripe:
+                ripe = accused + window
+        return ripe
+
+    def receive(self, now: float, sender: MemberId, msg: AgreementMessage) -> None:
+        """Handle one agreement message (votes, classic rounds, progress) from ``sender``."""
+        m = self._member
+        cid = m._config.config_id
+        if msg.config_id < cid:
+            m._counts["agreement_behind_peer"] += 1
+            # Right after a decision the others are milliseconds behind and about to decide
+            # from the bits already spreading: a certificate to each would cost 8 segments per
+            # peer at 16k members. Only a peer still behind after the grace gets one.
+            if now - self._decided_at >= _CATCHUP_GRACE_S or msg.config_id < cid - 1:
+                self.send_certificates(now, sender, msg.config_id)
+            return
+        if msg.config_id > cid:
+            # We missed a decision: keep the message for later and ask the sender to catch us
+            # up (it answers an older digest with its certificates).
+            m._counts["agreement_ahead_peer"] += 1
+            self._future.append((sender, msg))
+            self.send_digest_to(now, sender)
+            return
+        consensus = self.consensus
+        if isinstance(msg, Vote):
+            if consensus.merge_vote(msg):
+                self._after_consensus_input(now)
+        elif isinstance(msg, Progress):
+            self._merge_progress(now, sender, msg)
+        elif sender not in m._config:
+            m._counts["dropped_stranger_agreement"] += 1
+        elif isinstance(msg, Prepare):
+            consensus.on_prepare(sender, msg)
+            # Someone coordinates: give its round time before starting our own.
+            self._classic_at = max(self._classic_at if self._classic_at < _INF else 0.0,
+                                   now + 2 * m.params.classic_timeout_s)
+            self._after_consensus_input(now)
+        elif isinstance(msg, Promise):
+            consensus.on_promise(sender, msg)
+            self._after_consensus_input(now)
+        else:
+            consensus.on_accept(sender, msg)
+            self._after_consensus_input(now)
+
+    def _after_consensus_input(self, now: float) -> None:
+        m = self._member
+        consensus = self.consensus
+        for dest, message in consensus.outbox:
+            m._send(dest, message)
+        consensus.outbox.clear()
+        if consensus.decision is not None:
+            self._decide(now, consensus.decision)
+            return
+        if consensus.active:
+            if self._classic_at == _INF:
+                u = mix_triple(m._config.config_id, self._classic_attempt, m.id) / 2.0**64
+                self._classic_at = (now + m.params.classic_timeout_s
+                                    + u * m.params.classic_spread_s)
+            if self._vote_resend_at == _INF:
+                self._vote_resend_at = now + m.params.vote_resend_s
+        self._schedule_vote_push(now)
+
+    def _schedule_vote_push(self, now: float) -> None:
+        if self._vote_push_at == _INF:
+            interval = self._member.params.vote_push_interval_s
+            self._vote_push_at = max(now, self._last_vote_push + interval)
+
+    def _push_votes(self, now: float) -> None:
+        m = self._member
+        self._vote_push_at = _INF
+        self._last_vote_push = now
+        votes = self.consensus.dirty_votes()
+        if votes:
+            for peer in m._sample_members(m.params.gossip_fanout):
+                for vote in votes:
+                    m._send(peer, vote)
+        progress = self._progress
+        if progress is not None and progress.dirty:
+            # Progress is not on the critical path of a decision: one peer per push (a push
+            # per change still spreads it epidemically), a third of the bytes of votes.
+            reports = progress_messages(m._config.config_id, progress, len(m._config),
+                                        progress.dirty)
+            progress.dirty = 0
+            for peer in m._sample_members(1):
+                for report in reports:
+                    m._send(peer, report)
+
+    def _resend(self, now: float) -> None:
+        """Anti-entropy for lost pushes: while undecided, all our vote tallies, and while the
+        plan waits for reports, our progress tally, to one random peer every
+        ``vote_resend_s``."""
+        m = self._member
+        consensus, progress = self.consensus, self._progress
+        undecided = consensus.active and consensus.decision is None
+        waiting = progress is not None and self.plan is not None and self.plan.resume_step is None
+        if not (undecided or waiting):
+            return
+        self._vote_resend_at = now + m.params.vote_resend_s
+        peers = m._sample_members(1)
+        if not peers:
+            return
+        if undecided:
+            for vote in consensus.all_votes():
+                m._send(peers[0], vote)
+        if waiting and progress is not None:
+            for report in progress_messages(m._config.config_id, progress, len(m._config)):
+                m._send(peers[0], report)
+
+    def _start_classic(self, now: float) -> None:
+        consensus = self.consensus
+        self._classic_at = _INF
+        if consensus.decision is not None or consensus.index < 0:
+            return
+        # Our current view, or the empty cut: votes were cast for this configuration, and a
+        # decision, even of nothing, retires them so that the next change can go fast again.
+        fallback = self._proposal or Cut()
+        consensus.prepare(self._classic_attempt, fallback)
+        self._classic_attempt += 1
+        self._member._counts["classic_rounds_started"] += 1
+        self._after_consensus_input(now)
+        self._classic_at = now + 2 * self._member.params.classic_timeout_s  # retry if it stalls
+
+    # ------------------------------------------------------------------ decision
+
+    def _decide(self, now: float, cert: Certificate) -> None:
+        """Install the decided successor of the current configuration."""
+        m = self._member
+        old = m._config
+        key = (old, cert.cut, self.policy)
+        transition = self._transitions.get(key)
+        if transition is None:
+            new, plan, _reason = next_configuration(old, cert.cut, policy=self.policy)
+            if len(self._transitions) >= 4 * m.params.certificate_log:
+                self._transitions.clear()  # a bound: a miss only recomputes
+            transition = self._transitions[key] = Transition(old, new, plan)
+        self._transition = transition
+        new, plan = transition.configuration, transition.plan
+        self._certificates.append((cert, len(old)))
+        self._decided_at = now
+        m._counts["decisions_fast" if cert.fast else "decisions_classic"] += 1
+        # Push the certificate so that members still counting learn it from us.
+        for peer in m._sample_members(m.params.gossip_fanout):
+            for vote in cert.votes(len(old)):
+                m._send(peer, vote)
+        was_rank = old.rank_of(m.id)
+        # A joiner learns its admission from the members that will probe it.
+        for joiner in cert.cut.joined:
+            if joiner.member in new and m.id in new.observers_of(joiner.member):
+                for vote in cert.votes(len(old)):
+                    m._send(joiner.member, vote)
+        m._set_configuration(new)
+        for member in [j for j in self.joiners if j in new]:
+            del self.joiners[member]
+        self._catchup_sent.clear()
+        self._digest_sent.clear()
+        self.consensus = Consensus(new, m.id if m.id in new else None, dropped=m._counts)
+        self._proposal = None
+        self._settle_at = self._classic_at = self._vote_push_at = self._vote_resend_at = _INF
+        self._classic_attempt = 0
+        self.plan = plan
+        m._emit(ev.ConfigurationDecided(now, new, cert.round, cert.bits.bit_count(), plan))
+        if m.id not in new and m.joining is not None:
+            self._replay_future(now)  # a joiner catching up: not admitted yet, keep asking
+            return
+        if m.id not in new:
+            m._on_removed(now)
+            return
+        if m.joining is not None:
+            self._join_at = _INF
+            m._on_admitted(now, new.config_id)
+        rank = new.rank_of(m.id)
+        if rank is not None and was_rank is None:
+            m._emit(ev.RankAssigned(now, new.config_id, rank))
+        if plan.vacant:
+            m._emit(ev.WaitingForSpare(now, new.config_id, plan.vacant))
+        # The plan waits for the last committed step of every rank holder that survived.
+        self._survivors = transition.survivors
+        self._progress = Tally()
+        self._vote_resend_at = now + m.params.vote_resend_s
+        if was_rank is not None:
+            index = self.consensus.index
+            self._progress.merge(index // SEGMENT_BITS, 1 << index, self.last_committed_step)
+            self._schedule_vote_push(now)
+        self._check_plan(now)
+        self._replay_future(now)
+
+    def _replay_future(self, now: float) -> None:
+        m = self._member
+        future = list(self._future)
+        self._future.clear()
+        for sender, message in future:
+            if not m.removed:
+                self.receive(now, sender, message)
+
+    # ------------------------------------------------------------------ progress and the plan
+
+    def _merge_progress(self, now: float, sender: MemberId, msg: Progress) -> None:
+        progress = self._progress
+        if progress is None:
+            return
+        m = self._member
+        n = len(m._config)
+        first = msg.segment * SEGMENT_BITS
+        bits = int.from_bytes(msg.bits, "little")
+        if first >= n or bits >> min(SEGMENT_BITS, n - first):
+            m._counts["dropped_invalid_progress"] += 1
+            return
+        shifted = bits << first
+        segment_mask = ((1 << SEGMENT_BITS) - 1) << first
+        if progress.bits & segment_mask & ~shifted:
+            # The sender knows less of this segment than we do (push-pull, as anti-entropy):
+            # answer with ours, so a member whose pushes found nobody still completes.
+            if self._once_per_gap(self._catchup_sent, sender, now):
+                for report in progress_messages(m._config.config_id, progress, n,
+                                                1 << msg.segment):
+                    m._send(sender, report)
+        if progress.merge(msg.segment, shifted, msg.max_step):
+            self._schedule_vote_push(now)
+            self._check_plan(now)
+
+    def _check_plan(self, now: float) -> None:
+        plan, progress = self.plan, self._progress
+        if plan is None or progress is None or plan.resume_step is not None:
+            return
+        if progress.bits & self._survivors == self._survivors:
+            ready = self._transition.ready if self._transition else {}
+            found = ready.get(progress.max_step)
+            if found is None:
+                found = ready[progress.max_step] = with_resume_step(plan, progress.max_step)
+            self.plan = found
+            self._member._emit(ev.PlanReady(now, found))
+
+    # ------------------------------------------------------------------ catch-up
+
+    def send_certificates(self, now: float, dest: MemberId, since: int) -> None:
+        """Catch ``dest`` up from configuration ``since``: our certificates from there on."""
+        if not self._once_per_gap(self._catchup_sent, dest, now):
+            return
+        m = self._member
+        sent = 0
+        for cert, members in self._certificates:
+            if cert.config_id >= since and sent < 4:
+                for vote in cert.votes(members):
+                    m._send(dest, vote)
+                sent += 1
+        if sent:
+            m._counts["catchups_sent"] += 1
+        else:
+            m._counts["catchup_unavailable"] += 1
+
+    def _once_per_gap(self, sent: dict[MemberId, float], peer: MemberId, now: float) -> bool:
+        """Whether ``peer`` may get another catch-up reply now (one per ``_CATCHUP_GAP_S``);
+        if so, records it. The table is a bound, not a cache: clearing it only allows a
+        resend."""
+        if now - sent.get(peer, -_INF) < _CATCHUP_GAP_S:
+            return False
+        if len(sent) > 4 * self._member.params.max_pending_joins:
+            sent.clear()
+        sent[peer] = now
+        return True
+
+    def send_digest_to(self, now: float, dest: MemberId) -> None:
+        """Our digest carries our ``config_id``: whichever of us is behind learns it (the one
+        ahead answers an older digest with certificates). At most once per peer per gap."""
+        if not self._once_per_gap(self._digest_sent, dest, now):
+            return
+        m = self._member
+        digest, entries = m.view_digest()
+        m._send(dest, Digest(m._config.config_id, digest, entries))
+
+    # ------------------------------------------------------------------ joins
+
+    def on_join(self, now: float, sender: MemberId, msg: Join) -> None:
+        m = self._member
+        joiner = msg.joiner
+        if sender == joiner.member and msg.config_id < m._config.config_id:
+            self.send_certificates(now, sender, msg.config_id)
+        if (joiner.member in m._config or joiner.member in self.joiners
+                or m.joining is not None):
+            return
+        if len(self.joiners) >= m.params.max_pending_joins:
+            m._counts["dropped_join_overflow"] += 1
+            return
+        self.joiners[joiner.member] = joiner
+        m._cut_dirty = True
+        # Flood it once, so that every member proposes the same cut.
+        for peer in m._sample_members(m.params.gossip_fanout):
+            m._send(peer, Join(joiner, m._config.config_id))
+
+    # ------------------------------------------------------------------ fencing
+
+    def check_lease(self, now: float) -> None:
+        """Fencing (DESIGN section 5): a member that believes fewer than a majority of its
+        configuration reachable for ``lease_s`` must stop training until that changes: its
+        view holds too many members suspect or worse, or too few of its neighbours were heard
+        from lately. Runs when either changes; the lease itself is a deadline, not a poll."""
+        m = self._member
+        n = len(m._config)
+        ok = (not m.self_suspected and m._in_contact
+              and n - m._unreachable >= classic_quorum(n))
+        if ok:
+            self._lease_at = _INF
+            if self.fenced:
+                self.fenced = False
+                m._emit(ev.QuorumRegained(now, m._config.config_id))
+        elif self._lease_at == _INF and not self.fenced:
+            self._lease_at = now + m.params.lease_s
