@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchpass_p2p
+from torchpass_p2p.collective import exit_process
 from torchpass_p2p.trainer import Removed, Trainer, step_generator
 
 VOCAB = 128
@@ -148,4 +149,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

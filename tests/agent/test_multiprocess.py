@@ -109,8 +109,9 @@ def test_s03_a_paused_rank_is_replaced_once_fenced_on_waking_and_never_trains_ag
     mine = recs[victim]
     assert [r["role"] for r in events(mine, "role")] == ["removed"]
     assert not [r for r in events(mine, "step") if r["t"] >= stopped_at]  # never trained again
-    fenced = events(mine, "fenced")
-    assert fenced and fenced[0]["t"] >= resumed_at  # fenced as soon as it ran again
+    # On waking it is fenced (or already knows it was removed) before it could train.
+    woke = [r for r in mine if r["t"] >= resumed_at and r["event"] in ("fenced", "role")]
+    assert woke and (woke[0]["event"] == "fenced" or woke[0]["role"] == "removed")
     promoted = [m for m in spares if events(recs[m], "role")]
     assert len(promoted) == 1  # replaced exactly once
     heir = events(recs[promoted[0]], "role")

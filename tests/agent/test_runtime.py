@@ -136,8 +136,11 @@ async def test_status_document_lists_every_member(role):
         await cluster.stop()
 
 
-def test_events_are_plain_data():
-    assert ev.ConfigurationDecided.__slots__  # _describe walks the slots of every event
+def test_every_event_is_described_compiled_or_not():
+    from torchpass_p2p.agent.runtime import _describe
+
+    text = _describe(ev.MemberSuspected(1.0, 2, 3, 4))
+    assert text == f"member={2:016x} incarnation=3 observer={4:016x}"
 
 
 async def test_a_service_registered_by_one_member_is_found_by_another_with_the_key():

@@ -24,6 +24,7 @@ from torchpass_p2p.collective import (
     StoreKeeper,
     Superseded,
     build_group,
+    exit_process,
 )
 
 
@@ -99,4 +100,4 @@ def main(root: Path, member: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]), int(sys.argv[2])))
+    exit_process(main(Path(sys.argv[1]), int(sys.argv[2])))

@@ -12,6 +12,7 @@ sent, events are logged, counted and handed to listeners. One task owns the time
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -568,7 +569,8 @@ def _seed_members(config: Configuration, seeds: tuple[Address, ...]) -> tuple[Me
 
 def _describe(event: ev.Event) -> str:
     parts = []
-    for name in event.__slots__:  # type: ignore[attr-defined]
+    for field in dataclasses.fields(event):  # compiled events have no __slots__
+        name = field.name
         if name == "at":
             continue
         value = getattr(event, name)

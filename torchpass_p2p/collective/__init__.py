@@ -8,12 +8,19 @@
   whatever algorithm the backend would use.
 """
 
-from .group import CollectiveError, GroupSpec, ManagedGroup, Superseded, build_group
+from .group import (
+    CollectiveError,
+    GroupSpec,
+    ManagedGroup,
+    Superseded,
+    build_group,
+    exit_process,
+)
 from .reduce import flatten, sum_in_rank_order, unflatten_into
 from .rendezvous import ServiceDirectory, StoreKeeper, connect_store, store_prefix
 
 __all__ = [
     "CollectiveError", "GroupSpec", "ManagedGroup", "ServiceDirectory", "StoreKeeper",
-    "Superseded", "build_group", "connect_store", "flatten", "store_prefix",
+    "Superseded", "build_group", "connect_store", "exit_process", "flatten", "store_prefix",
     "sum_in_rank_order", "unflatten_into",
 ]

@@ -23,11 +23,14 @@ flight) | ``closed`` (:meth:`ManagedGroup.close`). Only ``ready`` accepts operat
 from __future__ import annotations
 
 import datetime
+import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -35,7 +38,8 @@ import torch.distributed as dist
 from .reduce import sum_in_rank_order
 from .rendezvous import STORE_TIMEOUT_S, ServiceDirectory, StoreKeeper, connect_store
 
-__all__ = ["CollectiveError", "GroupSpec", "ManagedGroup", "Superseded", "build_group"]
+__all__ = ["CollectiveError", "GroupSpec", "ManagedGroup", "Superseded", "build_group",
+           "exit_process"]
 
 Watch = Callable[[], bool]
 """Called between wait slices; True: stop waiting, a newer configuration is due."""
@@ -285,6 +289,24 @@ class ManagedGroup:
         s = self.spec
         return (f"ManagedGroup(config {s.config_id}, rank {s.rank}/{s.world_size}, "
                 f"{self.backend}, {self.state})")
+
+
+def exit_process(code: int) -> NoReturn:
+    """End this process with ``code``, safely when it keeps stuck groups.
+
+    A stuck gloo group (a peer hung mid-operation) can be neither aborted nor destroyed
+    (DESIGN section 13): its destructor at interpreter exit blocks, or aborts the process
+    (``terminate called after throwing gloo::IoException``) once the hung peer's sockets close.
+    So with stuck groups this flushes the standard streams and logging and leaves with
+    ``os._exit``, skipping every destructor; without, it is ``sys.exit(code)``. Call it after
+    the groups that are healthy were closed and the agent stopped.
+    """
+    if _STUCK:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def stuck_groups() -> int:
