@@ -1,0 +1,54 @@
+"""benchmarks.vs_restart: Young's interval, the baseline's checkpoints, and one short run of the
+whole comparison (20 steps, one SIGKILL at step 7)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.restart_worker import latest_checkpoint, save_checkpoint
+from benchmarks.vs_restart import young_interval_s, young_k_steps
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_young_interval() -> None:
+    assert young_interval_s(0.5, 100.0) == 10.0  # sqrt(2 * 0.5 * 100)
+    assert young_k_steps(0.5, 100.0, 0.25) == 40
+    assert young_k_steps(0.001, 1.0, 10.0) == 1  # never below one step
+
+
+def test_checkpoints_atomic_and_two_kept(tmp_path: Path) -> None:
+    assert latest_checkpoint(tmp_path) is None
+    for step in (5, 10, 15):
+        save_checkpoint(tmp_path, {"step": step, "w": torch.full((3,), float(step))})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000010.pt",
+                                                          "step-00000015.pt"]
+    latest = latest_checkpoint(tmp_path)
+    assert latest is not None and torch.load(latest)["step"] == 15
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_short_comparison() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.vs_restart", "--json", "--steps", "20",
+         "--faults", "kill@7:grad:rank=1"],
+        cwd=REPO, capture_output=True, timeout=850, check=False)
+    assert proc.returncode == 0, proc.stderr.decode()[-3000:]
+    out = json.loads(proc.stdout)
+    tp, tr, ft = out["torchpass_p2p"], out["torchrun"], out["torchft"]
+    assert tp["steps_lost"] == 0 and tp["restarts"] == 0
+    assert tp["final_weights_equal_fault_free"] is True
+    assert tr["completed"] and tr["restarts"] == 1
+    assert tr["faults"][0]["resume_step"] <= 7
+    # the same loop, arithmetic and data under both launchers: the same bits without faults
+    assert out["fault_free_weights_equal_across_methods"] is True
+    assert out["young"]["k_steps"] >= 1 and out["young"]["mtbf_s"] > 0
+    assert out["speedup_vs_torchrun"] > 0
+    assert ft["ran"] is False and ft["reason"] or ft["completed"]
