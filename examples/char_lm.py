@@ -29,10 +29,10 @@ from torch import nn
 
 import torchpass_p2p
 from torchpass_p2p.collective import exit_process
+from torchpass_p2p.launch.outcome import EXIT_REMOVED
 from torchpass_p2p.trainer import Removed, Trainer, step_generator
 
 VOCAB = 128
-REMOVED_EXIT = 3
 
 
 def corpus(max_bytes: int) -> torch.Tensor:
@@ -135,7 +135,7 @@ def main() -> int:
     except Removed as exc:
         print(f"member {me}: {exc}; exiting", file=sys.stderr, flush=True)
         agent.stop(leave=False, timeout_s=2.0)
-        return REMOVED_EXIT
+        return EXIT_REMOVED
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"final-{me}.json").write_text(json.dumps({

@@ -17,7 +17,14 @@ from torchpass_p2p.launch.keyfile import (
     remove_run_dir,
     write_key_file,
 )
-from torchpass_p2p.launch.outcome import ChildExit, Verdict, decide, describe_exit, exit_code
+from torchpass_p2p.launch.outcome import (
+    EXIT_REMOVED,
+    ChildExit,
+    Verdict,
+    decide,
+    describe_exit,
+    exit_code,
+)
 from torchpass_p2p.launch.plan import (
     ChildSpec,
     RunContext,
@@ -111,8 +118,10 @@ def test_decide() -> None:
 def test_exit_code() -> None:
     assert exit_code([]) == (1, "no process exited 0")
     assert exit_code([gone(1, 3), gone(2, 0), gone(3, -15, by_launcher=True)])[0] == 0
-    assert exit_code([gone(1, 0), gone(2, 3)]) == (
-        1, "0000000000000002 exited with 3 after the job completed")
+    assert exit_code([gone(1, 0), gone(2, 1)]) == (
+        1, "0000000000000002 exited with 1 after the job completed")
+    # A removed member (EXIT_REMOVED) that learns it only after the job completed is no failure.
+    assert exit_code([gone(1, 0), gone(2, EXIT_REMOVED)]) == (0, "job complete")
     assert exit_code([gone(1, 0)], stopped_by=15) == (143, "stopped by SIGTERM")
     assert describe_exit(-9) == "exited with signal SIGKILL" and describe_exit(2) == "exited with 2"
 

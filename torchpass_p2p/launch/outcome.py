@@ -14,7 +14,9 @@ replaced one (that is agreed among the agents, DESIGN section 5), so it reasons 
 - With no child left, the launcher is **done**.
 
 Exit code (:func:`exit_code`): 0 when some process exited 0 and no process failed after the
-first such exit, except processes the launcher itself signalled while shutting down; 128 + the
+first such exit, except processes the launcher itself signalled while shutting down and members
+that exit with :data:`EXIT_REMOVED` (the agreement removed them: a member paused past its lease
+may wake and learn it only after the others finished); 128 + the
 signal number when a signal stopped the launcher; 1 otherwise (every exit failed, or a failure
 after completion). Known limitation: a rank drained on purpose that exits 0 while roles are
 known makes the launcher believe its rank is finished; if every starting rank leaves that way,
@@ -31,7 +33,11 @@ from enum import StrEnum
 
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
-__all__ = ["ChildExit", "Verdict", "decide", "describe_exit", "exit_code"]
+__all__ = ["EXIT_REMOVED", "ChildExit", "Verdict", "decide", "describe_exit", "exit_code"]
+
+EXIT_REMOVED = 3
+"""What a member's script exits with once a decided configuration removed it
+(:class:`torchpass_p2p.trainer.Removed`): it may come back only as a new spare."""
 
 
 class Verdict(StrEnum):
@@ -98,7 +104,7 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None) -> t
     if first is None:
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
-        if e.returncode != 0 and not e.by_launcher:
+        if e.returncode not in (0, EXIT_REMOVED) and not e.by_launcher:
             return 1, (f"{format_member_id(e.member_id)} {describe_exit(e.returncode)} after "
                        "the job completed")
     return 0, "job complete"
