@@ -58,7 +58,9 @@ def main() -> int:
     bursts = os.environ.get("MP_GIL_BURSTS")
     agent = torchpass_p2p.start()
     log(path, event="started", role=agent.role, rank=agent.rank, status=agent.status_address,
-        address=agent.address)
+        address=agent.address, members=len(agent.configuration.members),
+        env={k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                             "LOCAL_WORLD_SIZE")})
     if bursts:
         low, high, duty = (float(x) for x in bursts.split(","))
         threading.Thread(target=hold_gil_in_bursts, args=(low, high, duty, agent.member_id),

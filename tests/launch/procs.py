@@ -98,3 +98,29 @@ def gone(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except FileNotFoundError:
         return True
+
+
+def free_ports_block(count: int, hosts: Sequence[str]) -> int:
+    """A base port ``p`` such that ``p .. p + count - 1`` are free for UDP and TCP on every
+    host of ``hosts`` right now (a launcher with ``--base-port`` binds exactly those)."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000)
+        held = []
+        try:
+            for host in hosts:
+                for port in range(base, base + count):
+                    for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+                        s = socket.socket(socket.AF_INET, kind)
+                        held.append(s)
+                        s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise OSError("no free block of ports")

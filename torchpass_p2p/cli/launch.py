@@ -64,6 +64,15 @@ def add_parser(
     p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S, metavar="SECONDS",
                    help="time between SIGTERM and SIGKILL, and for processes still finishing "
                         f"after the job completed (default: {DEFAULT_GRACE_S:g})")
+    p.add_argument("--nodes", type=_nodes, default=(), metavar="HOST,HOST,...",
+                   help="a job over several hosts: every host's address, the same list on "
+                        "every host; each host's launcher derives the same configuration 0 "
+                        "(needs --node-rank, --run-id, --base-port and a shared --key-file)")
+    p.add_argument("--node-rank", type=int, default=0, metavar="I",
+                   help="this host's position in --nodes (default: 0)")
+    p.add_argument("--run-id", default="", metavar="ID",
+                   help="a name for this run, the same on every host (member ids derive from "
+                        "it and the key, so use a new one for each run)")
     p.add_argument("script", metavar="SCRIPT", help="the Python training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments for the script")
@@ -77,7 +86,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         options = LaunchOptions(
             script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
-            spares=args.spares, host=args.host, base_port=args.base_port, seeds=args.seeds,
+            spares=args.spares, base_port=args.base_port, seeds=args.seeds,
+            host=args.nodes[args.node_rank] if 0 <= args.node_rank < len(args.nodes)
+            else args.host,
+            nodes=args.nodes, node_rank=args.node_rank, run_id=args.run_id,
             topology=args.topology, key_file=args.key_file, profile=args.config,
             cluster=args.cluster, respawn=args.respawn, max_respawns=args.max_respawns,
             grace_s=args.grace)
@@ -85,6 +97,13 @@ def run(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         log.error("error: %s", exc)
         return 2
+
+
+def _nodes(text: str) -> tuple[str, ...]:
+    nodes = tuple(n.strip() for n in text.split(",") if n.strip())
+    if not nodes:
+        raise argparse.ArgumentTypeError("--nodes: at least one host address")
+    return nodes
 
 
 def _seeds(text: str) -> tuple[Address, ...]:

@@ -16,11 +16,12 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    child itself is reaped, so its orphans never outlive it.
 5. *Cleanup.* The run directory is removed; the exit code comes from :func:`.outcome.exit_code`.
 
-Several hosts: run the launcher on every host with ``seeds`` naming members on another host; its
-children then join as spares (no configuration 0 is written). Limitation: only hosts that start
-from one launcher's configuration 0 hold ranks at start; a joined host's processes take ranks
-only as replacements. Deriving one configuration 0 on every host from a shared hosts file is
-not implemented.
+Several hosts: run the launcher on every host with the same ``--nodes`` list (every host's
+address), ``--run-id``, ``--base-port`` and key file, and each host's ``--node-rank``: every
+launcher derives the same configuration 0 (:func:`.plan.nodes_configuration`: member ids are
+keyed hashes of run id, node and index) and starts its own host's part, without a rendezvous
+host. To add hosts to a running job, run the launcher there with ``--seeds`` naming members of
+the job: its children join as spares.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import socket
 import stat
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -63,6 +64,7 @@ from .plan import (
     configuration_zero,
     initial_children,
     new_member_ids,
+    nodes_configuration,
 )
 from .ports import free_ports
 
@@ -93,6 +95,8 @@ class LaunchOptions:
     ``base_port``: process ``i`` binds ``base_port + i`` (respawns continue the count); ``None``
     picks free ports. ``seeds``: join through these members instead of writing configuration 0.
     ``topology``: ``None`` is this host's name with no domain. ``grace_s`` in seconds.
+    ``nodes``: every host's address, the same list on every host, for a job over several hosts
+    (this one is ``nodes[node_rank]``; needs ``base_port``, a shared ``key_file`` and ``run_id``).
     """
 
     script: str
@@ -109,6 +113,9 @@ class LaunchOptions:
     respawn: bool = False
     max_respawns: int = DEFAULT_MAX_RESPAWNS
     grace_s: float = DEFAULT_GRACE_S
+    nodes: tuple[str, ...] = ()
+    node_rank: int = 0
+    run_id: str = ""
     python: str = field(default=sys.executable)
 
     def __post_init__(self) -> None:
@@ -121,6 +128,16 @@ class LaunchOptions:
         last = (self.base_port or 1) + self.nproc + self.spares + self.max_respawns
         if self.base_port is not None and not (0 < self.base_port and last <= 65536):
             raise LaunchError("--base-port: every process's port must be in 1..65535")
+        if self.nodes:
+            if self.seeds:
+                raise LaunchError("--nodes and --seeds exclude each other")
+            if not 0 <= self.node_rank < len(self.nodes):
+                raise LaunchError(f"--node-rank must be in 0..{len(self.nodes) - 1}")
+            if self.host != self.nodes[self.node_rank]:
+                raise LaunchError("--host must be this host's entry in --nodes")
+            if self.base_port is None or not self.run_id or self.key_file is None:
+                raise LaunchError("--nodes needs --base-port, --run-id and --key-file, the "
+                                  "same on every host")
 
     @property
     def joining(self) -> bool:
@@ -239,6 +256,8 @@ class _Supervisor:
             status = free_ports(total, "127.0.0.1", udp=False, avoid=ports)
         except OSError as exc:
             raise LaunchError(f"ports on {o.host}: {exc}") from exc
+        if o.nodes:
+            return self._plan_nodes(params, profile, status)
         specs = initial_children(new_member_ids(total), o.host, ports, status, o.nproc,
                                  joining=o.joining)
         configuration = None
@@ -251,6 +270,30 @@ class _Supervisor:
         run = RunContext(o.cluster, self.key_file, str(self.run_dir), topology, o.nproc,
                          configuration=configuration, profile=profile)
         return run, specs
+
+    def _plan_nodes(self, params: Params, profile: str | None,
+                    status: list[int]) -> tuple[RunContext, list[ChildSpec]]:
+        """This host's part of a job over ``--nodes``: configuration 0 as every launcher
+        computes it, and the processes of node ``--node-rank``."""
+        o = self.options
+        assert o.base_port is not None
+        try:
+            config, per_node = nodes_configuration(
+                read_primary_key(self.key_file), o.run_id, o.nodes, nproc=o.nproc,
+                spares=o.spares, base_port=o.base_port, observers=params.observers)
+        except (ValueError, OSError, KeyFileError) as exc:
+            raise LaunchError(f"--nodes: {exc}") from exc
+        configuration = str(self.run_dir / CONFIGURATION_FILE)
+        write_configuration(configuration, config)
+        log.info("configuration 0: %d rank(s), %d spare(s) on %d host(s); this is host %d (%s)",
+                 config.world_size, len(config.spares), len(o.nodes), o.node_rank,
+                 o.nodes[o.node_rank])
+        mine = [replace(spec, status_port=port)
+                for spec, port in zip(per_node[o.node_rank], status, strict=True)]
+        run = RunContext(o.cluster, self.key_file, str(self.run_dir),
+                         Topology(o.nodes[o.node_rank]), config.world_size,
+                         configuration=configuration, profile=profile, local_world_size=o.nproc)
+        return run, mine
 
     async def _start(self, spec: ChildSpec, env: Mapping[str, str]) -> None:
         argv = [self.options.python, self.options.script, *self.options.script_args]

@@ -9,6 +9,7 @@ gets ``TORCHPASS_SEEDS`` and no ``TORCHPASS_CONFIGURATION`` (``AgentSettings.joi
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ __all__ = [
     "format_topology",
     "initial_children",
     "new_member_ids",
+    "node_member_id",
+    "nodes_configuration",
     "parse_topology",
 ]
 
@@ -53,6 +56,8 @@ class ChildSpec:
     rank: int | None
     bind: Address
     status_port: int
+    local_rank: int | None = None
+    """The rank among this host's ranks (``LOCAL_RANK``); None: ``rank`` (one host)."""
 
     @property
     def name(self) -> str:
@@ -77,6 +82,8 @@ class RunContext:
     world_size: int
     configuration: str | None = None
     profile: str | None = None
+    local_world_size: int | None = None
+    """Ranks on this host (``LOCAL_WORLD_SIZE``); None: ``world_size`` (one host)."""
 
 
 def new_member_ids(
@@ -120,6 +127,50 @@ def initial_children(
         out.append(ChildSpec(member, "rank" if is_rank else "spare", i if is_rank else None,
                              (host, port), status))
     return out
+
+
+def node_member_id(key: bytes, run_id: str, node: int, index: int) -> MemberId:
+    """The member id of process ``index`` on node ``node`` of run ``run_id``: keyed BLAKE2b-64
+    of the three, so that every host's launcher derives every member's id without talking to
+    the others, only holders of the cluster key can, and another run id never reuses one."""
+    data = f"{run_id}\0{node}\0{index}".encode()
+    digest = hashlib.blake2b(data, key=key, digest_size=8, person=b"torchpass-node")
+    return int.from_bytes(digest.digest(), "big")
+
+
+def nodes_configuration(
+    key: bytes, run_id: str, nodes: Sequence[str], *, nproc: int, spares: int, base_port: int,
+    observers: int = 10,
+) -> tuple[Configuration, list[list[ChildSpec]]]:
+    """Configuration 0 of a job over several hosts, and each host's processes, computed alike
+    by every host's launcher from the same arguments (no rendezvous host).
+
+    Host ``n`` (``nodes[n]``, its address) runs ``nproc`` ranks, global ranks ``n * nproc ..
+    (n + 1) * nproc - 1``, then ``spares`` spares, process ``i`` on port ``base_port + i``.
+    Every member's topology host label is its node's address. Status ports are 0 here: each
+    launcher picks its own.
+
+    Raises ``ValueError`` for no node, a duplicate node, or two members with one id.
+    """
+    if not nodes or len(set(nodes)) != len(nodes):
+        raise ValueError("nodes: one distinct address per host")
+    per_node: list[list[ChildSpec]] = []
+    for n, host in enumerate(nodes):
+        specs = []
+        for i in range(nproc + spares):
+            member = node_member_id(key, run_id, n, i)
+            is_rank = i < nproc
+            specs.append(ChildSpec(member, "rank" if is_rank else "spare",
+                                   n * nproc + i if is_rank else None, (host, base_port + i), 0,
+                                   local_rank=i if is_rank else None))
+        per_node.append(specs)
+    everyone = [c for specs in per_node for c in specs]
+    ranks = sorted((c for c in everyone if c.rank is not None), key=lambda c: c.rank or 0)
+    config = Configuration(
+        0, [c.member_id for c in ranks], [c.member_id for c in everyone if c.rank is None],
+        {c.member_id: c.bind for c in everyone}, observers=observers,
+        topology={c.member_id: Topology(c.bind[0]) for c in everyone})
+    return config, per_node
 
 
 def configuration_zero(
@@ -181,8 +232,9 @@ def child_environment(
         env.update({
             "RANK": str(spec.rank),
             "WORLD_SIZE": str(run.world_size),
-            "LOCAL_RANK": str(spec.rank),
-            "LOCAL_WORLD_SIZE": str(run.world_size),
+            "LOCAL_RANK": str(spec.rank if spec.local_rank is None else spec.local_rank),
+            "LOCAL_WORLD_SIZE": str(run.world_size if run.local_world_size is None
+                                    else run.local_world_size),
         })
     return env
 
