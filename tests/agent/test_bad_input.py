@@ -66,7 +66,7 @@ async def test_garbage_on_both_ports_is_dropped_counted_and_changes_nothing():
         address = target.address
         rogue = Keyring(bytes(range(32)))
         forged = Sealer("torchpass", rogue, 2).seal(encode(Ping(1, ())), 0)
-        genuine = Sealer("torchpass", cluster.keyring, 77).seal(encode(Ping(9, ())), 0)
+        genuine = Sealer("torchpass", cluster.keyring, 77).seal(encode(Ping(9, ())), 0, to=1)
         udp_send(address, [
             bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 1400))) for _ in range(50)])
         udp_send(address, [b"", b"\x01", genuine[:20], b"x" * 1500, forged, genuine, genuine])

@@ -42,8 +42,8 @@ async def test_small_messages_go_by_udp_and_oversized_ones_by_one_tcp_frame():
     a, b, got, errors = await pair(Keyring(secrets.token_bytes(32)))
     try:
         vote = largest_vote()
-        b.send(a.address, Ping(7, ()), 0)
-        b.send(a.address, vote, 0)
+        b.send(a.address, Ping(7, ()), 0, 1)
+        b.send(a.address, vote, 0, 1)
         async with asyncio.timeout(5):
             while len(got) < 2:
                 await asyncio.sleep(0.01)
@@ -65,3 +65,26 @@ async def test_a_request_gets_its_reply_on_the_same_connection():
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_datagram_replayed_to_another_member_does_not_open_there():
+    keyring = Keyring(secrets.token_bytes(32))
+    a, b, got, _ = await pair(keyring)
+    c = Transport("t", keyring, 3, on_message=got.append, on_send_error=print,
+                  on_request=lambda k, body: None)
+    await c.start(("127.0.0.1", 0))
+    try:
+        from torchpass_p2p.core.wire import Wire
+        datagram = Wire("t", keyring, 2).seal(Ping(5, ()), 0, to=1)  # from 2, for member 1
+        import socket
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.sendto(datagram, c.address)  # replayed to member 3
+            s.sendto(datagram, a.address)  # and to its receiver
+        async with asyncio.timeout(5):
+            while not got or c.rejected.total() < 1:
+                await asyncio.sleep(0.01)
+        assert [(r.sender, r.message) for r in got] == [(2, Ping(5, ()))]
+        assert c.rejected == {"auth_failed": 1}
+    finally:
+        for t in (a, b, c):
+            await t.close()

@@ -299,3 +299,19 @@ def test_derived_keyrings_differ_from_the_cluster_key_and_agree_between_holders(
     sealed = Sealer("c", ring, 1).seal(b"body", 0)
     with pytest.raises(OpenError):
         Opener("c", stream, 2).open(sealed)
+
+
+def test_a_receiver_bound_datagram_opens_only_at_its_receiver():
+    ring = Keyring(bytes(range(32)))
+    sealed = Sealer("c", ring, 1).seal(b"body", 0, to=2)
+    assert Opener("c", ring, 2, bind_receiver=True).open(sealed) == (1, 0, b"body")
+    with pytest.raises(OpenError) as other:
+        Opener("c", ring, 3, bind_receiver=True).open(sealed)
+    assert other.value.reason == "auth_failed"
+    with pytest.raises(OpenError):  # nor at a receiver that does not expect a binding
+        Opener("c", ring, 2).open(sealed)
+    unbound = Sealer("c", ring, 1).seal(b"body", 0)
+    with pytest.raises(OpenError):  # and a bound receiver refuses unbound datagrams
+        Opener("c", ring, 2, bind_receiver=True).open(unbound)
+    with pytest.raises(ValueError):
+        Opener("c", ring, None, bind_receiver=True)

@@ -26,7 +26,7 @@ import msgpack
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.configuration import Address, Configuration
 from torchpass_p2p.core.membership import Member
-from torchpass_p2p.core.messages import Joiner, MemberId, MemberState, format_member_id
+from torchpass_p2p.core.messages import Join, Joiner, MemberId, MemberState, format_member_id
 from torchpass_p2p.core.plan import Plan
 
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
@@ -39,6 +39,8 @@ __all__ = ["AgentRuntime", "Change", "Phase"]
 log = logging.getLogger("torchpass_p2p.agent")
 events_log = logging.getLogger("torchpass_p2p.events")
 
+MAX_JOINER_ADDRESSES = 1024
+"""Joiners' addresses kept (oldest dropped first): far above the joins one change admits."""
 RECENT_EVENTS = 64
 """Events kept for ``/status``."""
 
@@ -96,7 +98,13 @@ class AgentRuntime:
         self.address: Address | None = None
         self.status_address: Address | None = None
         self.http_token = http_token(settings.keyring)
-        self._peer_addresses: dict[MemberId, Address] = {}
+        self._former_addresses: dict[MemberId, Address] = {}
+        """Where members that a decided change removed were: a removed member that wakes up
+        (a long pause) must still hear the certificates that tell it so."""
+        self._seen_configuration: Configuration | None = None
+        self._joiner_addresses: dict[MemberId, Address] = {}
+        """Where processes asking to join are: from their authenticated Join messages, never
+        from a datagram's source address (a replayed datagram would move a member)."""
         self.services: dict[tuple[str, int], int] = {}
         """(name, config_id) -> port this process serves it on (:meth:`register_service`)."""
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
@@ -143,6 +151,7 @@ class AgentRuntime:
             joiner = Joiner(s.member_id, self.address[0], self.address[1], s.topology)
             self.member = Member(s.member_id, config, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy, joining=joiner, seeds=seeds)
+        self._seen_configuration = self.member.configuration
         self._start_metrics()
         if s.status is not None:
             await self._start_status(s.status)
@@ -362,11 +371,12 @@ class AgentRuntime:
             addresses = member.configuration.addresses
             incarnation = member.incarnation
             for dest, message in out:
-                address = self._peer_addresses.get(dest) or addresses.get(dest)
+                address = (addresses.get(dest) or self._former_addresses.get(dest)
+                           or self._joiner_addresses.get(dest))
                 if address is None:
                     self.transport.traffic["dropped_no_address"] += 1
                     continue
-                self.transport.send(address, message, incarnation)
+                self.transport.send(address, message, incarnation, dest)
         while (event := member.next_event()) is not None:
             self._on_event(event)
         self._wake.set()
@@ -375,8 +385,13 @@ class AgentRuntime:
         member = self.member
         if member is None or self.stopped:
             return
-        # Where an authenticated sender really is: joiners are in no configuration yet.
-        self._peer_addresses[received.sender] = received.address
+        message = received.message
+        if type(message) is Join and message.joiner.member not in member.configuration:
+            # A joiner is in no configuration yet: its own Join says where it listens.
+            joiners = self._joiner_addresses
+            if len(joiners) >= MAX_JOINER_ADDRESSES:
+                joiners.pop(next(iter(joiners)))
+            joiners[message.joiner.member] = (message.joiner.host, message.joiner.port)
         member.receive(self._clock(), received.sender, received.message)
         self._flush()
 
@@ -422,7 +437,7 @@ class AgentRuntime:
             TransportError: no answer within ``timeout_s`` seconds, or ``member`` has no
                 known address.
         """
-        address = self._peer_addresses.get(member) or self.configuration.addresses.get(member)
+        address = self.configuration.addresses.get(member) or self._joiner_addresses.get(member)
         if address is None:
             raise TransportError(f"no address for member {member:016x}")
         if member == self.member_id:
@@ -445,13 +460,13 @@ class AgentRuntime:
             await asyncio.sleep(0.05)
 
     def _member_at(self, address: Address) -> MemberId | None:
-        for member, addr in self._peer_addresses.items():
-            if addr == address:
-                return member
         if self.member is not None:
             for member, addr in self.member.configuration.addresses.items():
                 if addr == address:
                     return member
+        for member, addr in self._joiner_addresses.items():
+            if addr == address:
+                return member
         return None
 
     # ------------------------------------------------------------------ events
@@ -469,6 +484,7 @@ class AgentRuntime:
             subject = event.member if isinstance(event, ev.MemberSuspected) else event.subject
             self._accused_at.setdefault(subject, event.at)
         elif isinstance(event, ev.ConfigurationDecided):
+            self._remember_former(event.configuration)
             self._decided[event.configuration.config_id] = event
             self.decided_at[event.configuration.config_id] = event.at
             if self.metrics is not None:
@@ -485,6 +501,17 @@ class AgentRuntime:
                 self._changes.append(change)
                 for listener in list(self._listeners):
                     listener(change)
+
+    def _remember_former(self, new: Configuration) -> None:
+        old, self._seen_configuration = self._seen_configuration, new
+        if old is None:
+            return
+        former = self._former_addresses
+        for member, address in old.addresses.items():
+            if member not in new:
+                former[member] = address
+        while len(former) > MAX_JOINER_ADDRESSES:
+            former.pop(next(iter(former)))
 
     # ------------------------------------------------------------------ health and hangs
 
@@ -578,7 +605,10 @@ def _describe(event: ev.Event) -> str:
             value = f"config {value.config_id} ({value.world_size} ranks, " \
                     f"{len(value.spares)} spares)"
         elif isinstance(value, Plan):
-            value = (f"plan {value.config_id}: assignments {list(value.assignments)}, "
+            assigned = ", ".join(f"rank {r} -> {format_member_id(m)}"
+                                 for r, m in value.assignments)
+            removed = ", ".join(format_member_id(m) for m in value.removed)
+            value = (f"plan {value.config_id}: removed [{removed}], assignments [{assigned}], "
                      f"resume {value.resume_step}")
         elif isinstance(value, int) and name in ("member", "observer", "subject", "confirmer"):
             value = format_member_id(value)

@@ -104,7 +104,8 @@ class Transport:
         max_datagram_bytes: int = DEFAULT_MAX_DATAGRAM_BYTES,
     ) -> None:
         self.member_id = member_id
-        self._wire = Wire(cluster, keyring, member_id, max_datagram_bytes)
+        # Datagrams are bound to their receiver: a copy replayed to another member fails there.
+        self._wire = Wire(cluster, keyring, member_id, max_datagram_bytes, bind_receiver=True)
         stream_keys = keyring.derive(STREAM_LABEL)
         self._stream_sealer = Sealer(cluster, stream_keys, member_id)
         self._stream_opener = Opener(cluster, stream_keys, member_id)
@@ -182,8 +183,9 @@ class Transport:
 
     # ------------------------------------------------------------------ sending
 
-    def send(self, address: Address, message: Message, incarnation: int) -> None:
-        """Seal ``message`` and send it to ``address``: UDP if it fits, else a TCP frame.
+    def send(self, address: Address, message: Message, incarnation: int, to: MemberId) -> None:
+        """Seal ``message`` for member ``to`` and send it to ``address``: UDP if it fits (bound
+        to ``to``), else a TCP frame.
 
         Never raises for a peer's sake: an unsendable message is counted (``dropped_invalid``)
         and a failing socket is reported through ``on_send_error``.
@@ -191,7 +193,7 @@ class Transport:
         if self._udp is None or self._udp.is_closing():
             return
         try:
-            datagram = self._wire.seal(message, incarnation)
+            datagram = self._wire.seal(message, incarnation, to)
         except ValueError:
             self._send_frame_message(address, message, incarnation)
             return

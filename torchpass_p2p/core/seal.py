@@ -65,6 +65,7 @@ ids. About 350 bytes an entry (measured): 46 MB at the bound. An evicted sender'
 restarts empty: its datagrams from before the eviction would be accepted once more."""
 
 _NONCE = struct.Struct(">QI")
+_U64 = struct.Struct(">Q")
 _KEY_ID_PERSON = b"torchpass-keyid"
 
 
@@ -177,8 +178,13 @@ class Sealer:
         self.counter = 0
         self._incarnation = 0
 
-    def seal(self, body: bytes, incarnation: int) -> bytes:
+    def seal(self, body: bytes, incarnation: int, to: int | None = None) -> bytes:
         """The datagram carrying ``body``: ``OVERHEAD_BYTES`` (34) longer than ``body``.
+
+        ``to``: the receiver's member id, bound into the associated data (not sent), for a
+        receiver whose :class:`Opener` has ``bind_receiver``: then a copy replayed to another
+        member fails authentication there (each receiver keeps its own replay window, so a
+        counter one member saw is new to the next).
 
         Raises ``OverflowError`` once 2**32 datagrams were sealed (restart with a new member
         id), ``ValueError`` if ``incarnation`` is not a uint32 or is below an earlier one (the
@@ -195,7 +201,8 @@ class Sealer:
         header = HEADER.pack(VERSION, kid, self.sender, incarnation, counter)
         self.counter = counter + 1
         sealed = keyring.cipher(kid).encrypt(  # type: ignore[union-attr]
-            _NONCE.pack(self.sender, counter), body, self._ad_prefix + header
+            _NONCE.pack(self.sender, counter), body,
+            self._ad_prefix + header if to is None else self._ad_prefix + header + _U64.pack(to)
         )
         return header + sealed
 
@@ -266,10 +273,11 @@ class Opener:
     """Opens datagrams sealed by any member of ``cluster`` under a key ``keyring`` accepts.
 
     ``local_member``, if given, is this process's own id: datagrams claiming it as sender are
-    dropped (``from_self``: a reflected datagram of ours).
+    dropped (``from_self``: a reflected datagram of ours). With ``bind_receiver`` only datagrams
+    sealed ``to`` this member open (:meth:`Sealer.seal`); it needs ``local_member``.
     """
 
-    __slots__ = ("_ad_prefix", "_keyring", "_local", "window")
+    __slots__ = ("_ad_prefix", "_keyring", "_local", "_ad_suffix", "window")
 
     def __init__(
         self,
@@ -277,10 +285,15 @@ class Opener:
         keyring: Keyring,
         local_member: int | None = None,
         max_senders: int = DEFAULT_MAX_SENDERS,
+        *,
+        bind_receiver: bool = False,
     ) -> None:
+        if bind_receiver and local_member is None:
+            raise ValueError("bind_receiver needs local_member")
         self._ad_prefix = cluster.encode("utf-8")
         self._keyring = keyring
         self._local = local_member
+        self._ad_suffix = _U64.pack(local_member) if bind_receiver else b""
         self.window = ReplayWindow(max_senders)
 
     def open(self, data: bytes) -> tuple[int, int, bytes]:
@@ -308,7 +321,8 @@ class Opener:
         header = data[:HEADER_BYTES]
         try:
             body = cipher.decrypt(
-                _NONCE.pack(sender, counter), data[HEADER_BYTES:], self._ad_prefix + header
+                _NONCE.pack(sender, counter), data[HEADER_BYTES:],
+                self._ad_prefix + header + self._ad_suffix
             )
         except InvalidTag:
             raise OpenError("auth_failed") from None

@@ -96,6 +96,9 @@ class Wire:
     * ``accepted``: number of datagrams ``open`` returned.
     * ``seal_count``: number of datagrams ``seal`` produced (also the next counter).
 
+    ``bind_receiver``: open only datagrams sealed ``to`` this member (a live agent's setting;
+    the simulator, which nobody replays into, leaves it off).
+
     Raises ``ValueError`` on construction for an empty cluster name, a member id that is not a
     uint64, or ``max_datagram_bytes`` outside 35..65,507.
     """
@@ -118,6 +121,7 @@ class Wire:
         max_datagram_bytes: int = DEFAULT_MAX_DATAGRAM_BYTES,
         *,
         max_senders: int = DEFAULT_MAX_SENDERS,
+        bind_receiver: bool = False,
     ) -> None:
         _check_common(cluster, member_id, max_datagram_bytes)
         self.cluster = cluster
@@ -126,16 +130,18 @@ class Wire:
         self.rejected: Counter[str] = Counter()
         self.accepted = 0
         self._sealer = Sealer(cluster, keyring, member_id)
-        self._opener = Opener(cluster, keyring, member_id, max_senders)
+        self._opener = Opener(cluster, keyring, member_id, max_senders,
+                              bind_receiver=bind_receiver)
 
     @property
     def seal_count(self) -> int:
         """Datagrams sealed so far (the next datagram's counter)."""
         return self._sealer.counter
 
-    def seal(self, message: Message, incarnation: int) -> bytes:
+    def seal(self, message: Message, incarnation: int, to: int | None = None) -> bytes:
         """The datagram (bytes, ``len(encode(message)) + 34``) carrying ``message`` from this
-        member at ``incarnation``.
+        member at ``incarnation``; ``to`` binds it to its receiver (receivers built with
+        ``bind_receiver`` need it, see :meth:`.seal.Sealer.seal`).
 
         Raises ``ValueError`` if the message is invalid (:func:`.codec.encode`), the datagram
         would exceed ``max_datagram_bytes``, or ``incarnation`` is below an earlier one;
@@ -147,7 +153,7 @@ class Wire:
                 f"{type(message).__name__} of {len(body) + OVERHEAD_BYTES} bytes exceeds "
                 f"max_datagram_bytes={self.max_datagram_bytes}: send fewer updates"
             )
-        return self._sealer.seal(body, incarnation)
+        return self._sealer.seal(body, incarnation, to)
 
     def open(self, data: bytes) -> Opened | None:
         """The message in datagram ``data``, or ``None`` (counted in ``rejected``). Never
