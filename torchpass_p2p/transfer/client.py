@@ -51,7 +51,7 @@ megabytes per second; 10 s is well below the minutes a stuck collective would co
 CONNECT_TIMEOUT_S = 5.0
 """Connect, handshake and manifest, per source."""
 WINDOW_CHUNKS = 4
-"""Chunk requests outstanding per source (4 x 8 MiB = 32 MiB): enough to keep a loopback or
+"""Chunk requests outstanding per source (4 x 16 MiB = 64 MiB): enough to keep a loopback or
 LAN pipe full across the request round trip."""
 DEFAULT_MAX_STATE_BYTES = 1 << 40
 """1 TiB: refuse manifests claiming more (a bound, not a real model size)."""
