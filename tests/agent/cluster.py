@@ -1,8 +1,8 @@
 """A cluster of live agents on loopback, all on the test's event loop.
 
 Every agent has real UDP and TCP sockets and the real sealing; only the process is shared.
-Ports are reserved by binding both protocols and releasing them just before the agents bind:
-configuration 0 must name every address before any agent starts.
+Ports are found free for both protocols (the launcher's ``free_ports``) and released just before
+the agents bind: configuration 0 must name every address before any agent starts.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
-import socket
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -19,29 +18,9 @@ from torchpass_p2p.agent.settings import AgentSettings
 from torchpass_p2p.core.configuration import Configuration
 from torchpass_p2p.core.params import Params
 from torchpass_p2p.core.seal import Keyring
+from torchpass_p2p.launch.ports import free_ports
 
 HOST = "127.0.0.1"
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free for both UDP and TCP on loopback right now."""
-    held, ports = [], []
-    while len(ports) < count:
-        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        udp.bind((HOST, 0))
-        port = udp.getsockname()[1]
-        tcp = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            tcp.bind((HOST, port))
-        except OSError:
-            udp.close()
-            tcp.close()
-            continue
-        held += [udp, tcp]
-        ports.append(port)
-    for s in held:
-        s.close()
-    return ports
 
 
 class LocalCluster:
@@ -50,7 +29,7 @@ class LocalCluster:
     def __init__(self, ranks: int, spares: int, *, params: Params | None = None,
                  seed: int = 0, status: bool = False) -> None:
         ids = list(range(1, ranks + spares + 1))
-        ports = free_ports(len(ids))
+        ports = free_ports(len(ids), HOST)
         self.key = secrets.token_bytes(32)
         self.keyring = Keyring(self.key)
         self.configuration = Configuration(
