@@ -43,7 +43,8 @@ from torchpass_p2p.core.seal import KEY_BYTES, Keyring
 
 from .bootstrap import read_configuration
 
-__all__ = ["AgentSettings", "SettingsError", "load_settings", "parse_address", "read_keyring"]
+__all__ = ["AgentSettings", "SettingsError", "load_settings", "parse_address", "parse_key",
+           "read_keyring", "read_keys"]
 
 ENV_PREFIX = "TORCHPASS_"
 
@@ -131,17 +132,29 @@ def load_settings(
         raise SettingsError(str(exc)) from exc
 
 
+def read_keys(path: str | PathLike[str]) -> list[bytes]:
+    """The keys of a key file: 64 hex digits per line, the primary first; blank lines and
+    ``#`` comments skipped. The one reader of the format (the launcher uses it too).
+
+    Raises:
+        SettingsError: no key, or a line that is not 64 hex digits.
+        OSError: the file cannot be read.
+    """
+    with open(path, encoding="ascii", errors="replace") as f:
+        lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    keys = [parse_key(line, str(path)) for line in lines]
+    if not keys:
+        raise SettingsError(f"{path}: no key")
+    return keys
+
+
 def read_keyring(path: str | PathLike[str]) -> Keyring:
-    """A keyring from a file of 64-hex-digit keys, one per line, the primary first.
+    """A keyring from a key file (:func:`read_keys`), the primary first.
 
     Raises:
         SettingsError: no key, or a line that is not 64 hex digits.
     """
-    with open(path, encoding="ascii") as f:
-        lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
-    keys = [_hex_key(line, str(path)) for line in lines]
-    if not keys:
-        raise SettingsError(f"{path}: no key")
+    keys = read_keys(path)
     return Keyring(keys[0], keys[1:])
 
 
@@ -162,7 +175,12 @@ def with_member_id(settings: AgentSettings, member_id: MemberId) -> AgentSetting
     return replace(settings, member_id=member_id)
 
 
-def _hex_key(text: str, where: str) -> bytes:
+def parse_key(text: str, where: str) -> bytes:
+    """A 32-byte key from 64 hex digits.
+
+    Raises:
+        SettingsError: anything else (the message names ``where``).
+    """
     try:
         key = bytes.fromhex(text)
     except ValueError:
@@ -183,7 +201,7 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
     if (v := get("KEY_FILE")) is not None:
         out["key_file"] = v
     elif (v := get("KEY")) is not None:
-        out["key"] = _hex_key(v, ENV_PREFIX + "KEY")
+        out["key"] = parse_key(v, ENV_PREFIX + "KEY")
     if (v := get("MEMBER_ID")) is not None:
         try:
             out["member_id"] = int(v, 16)

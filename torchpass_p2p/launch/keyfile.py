@@ -16,6 +16,7 @@ from os import PathLike
 from pathlib import Path
 
 from torchpass_p2p.agent.http import http_token  # the token the agents' status pages check
+from torchpass_p2p.agent.settings import SettingsError, read_keys
 from torchpass_p2p.core.seal import KEY_BYTES
 
 __all__ = [
@@ -65,22 +66,13 @@ def write_key_file(path: str | PathLike[str], key: bytes | None = None) -> bytes
 
 
 def read_primary_key(path: str | PathLike[str]) -> bytes:
-    """The primary (first) key of a key file.
+    """The primary (first) key of a key file (the agents' reader, :func:`read_keys`).
 
     Raises:
-        KeyFileError: no key line, or a first key line that is not 64 hex digits.
+        KeyFileError: no key, or a key line that is not 64 hex digits.
         OSError: the file cannot be read.
     """
-    with open(path, encoding="ascii", errors="replace") as f:
-        for line in f:
-            text = line.strip()
-            if not text or text.startswith("#"):
-                continue
-            try:
-                key = bytes.fromhex(text)
-            except ValueError:
-                key = b""
-            if len(key) != KEY_BYTES:
-                raise KeyFileError(f"{path}: a key is {2 * KEY_BYTES} hex digits")
-            return key
-    raise KeyFileError(f"{path}: no key")
+    try:
+        return read_keys(path)[0]
+    except SettingsError as exc:
+        raise KeyFileError(str(exc)) from None

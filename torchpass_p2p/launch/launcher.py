@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from torchpass_p2p.agent.bootstrap import write_configuration
+from torchpass_p2p.agent.settings import SettingsError, parse_key
 from torchpass_p2p.config import ConfigError, load_params
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import Topology
@@ -454,7 +455,7 @@ def _host_label() -> str:
 
 def _hex_key(text: str) -> bytes:
     try:
-        return bytes.fromhex(text.strip())
-    except ValueError:
-        raise KeyFileError("TORCHPASS_KEY: 64 hex digits") from None
+        return parse_key(text.strip(), "TORCHPASS_KEY")
+    except SettingsError as exc:
+        raise KeyFileError(str(exc)) from None
 

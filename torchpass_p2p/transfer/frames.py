@@ -51,15 +51,16 @@ def encode_frame(op: str, **fields: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def _no_ext(code: int, data: bytes) -> Any:
-    raise ValueError("ext types are not allowed in frames")
+def no_ext(code: int, data: bytes) -> Any:
+    """msgpack ``ext_hook`` for peer data: extension types are refused (ValueError)."""
+    raise ValueError("ext types are not allowed in peer data")
 
 
 def decode_frame(body: bytes) -> dict[str, Any]:
     """Decode one frame body. Raises :class:`PeerError` ``bad_frame`` for anything but a
     msgpack map with a str ``op``."""
     try:
-        msg = msgpack.unpackb(body, raw=False, ext_hook=_no_ext, strict_map_key=True)
+        msg = msgpack.unpackb(body, raw=False, ext_hook=no_ext, strict_map_key=True)
     except Exception as e:
         raise PeerError("bad_frame", f"{type(e).__name__}") from None
     if type(msg) is not dict or type(msg.get("op")) is not str:

@@ -11,13 +11,13 @@ the others (e.g. Adam's moments before the spare's first step) are allocated.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import msgpack
 import torch
 
 from . import fingerprint as fp
 from .errors import PeerError
+from .frames import no_ext
 from .snapshot import DTYPES, Snapshot, TensorEntry, decode_tree
 
 VERSION = 1
@@ -92,8 +92,8 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     """Parse and validate untrusted manifest bytes. Raises :class:`PeerError`
     ``bad_manifest`` (or ``too_large`` for a state above ``max_state_bytes``)."""
     try:
-        m = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=_no_ext)
-        rows = msgpack.unpackb(m["table"], raw=False, strict_map_key=True, ext_hook=_no_ext)
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=no_ext)
+        rows = msgpack.unpackb(m["table"], raw=False, strict_map_key=True, ext_hook=no_ext)
     except Exception as e:
         raise _bad(type(e).__name__) from None
     if type(m) is not dict or m.get("v") != VERSION:
@@ -142,5 +142,3 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     return Manifest(step, algo, total, chunk, tuple(table), m["table"], tree, digests, fpr)
 
 
-def _no_ext(code: int, data: bytes) -> Any:
-    raise ValueError("ext types are not allowed here")
