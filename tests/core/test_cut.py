@@ -31,8 +31,15 @@ def test_convicted_and_left_members_are_stable() -> None:
 
 
 def test_fewer_than_l_alerts_are_noise_and_do_not_block() -> None:
+    assert 4 not in CONFIG.observers_of(9)
+    p = propose(gone=(4,), suspected={9: alerts(9, L - 1)})
+    assert p.cut == Cut(removed=(4,)) and p.unstable == ()
+
+
+def test_a_failed_observer_lifts_a_subject_out_of_the_noise_band() -> None:
+    assert 5 in CONFIG.observers_of(9)  # and 5 did not alert: it is dead
     p = propose(gone=(5,), suspected={9: alerts(9, L - 1)})
-    assert p.cut == Cut(removed=(5,)) and p.unstable == ()
+    assert (p.cut, p.unstable) == (None, (9,))
 
 
 def test_between_l_and_h_alerts_block_the_whole_proposal() -> None:
@@ -66,3 +73,20 @@ def test_a_cut_is_capped_and_the_rest_waits_for_the_next_change() -> None:
     p = propose(gone=range(1, 11), max_removed=4,
                 joiners=[Joiner(m, "h", 1) for m in range(60, 63)], max_joined=2)
     assert p.cut == Cut(removed=(1, 2, 3, 4), joined=(Joiner(60, "h", 1), Joiner(61, "h", 1)))
+
+
+def test_members_that_observe_each_other_and_fail_together_are_one_cut() -> None:
+    # Scenario S12 at its real size: 4 ranks and 2 spares give each subject 3 observers. 2 and
+    # 3 observe each other, so each dead one can collect only 2 of its 3 alerts, one fewer than
+    # L: without the other's implicit alert both would stay noise for ever.
+    small = Configuration(0, range(1, 5), range(5, 7))
+    assert small.observers_of(2) == (3, 5, 1) and small.observers_of(3) == (6, 2, 4)
+    suspected = {2: Suspected((5, 1), 8.0), 3: Suspected((6, 4), 8.0)}
+    p = propose_cut(small, gone=(), suspected=suspected, joiners=(), now=10.0, high=H, low=L,
+                    min_window_s=WINDOW, max_removed=32, max_joined=4)
+    assert p.cut == Cut(removed=(2, 3)) and p.reason == "remove 2, join 0"
+    # One alive member with a stray alert is still noise, not a removal.
+    lone = propose_cut(small, gone=(), suspected={2: Suspected((5,), 8.0)}, joiners=(),
+                       now=10.0, high=H, low=L, min_window_s=WINDOW, max_removed=32,
+                       max_joined=4)
+    assert (lone.cut, lone.unstable) == (None, ())

@@ -98,3 +98,25 @@ def test_s12_a_rank_and_its_first_state_source_die_within_100_ms(seed: int) -> N
     assert resume == {step_at_crash[0]}
     assert job.step > step_at_crash[0] + 20  # and training went on
     assert safety.violations == [] and checker.violations == []
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_s12_at_the_e2e_size_two_members_that_observe_each_other(seed: int) -> None:
+    """4 ranks + 2 spares (the end-to-end test's sizes): a subject has 2 to 4 observers, and the
+    two ranks that die at once observe each other, so neither can collect L explicit alerts,
+    and the survivors whose subjects both died hear acks only rarely. Both must still be
+    removed within 10 s, in one or two changes, and replaced by the two spares."""
+    cluster = Cluster(6, spares=2, seed=seed, link=LinkModel(loss=0.01), keep_events=False)
+    safety = SafetyChecker(cluster)
+    checker = InvariantChecker(cluster)
+    config = cluster.configuration
+    a, b = next((a, b) for i, a in enumerate(config.ranks) for b in config.ranks[i + 1:]
+                if a in config.observers_of(b) and b in config.observers_of(a))
+    for member in (a, b):
+        cluster.at(20.0, lambda sm=cluster.by_id[member]: cluster.crash(sm))
+    cluster.run(30.0)
+    assert 1 <= len(safety.configurations) - 1 <= 2
+    final = safety.configurations[max(safety.configurations)]
+    assert a not in final and b not in final
+    assert set(final.ranks) == (set(config.ranks) - {a, b}) | set(config.spares)
+    assert safety.violations == [] and checker.violations == []

@@ -6,9 +6,10 @@ alerts, :mod:`.membership`), left on its own, or when at least H observers alert
 shortest suspicion window has passed; it is *unstable* with L..H-1 alerts and no conviction yet;
 fewer than L alerts are noise. Rapid's implicit alerts count an observer that is itself stable or
 unstable as having alerted, so a subject whose observers failed with it (a whole host) still
-reaches H. Joiners are stable at once. A member proposes only while nothing is unstable, so
-failures that start together are decided as one cut; the caller also waits until the proposal has
-not changed for ``Params.cut_settle_s``.
+reaches H; here an accused observer counts too, towards L as well as H. Joiners are stable at
+once. A member proposes only while nothing is unstable, so failures that start together are
+decided as one cut; the caller also waits until the proposal has not changed for
+``Params.cut_settle_s``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ class Suspected:
 @dataclass(frozen=True, slots=True)
 class Proposal:
     """The outcome of :func:`propose_cut`: the cut (None when nothing is stable), the subjects
-    that still block it, and a reason the tests assert on."""
+    that still block it, a reason the tests assert on, and when to look again (seconds; ``inf``
+    when only new alerts can change the answer)."""
 
     cut: Cut | None
     unstable: tuple[MemberId, ...]
     reason: str
+    recheck_at: float = float("inf")
 
 
 def propose_cut(
@@ -62,7 +65,7 @@ def propose_cut(
         now: the current time, seconds.
         high: H, alerts that make a subject stable on their own (Rapid: K - 1 = 9); capped
             at the subject's number of distinct observers.
-        low: L, alerts below which a subject is noise (Rapid: about 0.3 K = 3).
+        low: L, alerts below which a subject is noise (Rapid: about 0.3 K = 3); capped like H.
         min_window_s: a subject with H alerts still waits this long after its first alert, so
             it keeps Lifeguard's shortest refutation window (``Params.suspicion_min_s``).
         max_removed, max_joined: the most of each one cut carries (the codec's limits); the
@@ -70,32 +73,46 @@ def propose_cut(
 
     Returns:
         A :class:`Proposal`; ``cut`` is None when there is nothing to change or something is
-        unstable.
+        unstable; ``recheck_at`` is when a subject that has its alerts finishes its window.
     """
     stable = {m for m in gone if m in config}
-    partial: dict[MemberId, int] = {}
+    accused: dict[MemberId, int] = {}  # subject -> explicit alerts, not yet stable
     for subject, s in suspected.items():
         if subject in stable or subject not in config:
             continue
         alerts = len(s.observers)
         if alerts >= _high(config, subject, high) and now - s.started_at >= min_window_s:
             stable.add(subject)
-        elif alerts >= low:
-            partial[subject] = alerts
-    # Implicit alerts (Rapid section 4.2): an observer that is itself failing cannot alert.
-    failing = stable | partial.keys()
-    for subject in list(partial):
+        elif alerts:
+            accused[subject] = alerts
+    # Implicit alerts (Rapid section 4.2): an observer that is failing itself cannot alert, so
+    # it counts as having alerted. Rapid counts observers in stable or unstable mode; we also
+    # count an observer that is merely accused, and apply the count to L as well as H. In a small
+    # configuration a subject has few distinct observers (3 each among 6 members), and two
+    # members that observe each other and die together would otherwise each hold one alert too
+    # few to leave the noise band, forever (scenario S12).
+    failing = stable | accused.keys()
+    partial: dict[MemberId, int] = {}
+    recheck_at = float("inf")
+    for subject, explicit_count in accused.items():
         s = suspected[subject]
         explicit = set(s.observers)
         implicit = sum(1 for o in config.observers_of(subject)
                        if o in failing and o not in explicit)
-        ripe = now - s.started_at >= min_window_s
-        if ripe and partial[subject] + implicit >= _high(config, subject, high):
-            stable.add(subject)
-            del partial[subject]
+        alerts = explicit_count + implicit
+        enough = _high(config, subject, high)
+        if alerts >= enough:
+            ripe_at = s.started_at + min_window_s
+            if now >= ripe_at:
+                stable.add(subject)
+                continue
+            recheck_at = min(recheck_at, ripe_at)  # stable then, with no new alert to wake us
+        if alerts >= min(low, enough):  # L, capped like H by the distinct observers
+            partial[subject] = alerts
     joined = sorted((j for j in joiners if j.member not in config), key=lambda j: j.member)
     if partial:
-        return Proposal(None, tuple(sorted(partial)), f"waiting: {len(partial)} unstable")
+        return Proposal(None, tuple(sorted(partial)), f"waiting: {len(partial)} unstable",
+                        recheck_at)
     if not stable and not joined:
         return Proposal(None, (), "nothing to change")
     removed = tuple(sorted(stable))[:max_removed]

@@ -65,8 +65,8 @@ class MemberLeft:
 
 @dataclass(frozen=True, slots=True)
 class SelfSuspected:
-    """No ack from anyone for ``Params.self_suspect_after_s``: this member is likely the one cut
-    off, so it accuses nobody until an ack arrives again."""
+    """No ack or nack from anyone for ``Params.self_suspect_after_s``: this member is likely the
+    one cut off, so it accuses nobody until an ack or nack arrives again."""
 
     at: float
 

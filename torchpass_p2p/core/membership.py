@@ -314,6 +314,7 @@ class Member:
             rnd = self._rounds.get(message.seq)
             if rnd is not None and rnd.subject == message.target and sender in rnd.relays:
                 rnd.nacked[sender] = None
+                self._heard_back(now)
         elif isinstance(message, Gossip):
             if message.updates:
                 self._apply_from(now, sender, message.updates)
@@ -576,11 +577,19 @@ class Member:
         self._probes += 1
         self._send(subject, Ping(seq, self._piggyback(about=subject)))
 
-    def _on_ack(self, now: float, seq: int) -> None:
+    def _heard_back(self, now: float) -> None:
+        # An ack, or a relay's nack for our round: either way a peer heard us and we heard it,
+        # so we are not the one cut off. Nacks matter when most of our subjects died together:
+        # then the one live subject's acks come only once per (health-stretched) probe cycle,
+        # and without them we would suspect ourselves and never accuse the dead (Lifeguard
+        # section IV-A uses nacks the same way, for local health).
         self._last_ack_at = now
         if self.self_suspected:
             self.self_suspected = False
             self._cut_dirty = True
+
+    def _on_ack(self, now: float, seq: int) -> None:
+        self._heard_back(now)
         rnd = self._rounds.pop(seq, None)
         if rnd is not None:
             self._answered_at = now

@@ -59,10 +59,11 @@ class Params:
     stall_tolerance_s: float = 0.25
     """A timer that fires this much late means our own loop stalled: void open rounds."""
     self_suspect_after_s: float = 1.0
-    """No ack from anyone for this long while probing >= 2 subjects: suspect ourselves, accuse
-    nobody (DESIGN section 4). Shorter than the M failed rounds an alert needs, so an isolated
-    member always knows it before it could accuse; a healthy member hears an ack every
-    probe_interval / subjects, so a false self-suspicion (which only silences us) is rare."""
+    """No ack and no relay's nack from anyone for this long while probing >= 2 subjects: suspect
+    ourselves, accuse nobody (DESIGN section 4). Shorter than the M failed rounds an alert
+    needs, so an isolated member always knows it before it could accuse; a healthy member hears
+    an ack every probe_interval / subjects, or nacks from relays when its subjects are dead, so
+    a false self-suspicion (which only silences us) is rare."""
 
     # --- dissemination (SWIM section 4.1, memberlist) ---
     retransmit_mult: int = 4

@@ -225,11 +225,17 @@ class Reconfiguration:
             now=now, high=p.alerts_to_remove, low=p.min_alerts_to_confirm,
             min_window_s=p.suspicion_min_s, max_removed=_MAX_CUT_REMOVED,
             max_joined=_MAX_CUT_JOINED)
+        if proposal.cut is None:
+            # Nothing to vote for yet; a subject that only waits for its refutation window
+            # becomes stable at recheck_at without any new message, so look again then.
+            self._proposal = None
+            self._settle_at = proposal.recheck_at
+            return
         if proposal.cut != self._proposal:
             self._proposal = proposal.cut
-            self._settle_at = _INF if proposal.cut is None else self._ripe_at(now, proposal.cut)
+            self._settle_at = self._ripe_at(now, proposal.cut)
             return
-        if proposal.cut is None or now < self._settle_at:
+        if now < self._settle_at:
             return
         self._settle_at = _INF
         if m.self_suspected:
