@@ -229,6 +229,34 @@ def test_sigterm_is_forwarded_then_escalated_and_the_run_dir_removed(tmp_path: P
     assert not Path(envs[0]["TORCHPASS_RUN_DIR"]).exists()
 
 
+ORPHAN_GUARD = '''
+import time
+from torchpass_p2p.agent.lifeline import die_with_launcher
+out = Path(sys.argv[1])
+dump(out, guarded=die_with_launcher())
+time.sleep(60)
+'''
+
+
+def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", ORPHAN_GUARD)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", str(script), str(out)])
+    envs = reports(out, 3)
+    assert all(e["guarded"] and e["TORCHPASS_LAUNCHER_PID"] == str(launcher.pid) for e in envs)
+    launcher.kill()  # no chance to forward anything
+    launcher.communicate()
+    wait_for(lambda: all(gone(e["pid"]) for e in envs), 5, "every child gone")
+
+
+def test_die_with_launcher_leaves_a_process_alone_unless_its_parent_is_the_launcher() -> None:
+    from torchpass_p2p.agent.lifeline import die_with_launcher
+    assert die_with_launcher({}) is False
+    assert die_with_launcher({"TORCHPASS_LAUNCHER_PID": "garbage"}) is False
+    assert die_with_launcher({"TORCHPASS_LAUNCHER_PID": str(os.getpid())}) is False  # not parent
+
+
 def test_seeds_mode_joins_every_process_as_a_spare(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

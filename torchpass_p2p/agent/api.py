@@ -19,6 +19,7 @@ from typing import Any
 
 from torchpass_p2p.core.configuration import Address, Configuration
 
+from .lifeline import die_with_launcher
 from .runtime import AgentRuntime, Change, Phase
 from .settings import AgentSettings, load_settings
 
@@ -48,6 +49,7 @@ def start(config: str | PathLike[str] | None = None, **settings: Any) -> Agent:
             no seeds, ...).
         AgentError: the agent did not come up within 60 s (bind failed, no seed answered).
     """
+    die_with_launcher()
     agent = Agent(load_settings(config, **settings))
     agent.start()
     return agent

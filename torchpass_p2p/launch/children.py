@@ -13,6 +13,7 @@ import os
 import signal
 from collections.abc import Mapping, Sequence
 
+from ..agent.lifeline import LAUNCHER_PID_VARIABLE
 from .plan import ChildSpec
 
 __all__ = ["Child"]
@@ -30,14 +31,16 @@ class Child:
 
     @classmethod
     async def start(cls, spec: ChildSpec, argv: Sequence[str], env: Mapping[str, str]) -> Child:
-        """Start ``argv`` with exactly ``env`` in a new session; stdin is ``/dev/null``, stdout
-        and stderr are the launcher's.
+        """Start ``argv`` with ``env`` in a new session; stdin is ``/dev/null``, stdout and
+        stderr are the launcher's. ``TORCHPASS_LAUNCHER_PID`` names this process, so that the
+        child's agent can ask to die with it (:mod:`torchpass_p2p.agent.lifeline`).
 
         Raises:
             OSError: the executable could not be started.
         """
         process = await asyncio.create_subprocess_exec(
-            *argv, env=dict(env), stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            *argv, env={**env, LAUNCHER_PID_VARIABLE: str(os.getpid())},
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
         return cls(spec, process)
 
     @property

@@ -38,7 +38,7 @@ OWNED_VARIABLES = (
     "TORCHPASS_CLUSTER", "TORCHPASS_KEY_FILE", "TORCHPASS_KEY", "TORCHPASS_MEMBER_ID",
     "TORCHPASS_BIND", "TORCHPASS_CONFIGURATION", "TORCHPASS_SEEDS", "TORCHPASS_STATUS",
     "TORCHPASS_PROFILE", "TORCHPASS_TOPOLOGY", "TORCHPASS_ROLE", "TORCHPASS_RUN_DIR",
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "TORCHPASS_LAUNCHER_PID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
 )
 """Variables the launcher sets or deliberately leaves unset in a child. Values inherited from the
 launcher's own environment are removed first, so that a spare never inherits a ``RANK`` and a
