@@ -53,7 +53,7 @@ class FakeSource:
     """A runtime stand-in: fixed status, records drains and evidence."""
 
     def __init__(self) -> None:
-        self.evidence: list[tuple[int, str]] = []
+        self.evidence: list[tuple[int, str, bool]] = []
         self.drains = 0
         self.known = {ME, 0xB2, 0xC3}
         self.drain_gate: asyncio.Event | None = None  # set: drain waits for it
@@ -75,8 +75,8 @@ class FakeSource:
                 raise
         return {"accepted": True, "rank": 0, "spare": "00000000000000c3"}
 
-    def report_unreachable(self, member_id: int, reason: str) -> bool:
-        self.evidence.append((member_id, reason))
+    def report_unreachable(self, member_id: int, reason: str, exited: bool = False) -> bool:
+        self.evidence.append((member_id, reason, exited))
         return member_id in self.known
 
 
@@ -283,7 +283,11 @@ async def test_evidence_is_forwarded_with_the_parsed_member_id(h: Harness) -> No
     status, answer = await h.post(
         "/evidence", headers=AUTH, json={"member_id": "ffffffffffffffff", "reason": "x" * 64})
     assert (status, answer) == (200, {"accepted": False})
-    assert h.source.evidence == [(0xB2, "exited:-9"), (0xC3, "oom"), (2**64 - 1, "x" * 64)]
+    status, answer = await h.post("/evidence", headers=AUTH, json={
+        "member_id": "00000000000000b2", "reason": "exited with -9", "exited": True})
+    assert (status, answer) == (200, {"accepted": True})
+    assert h.source.evidence == [(0xB2, "exited:-9", False), (0xC3, "oom", False),
+                                 (2**64 - 1, "x" * 64, False), (0xB2, "exited with -9", True)]
     assert not h.server.rejected
 
 
@@ -308,6 +312,7 @@ async def test_evidence_is_forwarded_with_the_parsed_member_id(h: Harness) -> No
          "reason"),
         (b'{"member_id": "00000000000000b2", "reason": "a\\nb"}', "bad_body", "printable"),
         (b'{"member_id": "00000000000000b2", "reason": 5}', "bad_body", "reason"),
+        (b'{"member_id": "00000000000000b2", "reason": "a", "exited": 1}', "bad_body", "exited"),
     ],
 )
 async def test_bad_evidence_is_a_counted_400(

@@ -113,6 +113,22 @@ async def test_fast_evidence_makes_observers_alert_without_waiting_for_probes():
         await cluster.stop()
 
 
+async def test_an_exit_reported_by_the_launcher_removes_the_member_as_a_departure():
+    cluster = LocalCluster(5, 1, seed=4)
+    await cluster.start()
+    try:
+        await cluster[2].stop(leave=False)
+        assert cluster[3].report_unreachable(2, "exited with -9", exited=True) is True
+        assert cluster[3].report_unreachable(2, "exited with -9", exited=True) is False
+        left = [e for e in cluster[3]._recent if e["type"] == "MemberLeft"]
+        assert left and left[0]["detail"].startswith(f"member={2:016x}")
+        await cluster.until(lambda: all(
+            a.configuration.config_id == 1 for a in cluster.live()), timeout_s=15)
+        assert all(2 not in a.configuration for a in cluster.live())
+    finally:
+        await cluster.stop()
+
+
 @pytest.mark.parametrize("role", ["rank"])
 async def test_status_document_lists_every_member(role):
     cluster = LocalCluster(2, 1, seed=5)

@@ -1180,6 +1180,33 @@ def test_evidence_about_self_a_stranger_or_after_leaving_is_ignored():
     assert drain(o) == [] and o.counters["alerts_raised"] == 0
 
 
+def test_an_exit_reaped_by_the_launcher_is_announced_as_a_departure():
+    x = make_member(6, CONFIG)  # any member: no observer role needed for certain evidence
+    assert x.report_exited(0.2, SUBJECT) is True
+    assert events(x) == [ev.MemberLeft(0.2, SUBJECT, 0)]
+    assert x.state_of(SUBJECT) == (MemberState.LEFT, 0)
+    assert x.counters["exits_reported"] == 1
+    # Disseminated at once, like the subject's own Left, and only once.
+    assert x.next_deadline() == 0.2
+    x.handle_timer(0.2)
+    assert any(isinstance(m, Gossip) and Left(SUBJECT, 0) in m.updates for _, m in drain(x))
+    assert x.report_exited(0.3, SUBJECT) is False and events(x) == []
+    assert x.report_exited(0.3, 6) is False and x.report_exited(0.3, 999) is False
+
+
+def test_the_cut_for_an_exit_waits_only_for_the_settle_time_not_the_refutation_window():
+    fleet = Fleet(8, params=P)
+    fleet.run_until(3.0)
+    fleet.down.add(8)
+    for i in range(1, 8):
+        fleet[i].report_exited(fleet.now, 8)
+    assert P.cut_settle_s < P.refutation_window_s
+    # Decided before the window an accused (maybe only stalled) member would be owed.
+    fleet.run_until(3.0 + P.refutation_window_s - 0.1)
+    assert all(fleet[i].configuration.config_id == 1 and 8 not in fleet[i].configuration
+               for i in range(1, 8))
+
+
 def test_last_ack_at_moves_only_with_answers_to_open_probes_not_with_a_stall():
     fleet = Fleet(8, params=P)
     fleet.run_until(3.0)

@@ -149,7 +149,8 @@ def test_a_failed_child_is_reported_to_every_live_sibling(tmp_path: Path) -> Non
         record = json.loads((out / f"evidence-{e['TORCHPASS_MEMBER_ID']}.txt").read_text())
         assert record == {
             "auth": f"Bearer {http_token(key)}",
-            "body": {"member_id": dead["TORCHPASS_MEMBER_ID"], "reason": "exited with 3"},
+            "body": {"member_id": dead["TORCHPASS_MEMBER_ID"], "reason": "exited with 3",
+                     "exited": True},
         }
     # rank 1 failed, rank 0 then exited 0 (job complete), the spare was stopped after 1 s.
     assert "rank 1 (" in log and "exited with 3" in log

@@ -7,8 +7,9 @@ GET        ``/status``     no      ``source.status()`` as JSON
 GET        ``/metrics``    no      Prometheus text (:meth:`.metrics.AgentMetrics.render`)
 GET        ``/healthz``    no      ``ok``
 POST       ``/drain``      yes     ``await source.drain()`` as JSON; body empty or ``{}``
-POST       ``/evidence``   yes     ``{"accepted": source.report_unreachable(id, reason)}``;
+POST       ``/evidence``   yes     ``{"accepted": source.report_unreachable(id, reason, exited)}``;
                                    body ``{"member_id": "<16 hex digits>", "reason": "<text>"}``
+                                   and optionally ``"exited": true`` (the launcher reaped it)
 =========  ==============  ======  =============================================================
 
 Threat model. Reads are open to whoever reaches the port: they reveal the membership, which
@@ -97,8 +98,9 @@ class StatusSource(Protocol):
         """Ask this member to hand its rank to a spare; returns once accepted or refused."""
         ...
 
-    def report_unreachable(self, member_id: int, reason: str) -> bool:
-        """Fast evidence from the local launcher (a child exited); ``False`` if not taken."""
+    def report_unreachable(self, member_id: int, reason: str, exited: bool = False) -> bool:
+        """Fast evidence from the local launcher; ``exited``: it reaped the member's process,
+        so the death is certain. ``False`` if not taken."""
         ...
 
 
@@ -255,8 +257,8 @@ class StatusServer:
     async def _evidence(self, request: web.Request) -> web.Response:
         self._authorize(request)
         body = await self._json_body(request, allow_empty=False)
-        member_id, reason = _parse_evidence(body)
-        accepted = bool(self.source.report_unreachable(member_id, reason))
+        member_id, reason, exited = _parse_evidence(body)
+        accepted = bool(self.source.report_unreachable(member_id, reason, exited))
         return web.json_response({"accepted": accepted})
 
     # checks
@@ -319,21 +321,22 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _parse_evidence(body: Any) -> tuple[int, str]:
+def _parse_evidence(body: Any) -> tuple[int, str, bool]:
     if not isinstance(body, dict):
         raise _Rejected(400, "bad_body", "evidence is a JSON object")
     fields = {"member_id", "reason"}
-    if set(body) != fields:
-        missing = sorted(fields - set(body))
-        extra = sorted(set(body) - fields)
+    missing = sorted(fields - set(body))
+    extra = sorted(set(body) - fields - {"exited"})
+    if missing or extra:
         detail = "; ".join(
             part for part in (
                 f"missing {', '.join(missing)}" if missing else "",
                 f"unknown {', '.join(extra)}" if extra else "",
             ) if part
         )
-        raise _Rejected(400, "bad_body", f"evidence fields are member_id and reason: {detail}")
-    member_id, reason = body["member_id"], body["reason"]
+        raise _Rejected(400, "bad_body",
+                        f"evidence fields are member_id, reason and exited: {detail}")
+    member_id, reason, exited = body["member_id"], body["reason"], body.get("exited", False)
     if not (isinstance(member_id, str) and len(member_id) == 16 and set(member_id) <= _HEX):
         raise _Rejected(400, "bad_body", "member_id is a string of 16 hex digits")
     if not (isinstance(reason, str) and 0 < len(reason) <= MAX_REASON_CHARS
@@ -341,4 +344,6 @@ def _parse_evidence(body: Any) -> tuple[int, str]:
         raise _Rejected(
             400, "bad_body", f"reason is 1 to {MAX_REASON_CHARS} printable characters"
         )
-    return int(member_id, 16), reason
+    if not isinstance(exited, bool):
+        raise _Rejected(400, "bad_body", "exited is true or false")
+    return int(member_id, 16), reason, exited

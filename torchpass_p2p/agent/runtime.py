@@ -227,14 +227,20 @@ class AgentRuntime:
             if self.metrics is not None:
                 self.metrics.set_step(step)
 
-    def report_unreachable(self, member_id: MemberId, reason: str) -> bool:
+    def report_unreachable(self, member_id: MemberId, reason: str, exited: bool = False) -> bool:
         """Fast evidence that ``member_id`` failed (a reset connection, a failed collective
-        naming it, its process exited): an observer alerts at once, anyone else probes it now.
-        Returns True when an alert was raised. Never raises for an unknown member."""
+        naming it): an observer alerts at once, anyone else probes it now. ``exited``: the
+        launcher on its host reaped its process, a certain death, announced as its departure
+        (:meth:`~torchpass_p2p.core.membership.Member.report_exited`). Returns True when an
+        alert or the announcement was raised here. Never raises for an unknown member."""
         if self.member is None or self.stopped:
             return False
         log.info("evidence against %016x: %s", member_id, reason)
-        raised = self.member.report_unreachable(self._clock(), member_id)
+        now = self._clock()
+        if exited:
+            raised = self.member.report_exited(now, member_id)
+        else:
+            raised = self.member.report_unreachable(now, member_id)
         self._flush()
         return raised
 

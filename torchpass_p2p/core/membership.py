@@ -396,6 +396,26 @@ class Member:
             self._start_round(now, subject)
         return False
 
+    def report_exited(self, now: float, subject: MemberId) -> bool:
+        """Certain evidence: ``subject``'s process exited; its parent, the launcher on its host,
+        reaped it. Unlike a silence, an exit cannot be refuted, so this member announces
+        :class:`Left` on the subject's behalf: it joins the next cut without the refutation
+        window a stalled member is owed (DESIGN section 4), and the removal is still decided
+        by agreement. Returns True when the announcement is news here.
+        """
+        self._advance(now)
+        if (self.removed or self.left or self.joining is not None or subject == self.id
+                or subject not in self._config):
+            return False
+        self._counts["exits_reported"] += 1
+        _, incarnation = self._view.get(subject, (ALIVE, 0))
+        if not self._merge(now, Left(subject, incarnation)):
+            return False
+        self._enqueue(Left(subject, incarnation))
+        if self._cut_dirty:
+            self._reconf.consider_cut(now)
+        return True
+
     def leave(self, now: float) -> None:
         """Leave gracefully: announce :class:`Left` and stop probing. Idempotent."""
         self._advance(now)

@@ -3,7 +3,9 @@ for their failure detector (DESIGN section 4).
 
 ``POST http://<status address>/evidence`` with ``Authorization: Bearer <token>``
 (:func:`.keyfile.http_token` of the primary key) and the JSON body
-``{"member_id": "<16 hex digits>", "reason": "exited with 3"}``. Each request has a short
+``{"member_id": "<16 hex digits>", "reason": "exited with 3", "exited": true}`` (``exited``:
+the launcher reaped the process, so the death is certain and needs no refutation window).
+Each request has a short
 deadline; a sibling that does not answer is logged and skipped, never an error of the launcher.
 """
 
@@ -36,6 +38,7 @@ async def post_evidence(
     reason: str,
     token: str,
     *,
+    exited: bool = False,
     timeout_s: float = EVIDENCE_TIMEOUT_S,
 ) -> None:
     """POST one piece of evidence to the status page at ``status``.
@@ -45,7 +48,7 @@ async def post_evidence(
         TimeoutError: no reply within ``timeout_s`` seconds.
     """
     url = f"http://{format_address(status)}/evidence"
-    body = {"member_id": format_member_id(member_id), "reason": reason}
+    body = {"member_id": format_member_id(member_id), "reason": reason, "exited": exited}
     async with session.post(url, json=body, headers={"Authorization": f"Bearer {token}"},
                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as reply:
         reply.raise_for_status()
@@ -58,6 +61,7 @@ async def notify_siblings(
     reason: str,
     token: str,
     *,
+    exited: bool = False,
     timeout_s: float = EVIDENCE_TIMEOUT_S,
 ) -> int:
     """Post the evidence to every status page in ``siblings`` concurrently; returns how many
@@ -65,7 +69,8 @@ async def notify_siblings(
 
     async def one(status: Address) -> bool:
         try:
-            await post_evidence(session, status, member_id, reason, token, timeout_s=timeout_s)
+            await post_evidence(session, status, member_id, reason, token, exited=exited,
+                                timeout_s=timeout_s)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.warning("evidence for %s to %s not delivered: %s", format_member_id(member_id),
                         format_address(status), exc or type(exc).__name__)

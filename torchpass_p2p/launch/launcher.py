@@ -363,13 +363,14 @@ class _Supervisor:
         log.info("%s %s", child.spec.name, describe_exit(event.returncode))
 
     def _report(self, event: _Exited) -> None:
-        """Post the death as evidence to the live siblings, in the background."""
+        """Post the death as evidence to the live siblings, in the background: certain evidence
+        (``exited``), since this launcher reaped the process itself."""
         siblings = [("127.0.0.1", c.spec.status_port) for c in self._running()]
         if not siblings:
             return
         task = self.tasks.create_task(notify_siblings(
             self.session, siblings, event.child.spec.member_id,
-            describe_exit(event.returncode), self.token))
+            describe_exit(event.returncode), self.token, exited=True))
         self.evidence.add(task)
         task.add_done_callback(self.evidence.discard)
 

@@ -33,7 +33,7 @@ class FaultTimeline:
     Attributes:
         kind, step, point, rank: the fault (:mod:`.faults`).
         config_id: the configuration that replaced the faulty rank.
-        detected_s: first alert or suspicion raised by any agent.
+        detected_s: first alert, suspicion or reported exit (a departure) at any agent.
         decided_s: first member learning the decision.
         transferred_s: the replacement holding the verified state.
         rebuilt_s: the last member's group of ``config_id`` formed.
