@@ -45,11 +45,12 @@ def test_step_seed_is_a_fixed_function_of_seed_rank_step() -> None:
 
 
 def test_fault_specs() -> None:
-    assert parse_faults("kill@37:grad:rank=1, stop@80:commit:rank=2:8") == [
-        Fault("kill", 37, "grad", 1), Fault("stop", 80, "commit", 2, 8.0)]
+    spec = "kill@37:grad:rank=1, stop@80:commit:rank=2:8,orphan@5:compute:rank=0"
+    assert parse_faults(spec) == [Fault("kill", 37, "grad", 1), Fault("stop", 80, "commit", 2, 8.0),
+                                  Fault("orphan", 5, "compute", 0)]
     assert parse_faults("") == []
     for bad in ("kill@x:grad:rank=1", "boom@1:grad:rank=1", "kill@1:nowhere:rank=1",
-                "kill@1:grad:r=1"):
+                "kill@1:grad:r=1", "orphans@1:grad:rank=1"):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
 

@@ -134,8 +134,9 @@ class Trainer:
         self.me: int = agent.member_id
         self.log = EventLog(log_path, self.me)
         self.faults = faults or FaultInjector.from_env(
-            before=lambda f: self.log("fault", kind=f.kind, step=f.step, point=f.point,
-                                      rank=f.rank, seconds=f.seconds))
+            before=lambda f, **details: self.log("fault", kind=f.kind, step=f.step,
+                                                 point=f.point, rank=f.rank,
+                                                 seconds=f.seconds, **details))
         self.keeper = StoreKeeper(agent.address[0])
         self.service = StateService(TransferKeys.from_keyring(agent.settings.keyring),
                                     self._known_config_id, host=agent.address[0])
@@ -426,7 +427,7 @@ class Trainer:
         alerts = []
         try:
             for e in self.agent.status()["recent_events"]:
-                if e["type"] in ("MemberSuspected", "AlertRaised", "MemberDead"):
+                if e["type"] in ("MemberSuspected", "AlertRaised", "MemberDead", "MemberLeft"):
                     alerts.append(e["at"])
         except Exception:  # noqa: BLE001 - status is only for the timeline
             pass
