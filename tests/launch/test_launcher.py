@@ -258,6 +258,41 @@ def test_die_with_launcher_leaves_a_process_alone_unless_its_parent_is_the_launc
     assert die_with_launcher({"TORCHPASS_LAUNCHER_PID": str(os.getpid())}) is False  # not parent
 
 
+LEAVES_ORPHANS = '''
+import subprocess, time
+out = Path(sys.argv[1])
+if os.environ.get("RANK") == "1":
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    grouped = subprocess.Popen(sleep)  # in the child's process group
+    escaped = subprocess.Popen(sleep, start_new_session=True)  # left the group
+    dump(out, grouped=grouped.pid, escaped=escaped.pid)
+    time.sleep(0.5)  # both running
+    sys.exit(1)
+dump(out)
+time.sleep(60)
+'''
+
+
+def test_orphans_of_a_dead_child_are_killed_and_named_even_outside_its_group(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", LEAVES_ORPHANS)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "1",
+                               str(script), str(out)])
+    envs = reports(out, 3)
+    [dead] = [e for e in envs if e.get("RANK") == "1"]
+    orphans = (dead["grouped"], dead["escaped"])
+    try:
+        wait_for(lambda: all(gone(p) for p in orphans), 8, "both orphans gone")
+    finally:
+        launcher.send_signal(signal.SIGTERM)
+        code, log = finish(launcher)
+    [line] = [ln for ln in log.splitlines() if "left 2 process(es) behind" in ln]
+    assert all(str(p) in line for p in orphans), line
+    assert "stray" not in log  # each was named once, when its parent died
+
+
 def test_seeds_mode_joins_every_process_as_a_spare(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()

@@ -4,19 +4,29 @@
 forwarded with ``killpg`` reaches the script and everything it started (data loader workers),
 the terminal's Ctrl-C does not reach children directly (the launcher forwards it), and the
 grandchildren left behind after the child exits can still be killed through the group.
+
+A descendant that left the group (its own ``setsid``) escapes ``killpg``. The launcher is
+therefore a child subreaper (prctl(2) ``PR_SET_CHILD_SUBREAPER``, Linux): such an orphan is
+re-parented to the launcher rather than to init, and :func:`kill_strays` finds and kills it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import os
 import signal
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 
 from ..agent.lifeline import LAUNCHER_PID_VARIABLE
 from .plan import ChildSpec
 
-__all__ = ["Child"]
+__all__ = ["Child", "become_subreaper", "kill_strays"]
+
+_PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
 
 class Child:
@@ -58,12 +68,62 @@ class Child:
         self.signalled = True
         _killpg(self.pgid, sig)
 
-    def kill_group(self) -> None:
-        """SIGKILL whatever is left in the child's process group (orphans after it exited).
+    def kill_group(self) -> list[int]:
+        """SIGKILL whatever is left in the child's process group (orphans after it exited);
+        returns the pids that were in it (Linux; empty elsewhere).
 
         Only call this while the child is running or just after it was reaped by this launcher,
         before the group id could be reused."""
+        left = [pid for pid, _, pgrp, state in _processes()
+                if pgrp == self.pgid and state != "Z"]
         _killpg(self.pgid, signal.SIGKILL)
+        return left
+
+
+def become_subreaper() -> bool:
+    """Make this process adopt its orphaned descendants (module docstring). False where the
+    platform has no such thing; then :func:`kill_strays` finds nothing."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def kill_strays(known: Collection[int]) -> list[int]:
+    """SIGKILL this process's children that are not in ``known`` (the launcher's own children):
+    descendants of a dead child that had left its process group and were re-parented here.
+    Returns their pids. Strays already dead are reaped (they are ours to reap: asyncio waits
+    only for the children it started)."""
+    me = os.getpid()
+    killed = []
+    for pid, ppid, _, state in _processes():
+        if ppid != me or pid in known:
+            continue
+        try:
+            if state != "Z":
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            # Never block on a process stuck in the kernel: a later call, or init once we
+            # have exited, reaps what is left.
+            os.waitpid(pid, os.WNOHANG)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    return killed
+
+
+def _processes() -> list[tuple[int, int, int, str]]:
+    """(pid, parent pid, process group, state) of every process, from ``/proc`` (empty
+    elsewhere); state ``Z`` is a zombie."""
+    out = []
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            stat = entry.read_text()
+        except OSError:
+            continue  # it exited meanwhile
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(")") + 2:].split()
+        out.append((int(stat[:stat.index(" ")]), int(fields[1]), int(fields[2]), fields[0]))
+    return out
 
 
 def _killpg(pgid: int, sig: int) -> None:

@@ -45,7 +45,7 @@ from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import Topology
 from torchpass_p2p.core.params import Params
 
-from .children import Child
+from .children import Child, become_subreaper, kill_strays
 from .evidence import notify_siblings
 from .keyfile import (
     KEY_FILE_NAME,
@@ -193,6 +193,7 @@ class _Supervisor:
         if not os.path.isfile(self.options.script):
             raise LaunchError(f"{self.options.script}: no such script")
         self.run_dir = make_run_dir()
+        become_subreaper()  # descendants that leave their group come back to us (children.py)
         loop = asyncio.get_running_loop()
         try:
             key, self.key_file = self._key()
@@ -212,6 +213,10 @@ class _Supervisor:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             await self._kill_all()  # only does something when an error cut the run short
+            strays = self._kill_strays()
+            if strays:
+                log.warning("killed %d stray process(es) left by the children: pid(s) %s",
+                            len(strays), ", ".join(map(str, strays)))
             remove_run_dir(self.run_dir)
         code, reason = exit_code(self.exits, stopped_by=self.stopped_by)
         log.info("exit code %d: %s", code, reason)
@@ -308,8 +313,15 @@ class _Supervisor:
 
     async def _watch(self, child: Child) -> None:
         returncode = await child.wait()
-        child.kill_group()  # orphans of a dead child are of no use and may hold a GPU
+        # Orphans of a dead child are of no use and may hold a GPU or a port (scenario S13).
+        left = sorted({*child.kill_group(), *self._kill_strays()})
+        if left:
+            log.warning("%s left %d process(es) behind; killed pid(s) %s", child.spec.name,
+                        len(left), ", ".join(map(str, left)))
         self.events.put_nowait(_Exited(child, returncode))
+
+    def _kill_strays(self) -> list[int]:
+        return kill_strays({c.process.pid for c in self.children})
 
     # --- supervise ---
 
