@@ -9,7 +9,8 @@ standard library (sorted by name, first ``--corpus-kib`` KiB, bytes above 127 ma
 Rank ``r``'s batch of step ``k`` is ``--batch`` windows of ``--context + 1`` characters at
 offsets drawn from a generator seeded by ``(seed, r, k)``. Each rank writes
 ``OUT/final-<member>.json`` (rank, steps, state fingerprint, weights digest, loss curve) when
-training ends; a member removed from the job exits with code 3.
+training ends; a member removed from the job, or drained (``torchpass-p2p drain``: it trains
+until a spare holds its rank), exits with code 3.
 """
 
 from __future__ import annotations

@@ -15,26 +15,22 @@ configuration changes, same step, no hang, the same final state as the fault-fre
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from examples.main_job import Run, run_job
+from tests.trainer.settings import ARGS
 from torchpass_p2p.trainer.timeline import recoveries
 
-ARGS = ("--batch", "8", "--context", "32", "--corpus-kib", "512")
 STEPS = 57
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def clean(clean_run: Callable[[int], Run]) -> Run:
     """The fault-free run both scenarios compare with."""
-    run = run_job(tmp_path_factory.mktemp("clean"), nproc=4, spares=1, steps=STEPS,
-                  script_args=ARGS, timeout_s=200)
-    assert run.code == 0, run.output[-3000:]
-    assert len(run.finals) == 4 and all(r["steps"] == STEPS for r in run.finals)
-    assert len({r["fingerprint"] for r in run.finals}) == 1
-    return run
+    return clean_run(STEPS)
 
 
 @pytest.mark.slow

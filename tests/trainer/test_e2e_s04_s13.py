@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,11 @@ import pytest
 
 from examples.main_job import Run, run_job
 from tests.launch.procs import gone, wait_for
+from tests.trainer.settings import ARGS
 from torchpass_p2p.collective.group import GROUP_TIMEOUT_S
 from torchpass_p2p.trainer.faults import ORPHAN_SLEEP_S, start_orphan
 from torchpass_p2p.trainer.timeline import recoveries
 
-ARGS = ("--batch", "8", "--context", "32", "--corpus-kib", "512")
 STEPS = 57
 RUN_LIMIT_S = GROUP_TIMEOUT_S / 9
 """200 s per launch: a survivor that left the collective only on the group timeout would make
@@ -43,14 +44,9 @@ LEFT = ("collective_failed", "superseded")
 
 
 @pytest.fixture(scope="module")
-def clean(tmp_path_factory: pytest.TempPathFactory) -> Run:
+def clean(clean_run: Callable[[int], Run]) -> Run:
     """The fault-free run both scenarios compare with."""
-    run = run_job(tmp_path_factory.mktemp("clean"), nproc=4, spares=1, steps=STEPS,
-                  script_args=ARGS, timeout_s=RUN_LIMIT_S)
-    assert run.code == 0, run.output[-3000:]
-    assert len(run.finals) == 4 and all(r["steps"] == STEPS for r in run.finals)
-    assert len({r["fingerprint"] for r in run.finals}) == 1
-    return run
+    return clean_run(STEPS)
 
 
 def assert_same_end_state(clean: Run, faulty: Run) -> None:

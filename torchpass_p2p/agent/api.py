@@ -27,6 +27,9 @@ __all__ = ["Agent", "AgentError", "start"]
 
 START_TIMEOUT_S = 60.0
 """Longest :func:`start` waits for the agent to be up (a joiner asks its seeds up to 30 s)."""
+COMMIT_TIMEOUT_S = 30.0
+"""Longest :meth:`Agent.report_commit` waits for the agent's loop (microseconds when it runs; a
+loop stalled this long has lost its lease anyway)."""
 CHANGES_KEPT = 64
 """Ready changes buffered for :meth:`Agent.next_change`; older ones are dropped first."""
 
@@ -134,6 +137,12 @@ class Agent:
         return self._live().fenced
 
     @property
+    def draining(self) -> bool:
+        """True once this member asked to hand its rank to a spare (:meth:`drain`, a GPU fault,
+        the hang watchdog); it still holds the rank until a decided change removes it."""
+        return self._live().draining
+
+    @property
     def address(self) -> Address:
         """(host, port) of this agent's UDP and TCP sockets."""
         address = self._live().address
@@ -157,6 +166,19 @@ class Agent:
         committed step enters this member's vote and feeds the hang watchdog. Never blocks."""
         runtime = self._live()
         self._post(runtime.report_progress, step, phase)
+
+    def report_commit(self, step: int, ranks: tuple[int | None, ...],
+                      timeout_s: float = COMMIT_TIMEOUT_S) -> bool:
+        """The commit all-reduce of ``step`` completed in the group of rank map ``ranks``: True
+        when the step may be applied (see :meth:`~.runtime.AgentRuntime.report_commit`); blocks
+        for one round trip to the agent's loop. False too when the agent does not answer within
+        ``timeout_s``: not applying is always safe, the commit rule redoes or rolls forward."""
+        runtime = self._live()
+        try:
+            return bool(self._call(lambda: _on_loop(lambda: runtime.report_commit(step, ranks)),
+                                   timeout_s))
+        except (TimeoutError, AgentError):
+            return False
 
     def report_error(self, exc: BaseException, *, peer_rank: int | None = None) -> None:
         """A collective failed with ``exc`` (naming ``peer_rank`` when known): fast evidence."""

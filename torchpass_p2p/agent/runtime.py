@@ -43,6 +43,8 @@ MAX_JOINER_ADDRESSES = 1024
 """Joiners' addresses kept (oldest dropped first): far above the joins one change admits."""
 RECENT_EVENTS = 64
 """Events kept for ``/status``."""
+MAX_GROUP_IDS = 256
+"""Group ids of recent configurations kept; a change is handed over within a few decisions."""
 
 
 class Phase:
@@ -60,7 +62,12 @@ class Phase:
 class Change:
     """A decided configuration change, handed to the host once its plan is ready.
 
-    ``plan.resume_step`` is set: every member of ``configuration`` resumes there.
+    ``plan.resume_step`` is set: every member of ``configuration`` resumes there. ``group_id``:
+    the configuration whose process group this one uses, the first of the consecutive decided
+    configurations with this rank map (a change that only admits or removes spares keeps the
+    group). Every member derives it from the same decisions, so members handed different
+    changes of one rank map (a plan that was not ready yet when the next change was decided
+    is never handed over) still meet in one rendezvous.
     """
 
     configuration: Configuration
@@ -68,6 +75,7 @@ class Change:
     round: int
     decided_at: float
     ready_at: float
+    group_id: int
 
 
 Listener = Callable[[Change], None]
@@ -111,6 +119,8 @@ class AgentRuntime:
         self._listeners: list[Listener] = []
         self._changes: deque[Change] = deque(maxlen=64)
         self._decided: dict[int, ev.ConfigurationDecided] = {}
+        self._group_ids: dict[int, int] = {}
+        """config_id -> the configuration whose group it uses (:class:`Change`)."""
         self.decided_at: dict[int, float] = {}
         """config_id -> when (clock seconds) this member learned the decision: timelines."""
         self._accused_at: dict[MemberId, float] = {}
@@ -226,6 +236,23 @@ class AgentRuntime:
             self.member.report_progress(step)
             if self.metrics is not None:
                 self.metrics.set_step(step)
+
+    def report_commit(self, step: int, ranks: tuple[MemberId | None, ...]) -> bool:
+        """The commit all-reduce of ``step`` completed in the group whose rank map is ``ranks``:
+        may the host apply the step? True, and ``step`` enters this member's vote and progress
+        report, while the current configuration has that rank map. False once a decided change
+        gave the ranks to others: this member's progress for that change's plan was already
+        fixed at the step before, so applying ``step`` would put it past the plan's
+        ``resume_step`` (a drained member still trains in the old group, so its peers can commit
+        after the decision). Then the host keeps the averaged gradient and waits for the change:
+        the commit rule rolls it forward if a peer applied the step before its agent knew.
+        Atomic with the core's handling of decisions: both run on this loop."""
+        member = self.member
+        if member is None or member.removed or tuple(member.configuration.ranks) != ranks:
+            self.report_progress(step, Phase.COLLECTIVE)  # alive, waiting for the change
+            return False
+        self.report_progress(step, Phase.COMMITTED)
+        return True
 
     def report_unreachable(self, member_id: MemberId, reason: str, exited: bool = False) -> bool:
         """Fast evidence that ``member_id`` failed (a reset connection, a failed collective
@@ -490,6 +517,7 @@ class AgentRuntime:
             subject = event.member if isinstance(event, ev.MemberSuspected) else event.subject
             self._accused_at.setdefault(subject, event.at)
         elif isinstance(event, ev.ConfigurationDecided):
+            self._track_group(event.configuration)
             self._remember_former(event.configuration)
             self._decided[event.configuration.config_id] = event
             self.decided_at[event.configuration.config_id] = event.at
@@ -503,10 +531,22 @@ class AgentRuntime:
             decided = self._decided.pop(event.plan.config_id, None)
             if decided is not None:
                 change = Change(decided.configuration, event.plan, decided.round, decided.at,
-                                event.at)
+                                event.at, self._group_ids.get(event.plan.config_id,
+                                                              event.plan.config_id))
                 self._changes.append(change)
                 for listener in list(self._listeners):
                     listener(change)
+
+    def _track_group(self, new: Configuration) -> None:
+        """``group_id`` of ``new`` (see :class:`Change`); decisions come in config_id order."""
+        old = self._seen_configuration
+        groups = self._group_ids
+        if old is not None and old.ranks == new.ranks:
+            groups[new.config_id] = groups.get(old.config_id, old.config_id)
+        else:
+            groups[new.config_id] = new.config_id
+        while len(groups) > MAX_GROUP_IDS:
+            groups.pop(next(iter(groups)))
 
     def _remember_former(self, new: Configuration) -> None:
         old, self._seen_configuration = self._seen_configuration, new

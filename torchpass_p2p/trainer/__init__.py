@@ -4,10 +4,10 @@
 
 from .commit import resolve
 from .faults import Fault, FaultInjector, parse_faults
-from .loop import Removed, Trainer, TrainResult
+from .loop import Drained, Removed, Trainer, TrainResult
 from .seeding import seed_step, step_generator, step_seed
 
 __all__ = [
-    "Fault", "FaultInjector", "Removed", "TrainResult", "Trainer", "parse_faults", "resolve",
-    "seed_step", "step_generator", "step_seed",
+    "Drained", "Fault", "FaultInjector", "Removed", "TrainResult", "Trainer", "parse_faults",
+    "resolve", "seed_step", "step_generator", "step_seed",
 ]

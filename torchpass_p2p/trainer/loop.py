@@ -12,8 +12,11 @@ Theory of operation (DESIGN sections 6 and 8).
 * *Step k* (a rank): seed every generator from ``(seed, rank, k)``; forward and backward
   (``loss_fn``); the flattened gradient is averaged over the configuration's group, summed in
   rank order (bitwise independent of the backend's algorithm); a tiny commit all-reduce; the
-  agent hears ``k`` committed; the optimizer (and scheduler) step; a copy of the state after
-  ``k + 1`` steps is published to this member's transfer server.
+  agent accepts ``k`` as committed; the optimizer (and scheduler) step; a copy of the state
+  after ``k + 1`` steps is published to this member's transfer server. The agent refuses the
+  commit once a decided change gave the ranks to others (this member's progress for that plan
+  is fixed already; a group whose drained member is leaving can still commit): the step is
+  not applied, and the commit rule settles it.
 * *A fault* ends a wait: the operation fails (:class:`CollectiveError`, a neighbour of a killed
   rank) or the agent delivers a configuration whose rank map differs (:class:`Superseded`, the
   others). The group is abandoned (dropped, or kept referenced when stuck).
@@ -25,9 +28,17 @@ Theory of operation (DESIGN sections 6 and 8).
   all-gathers the 32-byte state fingerprints: training goes on only when they are all equal.
   A newer configuration during recovery restarts it.
 * Changes that leave the rank map as it is (a spare joined or left) cost nothing: the group
-  stays; only the services are announced under the new ``config_id``.
+  stays; only the services are announced under the new ``config_id``. A group is named after
+  the first configuration of its rank map (``Change.group_id``), so that members that entered
+  different configurations of one rank map (one was handed a change the other never was) meet
+  in the same rendezvous.
 * A member removed from the configuration (or fenced and then removed) stops at once with
   :class:`Removed`; it never writes to the new group.
+* A drained member (``torchpass-p2p drain``, a GPU fault, the hang watchdog: its agent has
+  announced that it leaves) still holds its rank until the agreement decides the configuration
+  without it, so it keeps training: leaving at once would fail its peers' collectives like a
+  crash. The decision removes it and it stops with :class:`Drained`, a clean end; the spare
+  taking its rank fetches the state from the survivors, who hold every step it committed.
 
 The transferred state is rank-independent: model, optimizer, scheduler, ``extra`` objects, the
 step and the data position (``step * world_size`` batches). Generators are not part of it: they
@@ -40,7 +51,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -57,6 +68,7 @@ from torchpass_p2p.collective import (
     unflatten_into,
 )
 from torchpass_p2p.collective.rendezvous import STORE_SERVICE
+from torchpass_p2p.launch.plan import format_address
 from torchpass_p2p.transfer import Snapshot, TransferError, TransferKeys
 
 from .commit import resolve
@@ -65,7 +77,7 @@ from .faults import FaultInjector
 from .seeding import seed_step
 from .service import StateService
 
-__all__ = ["Removed", "TrainResult", "Trainer"]
+__all__ = ["Drained", "Removed", "TrainResult", "Trainer"]
 
 TRANSFER_SERVICE = "transfer"
 SLICE_S = 0.05
@@ -80,6 +92,12 @@ FETCH_ATTEMPTS = 5
 class Removed(RuntimeError):
     """This member is no longer part of the training world (removed, or the agent stopped):
     stop at once and never touch a process group again. Scripts exit with code 3."""
+
+
+class Drained(Removed):
+    """This member was removed because it asked to leave (a drain): its rank went to a spare as
+    planned. A clean end, not a failure; scripts exit as for :class:`Removed`, which the
+    launcher never counts as a failure."""
 
 
 @dataclass
@@ -150,6 +168,7 @@ class Trainer:
         self._latest: Any = None  # newest Change seen
         self._reduced: tuple[int, torch.Tensor] | None = None
         self._snapshot: Snapshot | None = None
+        self._draining = False  # the "draining" event is logged once
         self.result = TrainResult(0)
 
     # ------------------------------------------------------------------ public
@@ -173,6 +192,7 @@ class Trainer:
 
         Raises:
             Removed: this member was removed (or its agent stopped) before training ended.
+            Drained: it was removed after it asked to leave (its rank went to a spare).
         """
         self.service.start()
         try:
@@ -184,6 +204,10 @@ class Trainer:
                     self._recover(exc)
             self._finish()
             return self.result
+        except Removed as exc:
+            self.log("removed", step=self.step, config_id=self.config_id,
+                     drained=isinstance(exc, Drained), reason=str(exc)[:160])
+            raise
         finally:
             self._close()
 
@@ -191,8 +215,11 @@ class Trainer:
 
     def _begin(self) -> None:
         agent = self.agent
-        self.log("start", role=agent.role, config_id=agent.config_id)
-        if agent.role == "spare":
+        status = agent.status_address
+        self.log("start", role=agent.role, config_id=agent.config_id, rank=agent.rank,
+                 address=format_address(agent.address),
+                 status=None if status is None else format_address(status))
+        if agent.role in ("spare", "joining"):  # joining: a late spare, not admitted yet
             self.log("spare_waiting", config_id=agent.config_id)
             try:
                 change = agent.wait_for_rank()
@@ -200,10 +227,14 @@ class Trainer:
                 raise Removed(f"no rank for this spare: {exc}") from None
             self._latest = change
             self._drain_changes()
-            self._enter(self._latest if self._changes_ranks() else change)
+            self._enter_until_in(self._latest if self._changes_ranks() else change)
             return
-        configuration = agent.configuration
-        self._enter_configuration(configuration, resume=0, fetch_from=None)
+        # Every rank enters the configuration it was started in, never "the current one": a
+        # change decided while the ranks start up (a spare joined) would otherwise put them in
+        # different groups' rendezvous. A later change arrives as usual (``_poll``).
+        configuration = agent.settings.configuration or agent.configuration
+        self._enter_configuration(configuration, group_id=configuration.config_id, resume=0,
+                                  fetch_from=None)
 
     def _one_step(self, loss_fn: Callable[[int, int], torch.Tensor]) -> None:
         if self._poll():
@@ -230,9 +261,13 @@ class Trainer:
             self.log("commit_vetoed", step=k, config_id=group.config_id)
             group.abandon()
             raise Superseded
-        agent.report_progress(k, Phase.COMMITTED)
-        self._apply(k, avg)
+        # Every rank's loss is in; kept even when the step is applied only by a roll forward.
         self.result.losses[k] = votes[1].item()
+        if not agent.report_commit(k, self._ranks):  # a decided change took the ranks meanwhile
+            self.log("commit_refused", step=k, config_id=group.config_id)
+            group.abandon()
+            raise Superseded
+        self._apply(k, avg)
         self._publish()
         self.log("step", step=k, loss=votes[1].item(), config_id=self.config_id, rank=rank)
 
@@ -273,18 +308,30 @@ class Trainer:
 
     def _poll(self) -> bool:
         """Take in the agent's changes; True when the newest one changes the rank map (the
-        group must be rebuilt). Raises :class:`Removed` if this member was removed."""
+        group must be rebuilt). Raises :class:`Removed` if this member was removed.
+
+        A draining member (role ``leaving``) trains on: it holds its rank until the decision
+        that removes it (module docstring)."""
         self._drain_changes()
         role = self.agent.role
-        if role in ("removed", "leaving"):
-            raise Removed(f"this member is {role}")
+        draining = self.agent.draining
+        if role == "removed" or (role == "leaving" and not draining):
+            raise self._out(f"this member is {role}")
+        if draining and not self._draining:
+            self._draining = True
+            self.log("draining", step=self.step, config_id=self.config_id, role=role)
         if self._changes_ranks():
             return True
         latest = self._latest
         if latest is not None and latest.configuration.config_id > self.config_id:
+            self._log_change(latest, same_ranks=True)
             self._announce(latest.configuration.config_id)  # same ranks: keep the group
             self.config_id = latest.configuration.config_id
         return False
+
+    def _out(self, why: str) -> Removed:
+        """The end of a member out of the configuration: :class:`Drained` when it asked for it."""
+        return Drained(f"{why} (drained)") if self.agent.draining else Removed(why)
 
     def _watch(self) -> bool:
         return self._poll()
@@ -310,11 +357,16 @@ class Trainer:
             self.group.abandon()
             self.group = None
         del exc
+        self._enter_until_in(self._await_change())
+        self.result.recoveries += 1
+
+    def _enter_until_in(self, change: Any) -> None:
+        """Enter the configuration of ``change``; when that fails (a source or a peer failed
+        meanwhile, a newer configuration came) wait for the next one with another rank map
+        and enter that. A promoted spare's first entry goes through here too."""
         while True:
-            change = self._await_change()
             try:
                 self._enter(change)
-                self.result.recoveries += 1
                 return
             except (CollectiveError, Superseded, TransferError) as again:
                 self.log("recovery_restarted", config_id=change.configuration.config_id,
@@ -322,6 +374,7 @@ class Trainer:
                 if self.group is not None:
                     self.group.abandon()
                     self.group = None
+            change = self._await_change()
 
     def _enter(self, change: Any) -> None:
         """Join the configuration of ``change`` at its ``resume_step``."""
@@ -330,7 +383,7 @@ class Trainer:
         self._log_change(change)
         rank = configuration.rank_of(self.me)
         if rank is None:
-            raise Removed(f"no rank in configuration {configuration.config_id}")
+            raise self._out(f"no rank in configuration {configuration.config_id}")
         assigned = dict(plan.assignments).get(rank) == self.me
         fetch_from = None
         if assigned:
@@ -348,15 +401,20 @@ class Trainer:
             else:
                 fetch_from = tuple(m for r, m in enumerate(configuration.ranks)
                                    if m != self.me and r not in dict(plan.assignments))
-        self._enter_configuration(configuration, resume=resume, fetch_from=fetch_from)
+        self._enter_configuration(configuration, group_id=change.group_id, resume=resume,
+                                  fetch_from=fetch_from)
 
-    def _enter_configuration(self, configuration: Any, *, resume: int,
+    def _enter_configuration(self, configuration: Any, *, group_id: int, resume: int,
                              fetch_from: tuple[int, ...] | None) -> None:
+        """Reach ``resume`` (fetching from ``fetch_from`` if given), then build the group of
+        configuration ``group_id`` (the first with this rank map, the same for every member:
+        :class:`~torchpass_p2p.agent.runtime.Change`) and check the fingerprints."""
         c = configuration.config_id
-        spec = GroupSpec.of(configuration, self.me)
+        spec = replace(GroupSpec.of(configuration, self.me), config_id=group_id)
         self._ranks = tuple(configuration.ranks)
         if spec.rank == 0:  # host the store first: the others can connect while we fetch
-            self.agent.register_service(STORE_SERVICE, c, self.keeper.host_store(c).port)
+            self.agent.register_service(STORE_SERVICE, group_id,
+                                        self.keeper.host_store(group_id).port)
         if fetch_from is not None:
             self._fetch(fetch_from, c, resume)
         if self.step != resume:
@@ -369,8 +427,8 @@ class Trainer:
                  fetched=fetch_from is not None)
         self.group = build_group(spec, self.agent, self.keeper, backend=self.backend,
                                  watch=self._watch)
-        self.log("group_formed", config_id=c, rank=spec.rank, world_size=spec.world_size,
-                 seconds=self.group.formed_s)
+        self.log("group_formed", config_id=c, group_id=group_id, rank=spec.rank,
+                 world_size=spec.world_size, seconds=self.group.formed_s)
         prints = self.group.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
                                       watch=self._watch)
         every = {bytes(p.tolist()) for p in prints}
@@ -423,7 +481,9 @@ class Trainer:
             raise RuntimeError("the restored state's fingerprint differs from the sources'")
         del metadata
 
-    def _log_change(self, change: Any) -> None:
+    def _log_change(self, change: Any, *, same_ranks: bool = False) -> None:
+        """The ``change`` event: the plan this member follows, with its hash (every member of
+        the configuration must log the same one). ``same_ranks``: the group is kept."""
         alerts = []
         try:
             for e in self.agent.status()["recent_events"]:
@@ -433,10 +493,12 @@ class Trainer:
             pass
         plan = change.plan
         self.log("change", config_id=change.configuration.config_id,
-                 decided_at=change.decided_at, ready_at=change.ready_at,
+                 plan_hash=f"{plan.hash:016x}", decided_at=change.decided_at,
+                 ready_at=change.ready_at,
                  resume_step=plan.resume_step, removed=[f"{m:016x}" for m in plan.removed],
+                 joined=[f"{m:016x}" for m in plan.joined],
                  assignments=[[r, f"{m:016x}"] for r, m in plan.assignments],
-                 alerts_at=alerts)
+                 same_ranks=same_ranks, alerts_at=alerts)
 
     # ------------------------------------------------------------------ the end
 

@@ -60,12 +60,15 @@ class StateService:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Close the server and stop the loop thread (bounded by ``timeout_s``)."""
-        if not self._thread.is_alive():
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(timeout_s)
-        except Exception:  # noqa: BLE001 - teardown is best effort
-            pass
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout_s)
+        """Close the server, stop the loop thread (bounded by ``timeout_s``) and close the loop
+        (an unclosed one warns when collected). Idempotent."""
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._server.close(), self._loop).result(
+                    timeout_s)
+            except Exception:  # noqa: BLE001 - teardown is best effort
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout_s)
+        if not self._loop.is_running() and not self._loop.is_closed():
+            self._loop.close()

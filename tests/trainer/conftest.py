@@ -1,0 +1,31 @@
+"""The fault-free runs the end-to-end scenarios compare with, launched once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from examples.main_job import Run, run_job
+from tests.trainer.settings import ARGS
+
+CLEAN_TIMEOUT_S = 200.0
+
+
+@pytest.fixture(scope="session")
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Run]:
+    """``clean_run(steps)``: the fault-free run of ``steps`` steps (4 ranks, 1 spare, ``ARGS``),
+    launched on first use and shared by every module asking for the same length."""
+    runs: dict[int, Run] = {}
+
+    def get(steps: int) -> Run:
+        if steps not in runs:
+            run = run_job(tmp_path_factory.mktemp(f"clean-{steps}"), nproc=4, spares=1,
+                          steps=steps, script_args=ARGS, timeout_s=CLEAN_TIMEOUT_S)
+            assert run.code == 0, run.output[-3000:]
+            assert len(run.finals) == 4 and all(r["steps"] == steps for r in run.finals)
+            assert len({r["fingerprint"] for r in run.finals}) == 1
+            runs[steps] = run
+        return runs[steps]
+
+    return get

@@ -1,0 +1,218 @@
+"""The trainer's side of a drain and of start-up, against a scripted agent (no process group).
+
+A drained member keeps its rank, and trains, until the decision that removes it; then it stops
+with ``Drained``, not as a failure. Every rank enters the configuration it was started in even
+when a change was decided meanwhile, and the group of a configuration is named after the first
+configuration of its rank map; a late spare (still joining) waits for a rank; a promoted
+spare whose first entry fails (its sources failed) waits for the next configuration instead of
+crashing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from torchpass_p2p.agent.runtime import Change
+from torchpass_p2p.collective import GroupSpec, Superseded
+from torchpass_p2p.core.configuration import Configuration
+from torchpass_p2p.core.messages import Cut, Joiner
+from torchpass_p2p.core.plan import next_configuration, with_resume_step
+from torchpass_p2p.core.seal import Keyring
+from torchpass_p2p.trainer import Drained, FaultInjector, Removed, Trainer
+from torchpass_p2p.trainer.timeline import read_events
+from torchpass_p2p.transfer import TransferError
+
+ME, PEER, SPARE, LATE = 0xA1, 0xB2, 0xC3, 0xD4
+ZERO = Configuration(0, [PEER, ME], [SPARE], {m: ("127.0.0.1", 9000 + m) for m in
+                                             (ME, PEER, SPARE)})
+
+
+def change(config: Configuration, cut: Cut, committed: int, group_id: int | None = None
+           ) -> Change:
+    following, plan, _ = next_configuration(config, cut, policy="wait")
+    return Change(following, with_resume_step(plan, committed), 0, 1.0, 1.1,
+                  following.config_id if group_id is None else group_id)
+
+
+JOINED = change(ZERO, Cut(joined=(Joiner(LATE, "127.0.0.1", 9999),)), 4)
+DRAINED = change(ZERO, Cut(removed=(ME,)), 4)
+
+
+class ScriptedAgent:
+    """What the trainer reads of :class:`~torchpass_p2p.agent.api.Agent`, set by the test."""
+
+    member_id = ME
+    address = ("127.0.0.1", 9000 + ME)
+    status_address = None
+    fenced = False
+
+    def __init__(self) -> None:
+        self.settings = SimpleNamespace(keyring=Keyring(b"\x11" * 32), configuration=ZERO)
+        self.configuration = ZERO
+        self.role = "rank"
+        self.draining = False
+        self.changes: list[Change] = []
+        self.services: list[tuple[str, int]] = []
+        self.waited = 0
+        self.assigned: Change | None = None
+
+    @property
+    def config_id(self) -> int:
+        return self.configuration.config_id
+
+    @property
+    def rank(self) -> int | None:
+        return self.configuration.rank_of(ME)
+
+    def next_change(self, timeout_s: float | None = None) -> Change | None:
+        return self.changes.pop(0) if self.changes else None
+
+    def register_service(self, name: str, config_id: int, port: int) -> None:
+        self.services.append((name, config_id))
+
+    def status(self) -> dict[str, Any]:
+        return {"recent_events": []}
+
+    def wait_for_rank(self) -> Change:
+        self.waited += 1
+        if self.assigned is None:
+            raise RuntimeError("the agent stopped")
+        return self.assigned
+
+
+@pytest.fixture
+def trainer(tmp_path: Path) -> Any:
+    model = torch.nn.Linear(2, 1)
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), agent=ScriptedAgent(),
+                log_path=tmp_path / "me.jsonl", faults=FaultInjector([], started_as_rank=True))
+    yield t
+    t._close()
+
+
+def events(tmp_path: Path, name: str) -> list[dict[str, Any]]:
+    return [r for r in read_events(tmp_path) if r["event"] == name]
+
+
+def in_zero(trainer: Trainer) -> None:
+    """As after ``_enter_configuration(ZERO)``, without a process group."""
+    trainer._ranks, trainer.config_id = tuple(ZERO.ranks), 0
+
+
+def test_a_draining_member_trains_on_until_it_is_removed(trainer: Trainer,
+                                                         tmp_path: Path) -> None:
+    in_zero(trainer)
+    agent = trainer.agent
+    agent.role, agent.draining = "leaving", True
+    assert trainer._poll() is False and trainer._poll() is False  # keeps its rank and group
+    [draining] = events(tmp_path, "draining")
+    assert (draining["config_id"], draining["role"]) == (0, "leaving")
+    agent.role = "removed"  # the decision
+    with pytest.raises(Drained, match="drained"):
+        trainer._poll()
+
+
+def test_the_change_that_removes_a_drained_member_ends_it_as_drained(trainer: Trainer,
+                                                                     tmp_path: Path) -> None:
+    in_zero(trainer)
+    trainer.agent.draining = True
+    with pytest.raises(Drained):
+        trainer._enter(DRAINED)
+    [logged] = events(tmp_path, "change")
+    assert logged["plan_hash"] == f"{DRAINED.plan.hash:016x}"
+    assert logged["removed"] == [f"{ME:016x}"] and logged["assignments"] == [[1, f"{SPARE:016x}"]]
+
+
+def test_leaving_or_removed_without_a_drain_is_a_plain_removal(trainer: Trainer) -> None:
+    in_zero(trainer)
+    for role in ("leaving", "removed"):
+        trainer.agent.role = role
+        with pytest.raises(Removed) as caught:
+            trainer._poll()
+        assert type(caught.value) is Removed
+
+
+def test_a_join_keeps_the_group_and_its_plan_is_logged(trainer: Trainer, tmp_path: Path) -> None:
+    in_zero(trainer)
+    trainer.agent.changes.append(JOINED)
+    assert trainer._poll() is False
+    assert trainer.config_id == 1 and ("transfer", 1) in trainer.agent.services
+    [logged] = events(tmp_path, "change")
+    assert logged["same_ranks"] is True and logged["joined"] == [f"{LATE:016x}"]
+    assert logged["plan_hash"] == f"{JOINED.plan.hash:016x}"
+
+
+def test_ranks_enter_the_configuration_they_started_in(trainer: Trainer,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A spare joined while the ranks started: the agent's current configuration is 1, but
+    every rank builds configuration 0's group (and learns of 1 as a change), else ranks that
+    started before and after the decision would wait in different rendezvous."""
+    trainer.agent.configuration = JOINED.configuration
+    entered = []
+
+    def enter(configuration: Configuration, **_: Any) -> None:
+        entered.append(configuration.config_id)
+
+    monkeypatch.setattr(trainer, "_enter_configuration", enter)
+    trainer._begin()
+    assert entered == [0]
+
+
+def test_a_late_spare_still_joining_waits_for_a_rank(trainer: Trainer, tmp_path: Path) -> None:
+    agent = trainer.agent
+    agent.role, agent.settings.configuration = "joining", None
+    with pytest.raises(Removed, match="no rank for this spare"):
+        trainer.run(lambda step, rank: torch.zeros(()), steps=1)
+    assert agent.waited == 1
+    assert [r["event"] for r in read_events(tmp_path)] == ["start", "spare_waiting", "removed"]
+    assert events(tmp_path, "removed")[0]["drained"] is False
+
+
+def test_a_spare_whose_first_entry_fails_enters_the_next_configuration(
+        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    start = Configuration(0, [PEER, SPARE], [ME], ZERO.addresses)
+    first = change(start, Cut(removed=(SPARE,)), 9)  # this spare takes rank 1
+    second = change(first.configuration, Cut(removed=(PEER,)), 9)  # a source failed
+    agent = trainer.agent
+    agent.role, agent.settings.configuration, agent.assigned = "spare", start, first
+    entered = []
+
+    def enter(change: Change) -> None:
+        entered.append(change.configuration.config_id)
+        if len(entered) == 1:
+            agent.changes.append(second)
+            raise TransferError("no_sources", "every source failed")
+
+    monkeypatch.setattr(trainer, "_enter", enter)
+    trainer._begin()
+    assert entered == [1, 2]
+    [restarted] = events(tmp_path, "recovery_restarted")
+    assert restarted["config_id"] == 1 and "every source failed" in restarted["error"]
+
+
+def test_the_group_is_named_after_the_first_configuration_of_its_rank_map(
+        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This member was handed only the join (2) that followed the handover (1): it must meet
+    the members that were handed the handover in the rendezvous of 1, not of 2."""
+    handover = change(ZERO, Cut(removed=(PEER,)), 4)  # the spare takes rank 0
+    joined = change(handover.configuration, Cut(joined=(Joiner(LATE, "127.0.0.1", 9999),)), 4,
+                    group_id=1)
+    in_zero(trainer)
+    trainer.step = 5
+    built = []
+
+    def build_group(spec: GroupSpec, *args: Any, **kwargs: Any) -> None:
+        built.append(spec)
+        raise Superseded
+
+    monkeypatch.setattr("torchpass_p2p.trainer.loop.build_group", build_group)
+    with pytest.raises(Superseded):
+        trainer._enter(joined)
+    assert built == [GroupSpec(1, 1, 2, SPARE)]
+    assert trainer.config_id == 2 and ("transfer", 2) in trainer.agent.services
+    [rule] = events(tmp_path, "commit_rule")
+    assert (rule["action"], rule["config_id"]) == ("redo", 2)
