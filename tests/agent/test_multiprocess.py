@@ -255,8 +255,8 @@ def test_a_sigkilled_rank_is_reported_by_the_launcher_and_replaced(tmp_path):
                     counters.append(json.load(f)["counters"])
     finally:
         run.stop()
-    # The launcher saw the exit and told the siblings at once (fast evidence).
-    assert sum(c.get("evidence_reported", 0) for c in counters) >= 2
+    # The launcher saw the exit and told the siblings at once, as certain evidence.
+    assert sum(c.get("exits_reported", 0) for c in counters) >= 2
     print(f"killed -> spare holds the rank: {promoted_at - killed_at:.2f} s")
     assert [(r["rank"], r["config_id"]) for r in events(run.records()[spare], "role")] \
         == [(1, 1)]
