@@ -36,10 +36,10 @@ def test_fewer_than_l_alerts_are_noise_and_do_not_block() -> None:
     assert p.cut == Cut(removed=(4,)) and p.unstable == ()
 
 
-def test_a_failed_observer_lifts_a_subject_out_of_the_noise_band() -> None:
-    assert 5 in CONFIG.observers_of(9)  # and 5 did not alert: it is dead
+def test_a_dead_observer_does_not_lift_a_subject_out_of_the_noise_band() -> None:
+    assert 5 in CONFIG.observers_of(9)  # Rapid counts implicit alerts only above L
     p = propose(gone=(5,), suspected={9: alerts(9, L - 1)})
-    assert (p.cut, p.unstable) == (None, (9,))
+    assert p.cut == Cut(removed=(5,)) and p.unstable == ()
 
 
 def test_between_l_and_h_alerts_block_the_whole_proposal() -> None:
@@ -77,16 +77,18 @@ def test_a_cut_is_capped_and_the_rest_waits_for_the_next_change() -> None:
 
 def test_members_that_observe_each_other_and_fail_together_are_one_cut() -> None:
     # Scenario S12 at its real size: 4 ranks and 2 spares give each subject 3 observers. 2 and
-    # 3 observe each other, so each dead one can collect only 2 of its 3 alerts, one fewer than
-    # L: without the other's implicit alert both would stay noise for ever.
+    # 3 observe each other, so each dead one can collect only 2 of its 3 alerts: with L = 3
+    # both would stay noise for ever. L scales with the observers (3 * 3 / 10 -> 1), so both
+    # are unstable, and each one's implicit alert completes the other's H = 3.
     small = Configuration(0, range(1, 5), range(5, 7))
     assert small.observers_of(2) == (3, 5, 1) and small.observers_of(3) == (6, 2, 4)
     suspected = {2: Suspected((5, 1), 8.0), 3: Suspected((6, 4), 8.0)}
     p = propose_cut(small, gone=(), suspected=suspected, joiners=(), now=10.0, high=H, low=L,
                     min_window_s=WINDOW, max_removed=32, max_joined=4)
     assert p.cut == Cut(removed=(2, 3)) and p.reason == "remove 2, join 0"
-    # One alive member with a stray alert is still noise, not a removal.
+    # One alive member with a stray alert is unstable (it blocks a cut until refuted or
+    # convicted), not a removal.
     lone = propose_cut(small, gone=(), suspected={2: Suspected((5,), 8.0)}, joiners=(),
                        now=10.0, high=H, low=L, min_window_s=WINDOW, max_removed=32,
                        max_joined=4)
-    assert (lone.cut, lone.unstable) == (None, ())
+    assert (lone.cut, lone.unstable) == (None, (2,))

@@ -6,8 +6,8 @@ alerts, :mod:`.membership`), left on its own, or when at least H observers alert
 shortest suspicion window has passed; it is *unstable* with L..H-1 alerts and no conviction yet;
 fewer than L alerts are noise. Rapid's implicit alerts count an observer that is itself stable or
 unstable as having alerted, so a subject whose observers failed with it (a whole host) still
-reaches H; here an accused observer counts too, towards L as well as H. Joiners are stable at
-once. A member proposes only while nothing is unstable, so failures that start together are
+reaches H. A subject with fewer than K distinct observers (a small configuration) has H capped
+at their number and L scaled in proportion (L/K). Joiners are stable at once. A member proposes only while nothing is unstable, so failures that start together are
 decided as one cut; the caller also waits until the proposal has not changed for
 ``Params.cut_settle_s``.
 """
@@ -65,7 +65,8 @@ def propose_cut(
         now: the current time, seconds.
         high: H, alerts that make a subject stable on their own (Rapid: K - 1 = 9); capped
             at the subject's number of distinct observers.
-        low: L, alerts below which a subject is noise (Rapid: about 0.3 K = 3); capped like H.
+        low: L, alerts below which a subject is noise (Rapid: about 0.3 K = 3); scaled by
+            the subject's distinct observers over K = H + 1 when it has fewer than K.
         min_window_s: a subject with H alerts still waits this long after its first alert, so
             it keeps Lifeguard's shortest refutation window (``Params.suspicion_min_s``).
         max_removed, max_joined: the most of each one cut carries (the codec's limits); the
@@ -76,39 +77,31 @@ def propose_cut(
         unstable; ``recheck_at`` is when a subject that has its alerts finishes its window.
     """
     stable = {m for m in gone if m in config}
-    accused: dict[MemberId, int] = {}  # subject -> explicit alerts, not yet stable
+    partial: dict[MemberId, int] = {}
     for subject, s in suspected.items():
         if subject in stable or subject not in config:
             continue
         alerts = len(s.observers)
         if alerts >= _high(config, subject, high) and now - s.started_at >= min_window_s:
             stable.add(subject)
-        elif alerts:
-            accused[subject] = alerts
-    # Implicit alerts (Rapid section 4.2): an observer that is failing itself cannot alert, so
-    # it counts as having alerted. Rapid counts observers in stable or unstable mode; we also
-    # count an observer that is merely accused, and apply the count to L as well as H. In a small
-    # configuration a subject has few distinct observers (3 each among 6 members), and two
-    # members that observe each other and die together would otherwise each hold one alert too
-    # few to leave the noise band, forever (scenario S12).
-    failing = stable | accused.keys()
-    partial: dict[MemberId, int] = {}
+        elif alerts >= _low(config, subject, low, high):
+            partial[subject] = alerts
+    # Implicit alerts (Rapid section 4.2): an observer that is itself stable or unstable cannot
+    # alert, so it counts as having alerted.
+    failing = stable | partial.keys()
     recheck_at = float("inf")
-    for subject, explicit_count in accused.items():
+    for subject in list(partial):
         s = suspected[subject]
         explicit = set(s.observers)
         implicit = sum(1 for o in config.observers_of(subject)
                        if o in failing and o not in explicit)
-        alerts = explicit_count + implicit
-        enough = _high(config, subject, high)
-        if alerts >= enough:
+        if partial[subject] + implicit >= _high(config, subject, high):
             ripe_at = s.started_at + min_window_s
             if now >= ripe_at:
                 stable.add(subject)
-                continue
-            recheck_at = min(recheck_at, ripe_at)  # stable then, with no new alert to wake us
-        if alerts >= min(low, enough):  # L, capped like H by the distinct observers
-            partial[subject] = alerts
+                del partial[subject]
+            else:  # stable then, with no new alert to wake us
+                recheck_at = min(recheck_at, ripe_at)
     joined = sorted((j for j in joiners if j.member not in config), key=lambda j: j.member)
     if partial:
         return Proposal(None, tuple(sorted(partial)), f"waiting: {len(partial)} unstable",
@@ -123,3 +116,13 @@ def propose_cut(
 def _high(config: Configuration, subject: MemberId, high: int) -> int:
     # A small configuration gives a subject fewer than K distinct observers.
     return min(high, len(config.observers_of(subject)))
+
+
+def _low(config: Configuration, subject: MemberId, low: int, high: int) -> int:
+    # L in proportion to the distinct observers, as L/K in Rapid (K = H + 1): in a 6-member
+    # job a subject has 2-4 observers, and with L = 3 two members that observe each other and
+    # die together would each stay one alert short of unstable for ever (scenario S12).
+    observers = len(config.observers_of(subject))
+    if observers > high:
+        return low
+    return max(1, -(-low * observers // (high + 1)))
