@@ -24,6 +24,8 @@ MODULES = [
     "torchpass_p2p/core/configuration.py",
     "torchpass_p2p/core/membership.py",
     "torchpass_p2p/core/reconfiguration.py",
+    "torchpass_p2p/core/agreement.py",
+    "torchpass_p2p/core/cut.py",
     "torchpass_p2p/core/sizes.py",
     "sims/engine.py",
     "sims/network.py",

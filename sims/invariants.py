@@ -128,6 +128,15 @@ class InvariantChecker:
         sm = self.cluster.by_id.get(member)
         return f"#{sm.index}" if sm is not None else format_member_id(member)
 
+    # Violation texts are built only when a rule fails: formatting them for every event cost
+    # more than checking the rules (16k members emit millions of events).
+
+    def _who(self, sm: SimMember, at: float) -> str:
+        return f"t={at:.3f} {self._name(sm.id)}"
+
+    def _what(self, sm: SimMember, event: ev.Event, subject: MemberId, inc: int) -> str:
+        return f"{self._who(sm, event.at)} {type(event).__name__} {self._name(subject)}@{inc}"
+
     def _observers(self, config: Configuration, subject: MemberId) -> frozenset[MemberId]:
         # Configurations are immutable, so (config_id, subject) names one answer for good;
         # keeping it here costs one dict entry per member and spares a ring walk per event.
@@ -143,63 +152,69 @@ class InvariantChecker:
         self.events += 1
         me = sm.id
         at = event.at
-        who = f"t={at:.3f} {self._name(me)}"
         if sm.crashed:
-            self._fail("silent-when-crashed", f"{who} crashed, yet emitted {event!r}")
+            self._fail("silent-when-crashed", f"{self._who(sm, at)} crashed, yet emitted {event!r}")
         elif sm.blocked_until > at + _EPS_S:
-            self._fail("silent-when-crashed",
-                       f"{who} blocked until {sm.blocked_until:.3f}, yet emitted {event!r}")
+            self._fail("silent-when-crashed", f"{self._who(sm, at)} blocked until "
+                                              f"{sm.blocked_until:.3f}, yet emitted {event!r}")
         if me in self._removed:
-            self._fail("silent-after-removal", f"{who} was removed, yet emitted {event!r}")
+            self._fail("silent-after-removal",
+                       f"{self._who(sm, at)} was removed, yet emitted {event!r}")
         kind = type(event)
         attr = _SUBJECT_OF.get(kind)
         if attr is not None:
-            self._about_subject(sm, event, getattr(event, attr), who)
+            self._about_subject(sm, event, getattr(event, attr))
         elif kind is ev.SelfRefuted:
-            self._self_refuted(me, event, who)
+            self._self_refuted(sm, event)
         elif kind is ev.SelfRemoved:
             self._removed.add(me)
             last = self._last_decided.get(me)
             if last is None or me in last.configuration:
-                self._fail("removed-by-decision",
-                           f"{who} SelfRemoved without a decided configuration that drops it")
+                self._fail("removed-by-decision", f"{self._who(sm, at)} SelfRemoved without a "
+                                                  f"decided configuration that drops it")
         elif kind is ev.ConfigurationDecided:
             self._last_decided[me] = event
 
-    def _self_refuted(self, me: MemberId, event: ev.SelfRefuted, who: str) -> None:
+    def _self_refuted(self, sm: SimMember, event: ev.SelfRefuted) -> None:
+        me = sm.id
         before = self._incarnation.get(me, 0)
         self._incarnation[me] = event.incarnation
         if event.incarnation != before + 1:
             self._fail("refute-by-one",
-                       f"{who} refuted from incarnation {before} to {event.incarnation}")
+                       f"{self._who(sm, event.at)} refuted from incarnation {before} to "
+                       f"{event.incarnation}")
         accused = event.incarnation - 1
         if (me, accused) not in self._raised_about:
             self._fail("refute-real-alert",
-                       f"{who} refuted incarnation {accused}, which no observer accused")
+                       f"{self._who(sm, event.at)} refuted incarnation {accused}, which no "
+                       f"observer accused")
 
-    def _about_subject(self, sm: SimMember, event: ev.Event, subject: MemberId,
-                       who: str) -> None:
+    def _about_subject(self, sm: SimMember, event: ev.Event, subject: MemberId) -> None:
         me = sm.id
         kind = type(event)
         inc = event.incarnation
         subject_sm = self.cluster.by_id.get(subject)
         if subject_sm is None:
-            self._fail("minted-by-owner", f"{who} reported unknown member {subject:016x}")
+            self._fail("minted-by-owner",
+                       f"{self._who(sm, event.at)} reported unknown member {subject:016x}")
             return
         if inc > subject_sm.core.incarnation:
             self._fail("minted-by-owner",
-                       f"{who} reported {self._name(subject)} at incarnation {inc}, above its "
-                       f"own {subject_sm.core.incarnation}: {event!r}")
+                       f"{self._who(sm, event.at)} reported {self._name(subject)} at incarnation "
+                       f"{inc}, above its own {subject_sm.core.incarnation}: {event!r}")
         key = (me, subject)
         state, known = self._view.get(key, (_ALIVE, 0))
-        what = f"{who} {kind.__name__} {self._name(subject)}@{inc}"
+
+        def what() -> str:
+            return self._what(sm, event, subject, inc)
+
         if state == _LEFT:
-            self._fail("dead-until-newer", f"{what} after it had left")
+            self._fail("dead-until-newer", f"{what()} after it had left")
             return
         if state == _DEAD and not (kind is ev.MemberAlive and inc > known):
-            self._fail("dead-until-newer", f"{what} while it was dead at incarnation {known}")
+            self._fail("dead-until-newer", f"{what()} while it was dead at incarnation {known}")
         if inc < known or (kind is ev.MemberAlive and inc == known):
-            self._fail("view-monotone", f"{what} after it had reported incarnation {known}")
+            self._fail("view-monotone", f"{what()} after it had reported incarnation {known}")
         elif inc > known:  # the older suspicion is over for this holder: keep memory bounded
             self._suspected_at.pop((me, subject, known), None)
             self._held_alerts.pop((me, subject, known), None)
@@ -209,39 +224,44 @@ class InvariantChecker:
             self._view[key] = (_SUSPECT, inc)
             self._suspected_at.setdefault((me, subject, inc), event.at)
         elif kind is ev.AlertRaised:
-            self._alert(sm, event, state, known, what)
+            self._alert(sm, event, state, known)
         elif kind is ev.MemberDead:
             self._view[key] = (_DEAD, inc)
-            self._dead(sm, event, what)
+            self._dead(sm, event)
         else:  # MemberLeft
             self._view[key] = (_LEFT, inc)
             if not subject_sm.core.left:
-                self._fail("left-by-self", f"{what}, but it never left")
+                self._fail("left-by-self", f"{what()}, but it never left")
 
-    def _alert(self, sm: SimMember, event: ev.AlertRaised, state: int, known: int,
-               what: str) -> None:
+    def _alert(self, sm: SimMember, event: ev.AlertRaised, state: int, known: int) -> None:
         me, subject, observer, inc = sm.id, event.subject, event.observer, event.incarnation
-        what = f"{what} from {self._name(observer)}"
+
+        def what() -> str:
+            return f"{self._what(sm, event, subject, inc)} from {self._name(observer)}"
+
         if observer not in self._observers(sm.core.configuration, subject):
-            self._fail("alert-by-observer", f"{what}, which is not one of its observers")
+            self._fail("alert-by-observer", f"{what()}, which is not one of its observers")
         if observer == me:
             self._raised.add((observer, subject, inc))
             self._raised_about.add((subject, inc))
         elif (observer, subject, inc) not in self._raised:
-            self._fail("alert-has-origin", f"{what}, which that observer never raised")
+            self._fail("alert-has-origin", f"{what()}, which that observer never raised")
         if state != _SUSPECT or known != inc:
-            self._fail("alert-in-suspicion", f"{what} outside a suspicion at that incarnation")
+            self._fail("alert-in-suspicion", f"{what()} outside a suspicion at that incarnation")
         held = self._held_alerts.setdefault((me, subject, inc), set())
         if observer in held:
-            self._fail("alert-in-suspicion", f"{what} twice")
+            self._fail("alert-in-suspicion", f"{what()} twice")
         held.add(observer)
 
-    def _dead(self, sm: SimMember, event: ev.MemberDead, what: str) -> None:
+    def _dead(self, sm: SimMember, event: ev.MemberDead) -> None:
         me, subject, confirmer, inc = sm.id, event.member, event.confirmer, event.incarnation
-        what = f"{what} by {self._name(confirmer)}"
+
+        def what() -> str:
+            return f"{self._what(sm, event, subject, inc)} by {self._name(confirmer)}"
+
         if confirmer != me:
             if (confirmer, subject, inc) not in self._convicted:
-                self._fail("dead-has-origin", f"{what}, who never convicted it")
+                self._fail("dead-has-origin", f"{what()}, who never convicted it")
             return
         self._convicted.add((me, subject, inc))
         config = sm.core.configuration
@@ -250,16 +270,16 @@ class InvariantChecker:
         held = self._held_alerts.get((me, subject, inc), set())
         if len(held) < needed:
             names = ", ".join(sorted(self._name(o) for o in held)) or "none"
-            self._fail("quorum", f"{what} holding alerts from {len(held)} observers ({names}); "
+            self._fail("quorum", f"{what()} holding alerts from {len(held)} observers ({names}); "
                                  f"needs {needed}")
         began = self._suspected_at.get((me, subject, inc))
         observes = me in observers
         wait_s = self._suspicion_min_s if observes else self._suspicion_max_s
         if began is None:
-            self._fail("suspicion-timeout", f"{what} without a suspicion at that incarnation")
+            self._fail("suspicion-timeout", f"{what()} without a suspicion at that incarnation")
         elif event.at + _EPS_S < began + wait_s:
             self._fail("suspicion-timeout",
-                       f"{what} {event.at - began:.3f} s after suspecting it; needs {wait_s} s "
+                       f"{what()} {event.at - began:.3f} s after suspecting it; needs {wait_s} s "
                        f"({'observer' if observes else 'not an observer'})")
 
     # ------------------------------------------------------------------ at the end

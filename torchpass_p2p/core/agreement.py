@@ -36,6 +36,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass
+from typing import Final
 
 from .configuration import Configuration
 from .errors import LocalProtocolError
@@ -44,6 +45,9 @@ from .messages import Accept, Cut, MemberId, Message, Prepare, Progress, Promise
 SEGMENT_BITS = 2048
 """Members per bitmap segment: 256 bytes, so a segment, a cut and the header fit one 1,400-byte
 datagram; 16,384 members need 8 segments. Must equal ``codec.SEGMENT_BYTES * 8``."""
+
+SEGMENT_MASK: Final = (1 << SEGMENT_BITS) - 1
+"""The bits of one segment, at segment 0."""
 
 FAST_ROUND = 0
 
@@ -75,7 +79,7 @@ def bitmap_segments(bits: int, members: int, only: int = -1) -> list[tuple[int, 
     so a 10-member configuration sends 2 bytes.
     """
     out = []
-    mask = (1 << SEGMENT_BITS) - 1
+    mask = SEGMENT_MASK
     for seg in range((members + SEGMENT_BITS - 1) // SEGMENT_BITS):
         if not only >> seg & 1:
             continue
@@ -97,10 +101,12 @@ class Tally:
 
     def merge(self, segment: int, bits: int, max_step: int) -> bool:
         """OR in ``bits`` (already shifted to its place); returns whether anything was new."""
-        new = bits & ~self.bits
+        # One OR and a compare: at 16k members a bitmap is 2 KiB, and every vote and progress
+        # message merges one (the complement and AND this replaces cost two more copies).
+        merged = self.bits | bits
         changed = False
-        if new:
-            self.bits |= new
+        if merged != self.bits:
+            self.bits = merged
             changed = True
         if max_step > self.max_step:
             self.max_step = max_step
