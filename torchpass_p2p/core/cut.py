@@ -7,9 +7,9 @@ shortest suspicion window has passed; it is *unstable* with L..H-1 alerts and no
 fewer than L alerts are noise. Rapid's implicit alerts count an observer that is itself stable or
 unstable as having alerted, so a subject whose observers failed with it (a whole host) still
 reaches H. A subject with fewer than K distinct observers (a small configuration) has H capped
-at their number and L scaled in proportion (L/K). Joiners are stable at once. A member proposes only while nothing is unstable, so failures that start together are
-decided as one cut; the caller also waits until the proposal has not changed for
-``Params.cut_settle_s``.
+at their number and L scaled in proportion (L/K). Joiners are stable at once. A member
+proposes only while nothing is unstable, so failures that start together are decided as one
+cut; the caller also waits until the proposal has not changed for ``Params.cut_settle_s``.
 """
 
 from __future__ import annotations
