@@ -17,7 +17,7 @@ import signal
 import sys
 from collections.abc import Mapping
 
-__all__ = ["LAUNCHER_PID_VARIABLE", "die_with_launcher"]
+__all__ = ["LAUNCHER_PID_VARIABLE", "die_with_launcher", "prctl"]
 
 LAUNCHER_PID_VARIABLE = "TORCHPASS_LAUNCHER_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -36,9 +36,16 @@ def die_with_launcher(environ: Mapping[str, str] = os.environ) -> bool:
     launcher = int(value)
     if os.getppid() != launcher:
         return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if not prctl(_PR_SET_PDEATHSIG, signal.SIGKILL):
         return False
     if os.getppid() != launcher:  # it died between the check and the request
         os._exit(1)
     return True
+
+
+def prctl(option: int, value: int) -> bool:
+    """Linux prctl(2) ``option`` set to ``value``; False where it failed or does not exist."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    return bool(libc.prctl(option, value, 0, 0, 0) == 0)

@@ -13,15 +13,12 @@ re-parented to the launcher rather than to init, and :func:`kill_strays` finds a
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import os
 import signal
-import sys
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
-from ..agent.lifeline import LAUNCHER_PID_VARIABLE
+from ..agent.lifeline import LAUNCHER_PID_VARIABLE, prctl
 from .plan import ChildSpec
 
 __all__ = ["Child", "become_subreaper", "kill_strays"]
@@ -83,10 +80,7 @@ class Child:
 def become_subreaper() -> bool:
     """Make this process adopt its orphaned descendants (module docstring). False where the
     platform has no such thing; then :func:`kill_strays` finds nothing."""
-    if not sys.platform.startswith("linux"):
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return prctl(_PR_SET_CHILD_SUBREAPER, 1)
 
 
 def kill_strays(known: Collection[int]) -> list[int]:
