@@ -17,7 +17,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.agent.cluster import LocalCluster
-from torchpass_p2p.agent.transport import STREAM_LABEL, Kind
+from torchpass_p2p.agent.transport import REQUEST_LABEL, Channel, Kind
 from torchpass_p2p.core.codec import encode
 from torchpass_p2p.core.messages import Ping
 from torchpass_p2p.core.seal import Keyring, Sealer
@@ -42,10 +42,10 @@ async def tcp_send(address, data: bytes) -> bytes:
         writer.close()
 
 
-def frame(keyring: Keyring, sender: int, kind: int, body: bytes) -> bytes:
-    sealer = Sealer("torchpass", keyring.derive(STREAM_LABEL), sender)
+def request(keyring: Keyring, sender: int, kind: int, body: bytes) -> bytes:
+    sealer = Sealer("torchpass", keyring.derive(REQUEST_LABEL), sender)
     sealed = sealer.seal(bytes((kind,)) + body, 0)
-    return struct.pack(">I", len(sealed)) + sealed
+    return struct.pack(">I", 1 + len(sealed)) + bytes((Channel.REQUEST,)) + sealed
 
 
 def rejected_in_metrics(text: str, metric: str) -> dict[str, float]:
@@ -73,8 +73,8 @@ async def test_garbage_on_both_ports_is_dropped_counted_and_changes_nothing():
         replies = await asyncio.gather(
             tcp_send(address, struct.pack(">I", (4 << 30) - 1)),  # claims 4 GB
             tcp_send(address, b"\x00\x00\x01\x00" + bytes(256)),  # garbage body
-            tcp_send(address, frame(rogue, 2, Kind.CONFIG_REQUEST, b"")),  # no key
-            tcp_send(address, frame(cluster.keyring, 2, 9, b"")),  # an unknown kind
+            tcp_send(address, request(rogue, 2, Kind.CONFIG_REQUEST, b"")),  # no key
+            tcp_send(address, request(cluster.keyring, 2, 9, b"")),  # an unknown kind
             tcp_send(address, b"\x00\x00\x00\x05abc"),  # shorter than any sealed frame
             tcp_send(address, b"\x00\x00\x01\x00" + bytes(100)),  # truncated, then closed
         )

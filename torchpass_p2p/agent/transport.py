@@ -5,17 +5,31 @@ Both listen on the same port number. A core message whose sealed datagram fits
 ``SyncState``, a ``Vote`` with a full cut) goes as one TCP frame to the same address. A joining
 process asks a seed for the current configuration over TCP (request/reply on one connection).
 
-Every datagram and frame is sealed (ChaCha20-Poly1305, :mod:`torchpass_p2p.core.seal`). TCP uses
-sub-keys derived for it (:meth:`~torchpass_p2p.core.seal.Keyring.derive`) so its counters never
-reuse a datagram's nonce. A frame is a 4-byte big-endian length and a sealed body whose first
-byte is its kind. Bad input is dropped and counted by reason in ``rejected`` (datagrams, the
-reasons of :mod:`torchpass_p2p.core.wire`) and ``rejected_frames`` (TCP); it never raises out of
-a callback and never reaches the core.
+Every datagram and frame is sealed (ChaCha20-Poly1305, :mod:`torchpass_p2p.core.seal`). A frame
+is a 4-byte big-endian length, one channel byte, and a sealed body whose first byte is its kind.
+Each channel has its own sealer under sub-keys derived for it
+(:meth:`~torchpass_p2p.core.seal.Keyring.derive`), so no two sealers ever share a nonce and the
+channel byte, which selects the key, cannot be changed undetected:
+
+* ``Channel.MESSAGE``: core messages, sealed with the sender's incarnation and bound to the
+  receiving member, like datagrams (a copy replayed to another member fails there).
+* ``Channel.REQUEST``: requests and their replies, incarnation 0. A request is not bound to a
+  member (a joiner asks a seed it knows by address only); a reply is bound to the request it
+  answers (:func:`reply_tag`), so an old reply replayed to a new request does not open.
+
+Connections that have not yet delivered an authenticated frame are *unproven*: they must send one
+within ``FIRST_FRAME_TIMEOUT_S``, and past ``MAX_UNPROVEN_CONNECTIONS`` the oldest is closed, so
+idle connections from a process without the key cannot take every slot from the members.
+
+Bad input is dropped and counted by reason in ``rejected`` (datagrams, the reasons of
+:mod:`torchpass_p2p.core.wire`) and ``rejected_frames`` (TCP); it never raises out of a callback
+and never reaches the core.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import socket
 import struct
@@ -26,25 +40,46 @@ from dataclasses import dataclass
 from torchpass_p2p.core.codec import DecodeError, decode, encode
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId, Message
-from torchpass_p2p.core.seal import OVERHEAD_BYTES, Keyring, Opener, OpenError, Sealer
+from torchpass_p2p.core.seal import HEADER_BYTES, OVERHEAD_BYTES, Keyring, Opener, OpenError, Sealer
 from torchpass_p2p.core.wire import DEFAULT_MAX_DATAGRAM_BYTES, Wire
 
-__all__ = ["Kind", "Transport", "TransportError"]
+__all__ = ["Channel", "Kind", "Transport", "TransportError", "reply_tag"]
 
 log = logging.getLogger(__name__)
 
 _LENGTH = struct.Struct(">I")
 STREAM_LABEL = b"torchpass tcp frames v1"
+"""Sub-key label of the message channel."""
+REQUEST_LABEL = b"torchpass tcp requests v1"
+"""Sub-key label of the request channel."""
 MAX_INBOUND_FRAME = 64 * 1024
 """Largest frame a member accepts unasked (bytes): a core message is at most 2 KiB."""
 MAX_REPLY_FRAME = 64 * 1024 * 1024
 """Largest reply a requester reads (bytes): a 131k-member configuration is about 20 MB."""
 MAX_INBOUND_CONNECTIONS = 256
+MAX_UNPROVEN_CONNECTIONS = 64
+"""Inbound connections without an authenticated frame yet; past this the oldest is closed."""
+FIRST_FRAME_TIMEOUT_S = 2.0
+"""An inbound connection must deliver its first frame within this (seconds): a member writes
+its frame right after connecting."""
 OUTBOUND_QUEUE = 256
 """Frames waiting per destination; more are dropped and counted (gossip repairs loss)."""
 CONNECT_TIMEOUT_S = 2.0
 IDLE_TIMEOUT_S = 30.0
 """An inbound or outbound connection with no frame for this long is closed."""
+
+
+class Channel:
+    """The byte before a frame's sealed body: which sub-keys sealed it (module docstring)."""
+
+    MESSAGE = 0
+    REQUEST = 1
+
+
+def reply_tag(request: bytes) -> int:
+    """The uint64 a reply to the sealed ``request`` is bound to: a hash of its sealed header
+    (sender and counter, unique per request)."""
+    return int.from_bytes(hashlib.blake2b(request[:HEADER_BYTES], digest_size=8).digest(), "big")
 
 
 class Kind:
@@ -107,10 +142,13 @@ class Transport:
         # Datagrams are bound to their receiver: a copy replayed to another member fails there.
         self._wire = Wire(cluster, keyring, member_id, max_datagram_bytes, bind_receiver=True)
         stream_keys = keyring.derive(STREAM_LABEL)
-        self._stream_sealer = Sealer(cluster, stream_keys, member_id)
-        self._stream_opener = Opener(cluster, stream_keys, member_id)
+        self._message_sealer = Sealer(cluster, stream_keys, member_id)
+        self._message_opener = Opener(cluster, stream_keys, member_id, bind_receiver=True)
+        request_keys = keyring.derive(REQUEST_LABEL)
+        self._request_sealer = Sealer(cluster, request_keys, member_id)
+        self._request_opener = Opener(cluster, request_keys, member_id)
         self._cluster = cluster
-        self._stream_keys = stream_keys
+        self._request_keys = request_keys
         self._on_message = on_message
         self._on_send_error = on_send_error
         self._on_request = on_request
@@ -120,7 +158,9 @@ class Transport:
         self._server: asyncio.Server | None = None
         self._outbound: dict[Address, asyncio.Queue[bytes]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._inbound = 0
+        self._inbound: set[asyncio.StreamWriter] = set()
+        self._serving: set[asyncio.Task[None]] = set()  # inbound handlers, part of _tasks
+        self._unproven: dict[asyncio.StreamWriter, None] = {}  # oldest first
         self._sending_to: Address | None = None
         self.address: Address | None = None
 
@@ -171,10 +211,16 @@ class Transport:
             self._udp.close()
         if self._server is not None:
             self._server.close()
-        for task in list(self._tasks):
+        # Inbound handlers end on EOF (on Python 3.11 a cancelled one makes asyncio's stream
+        # callback log a spurious traceback); the rest is cancelled, all within 2 s.
+        for writer in list(self._inbound):
+            writer.close()
+        for task in list(self._tasks - self._serving):
             task.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=2.0)
+        for task in list(self._tasks):
+            task.cancel()
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
@@ -195,7 +241,7 @@ class Transport:
         try:
             datagram = self._wire.seal(message, incarnation, to)
         except ValueError:
-            self._send_frame_message(address, message, incarnation)
+            self._send_frame_message(address, message, incarnation, to)
             return
         self._sending_to = address
         try:
@@ -205,14 +251,16 @@ class Transport:
         self.traffic["datagrams_sent"] += 1
         self.traffic["bytes_sent"] += len(datagram)
 
-    def _send_frame_message(self, address: Address, message: Message, incarnation: int) -> None:
+    def _send_frame_message(self, address: Address, message: Message, incarnation: int,
+                            to: MemberId) -> None:
         try:
             body = encode(message)
         except ValueError:
             self.traffic["dropped_invalid"] += 1
             log.exception("core produced a message the codec refuses: %r", message)
             return
-        frame = self._frame(Kind.MESSAGE, body, incarnation)
+        frame = self._frame(Channel.MESSAGE, self._message_sealer.seal(
+            bytes((Kind.MESSAGE,)) + body, incarnation, to))
         queue = self._outbound.get(address)
         if queue is None:
             queue = self._outbound[address] = asyncio.Queue(OUTBOUND_QUEUE)
@@ -222,9 +270,9 @@ class Transport:
         except asyncio.QueueFull:
             self.traffic["dropped_queue_full"] += 1
 
-    def _frame(self, kind: int, body: bytes, incarnation: int) -> bytes:
-        sealed = self._stream_sealer.seal(bytes((kind,)) + body, incarnation)
-        return _LENGTH.pack(len(sealed)) + sealed
+    @staticmethod
+    def _frame(channel: int, sealed: bytes) -> bytes:
+        return _LENGTH.pack(1 + len(sealed)) + bytes((channel,)) + sealed
 
     async def _write_frames(self, address: Address, queue: asyncio.Queue[bytes]) -> None:
         writer = None
@@ -261,10 +309,11 @@ class Transport:
                 that does not open under the cluster key.
         """
         writer = None
+        request = self._request_sealer.seal(bytes((kind,)) + body, 0)
         try:
             async with asyncio.timeout(timeout_s):
                 reader, writer = await asyncio.open_connection(*address, limit=1 << 20)
-                writer.write(self._frame(kind, body, 0))
+                writer.write(self._frame(Channel.REQUEST, request))
                 await writer.drain()
                 header = await reader.readexactly(_LENGTH.size)
                 (size,) = _LENGTH.unpack(header)
@@ -276,9 +325,14 @@ class Transport:
         finally:
             if writer is not None:
                 writer.close()
-        # A fresh opener: replies come from whoever answers, on a one-off connection.
+        # A fresh opener: replies come from whoever answers, on a one-off connection; only a
+        # reply bound to this very request opens.
+        opener = Opener(self._cluster, self._request_keys, self.member_id,
+                        bind_receiver=True, receiver=reply_tag(request))
         try:
-            _, _, plain = Opener(self._cluster, self._stream_keys, self.member_id).open(data)
+            if not data or data[0] != Channel.REQUEST:
+                raise OpenError("bad_channel")
+            _, _, plain = opener.open(data[1:])
         except OpenError as exc:
             raise TransportError(f"reply from {address} rejected: {exc.reason}") from exc
         if not plain:
@@ -303,37 +357,49 @@ class Transport:
             log.exception("handling a message from %016x failed", received.sender)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._inbound >= MAX_INBOUND_CONNECTIONS:
+        if len(self._inbound) >= MAX_INBOUND_CONNECTIONS:
             self.rejected_frames["too_many_connections"] += 1
             writer.close()
             return
-        self._inbound += 1
+        if len(self._unproven) >= MAX_UNPROVEN_CONNECTIONS:
+            self.rejected_frames["evicted_unproven"] += 1
+            oldest = next(iter(self._unproven))
+            del self._unproven[oldest]
+            oldest.close()  # its handler then reads EOF and ends
+        self._inbound.add(writer)
+        self._unproven[writer] = None
         task = asyncio.current_task()
         if task is not None:
-            self._tasks.add(task)
+            self._tasks.add(task)  # type: ignore[arg-type]
+            self._serving.add(task)  # type: ignore[arg-type]
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(self._serving.discard)
         peer = writer.get_extra_info("peername") or ("?", 0)
+        timeout_s = FIRST_FRAME_TIMEOUT_S
         try:
             while True:
-                reason = await self._serve_frame(reader, writer, (peer[0], peer[1]))
+                reason = await self._serve_frame(reader, writer, (peer[0], peer[1]), timeout_s)
                 if reason is not None:
                     if reason != "closed":
                         self.rejected_frames[reason] += 1
                     return
+                self._unproven.pop(writer, None)
+                timeout_s = IDLE_TIMEOUT_S
         finally:
-            self._inbound -= 1
+            self._inbound.discard(writer)
+            self._unproven.pop(writer, None)
             writer.close()
 
     async def _serve_frame(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           peer: Address) -> str | None:
+                           peer: Address, timeout_s: float) -> str | None:
         """Read and handle one frame; the reason to close the connection, or None."""
         try:
-            async with asyncio.timeout(IDLE_TIMEOUT_S):
+            async with asyncio.timeout(timeout_s):
                 header = await reader.readexactly(_LENGTH.size)
                 (size,) = _LENGTH.unpack(header)
                 if size > MAX_INBOUND_FRAME:
                     return "too_large"
-                if size < OVERHEAD_BYTES + 1:
+                if size < 1 + OVERHEAD_BYTES + 1:
                     return "too_short"
                 data = await reader.readexactly(size)
         except asyncio.IncompleteReadError as exc:
@@ -342,23 +408,35 @@ class Transport:
             return "closed"
         self.traffic["frames_received"] += 1
         self.traffic["bytes_received"] += _LENGTH.size + size
+        channel, sealed = data[0], data[1:]
+        if channel == Channel.MESSAGE:
+            return self._serve_message(sealed, peer)
+        if channel != Channel.REQUEST:
+            return "bad_channel"
         try:
-            sender, incarnation, plain = self._stream_opener.open(data)
+            _, _, plain = self._request_opener.open(sealed)
         except OpenError as exc:
             return exc.reason
-        kind, body = plain[0], plain[1:]
-        if kind == Kind.MESSAGE:
-            try:
-                message = decode(body)
-            except DecodeError as exc:
-                return "decode_" + exc.reason
-            self._deliver(Received(sender, incarnation, message, peer))
-            return None
-        reply = self._on_request(kind, body)
+        reply = self._on_request(plain[0], plain[1:])
         if reply is None:
             return "unknown_kind"
-        writer.write(self._frame(reply[0], reply[1], 0))
+        writer.write(self._frame(Channel.REQUEST, self._request_sealer.seal(
+            bytes((reply[0],)) + reply[1], 0, reply_tag(sealed))))
         await writer.drain()
+        return None
+
+    def _serve_message(self, sealed: bytes, peer: Address) -> str | None:
+        try:
+            sender, incarnation, plain = self._message_opener.open(sealed)
+        except OpenError as exc:
+            return exc.reason
+        if plain[0] != Kind.MESSAGE:
+            return "unknown_kind"
+        try:
+            message = decode(plain[1:])
+        except DecodeError as exc:
+            return "decode_" + exc.reason
+        self._deliver(Received(sender, incarnation, message, peer))
         return None
 
     def _own(self, coro: object) -> None:

@@ -274,7 +274,8 @@ class Opener:
 
     ``local_member``, if given, is this process's own id: datagrams claiming it as sender are
     dropped (``from_self``: a reflected datagram of ours). With ``bind_receiver`` only datagrams
-    sealed ``to`` this member open (:meth:`Sealer.seal`); it needs ``local_member``.
+    sealed ``to`` this member open (:meth:`Sealer.seal`); it needs ``local_member``, or
+    ``receiver``: the uint64 bound instead (e.g. a tag naming the request a reply answers).
     """
 
     __slots__ = ("_ad_prefix", "_keyring", "_local", "_ad_suffix", "window")
@@ -287,13 +288,15 @@ class Opener:
         max_senders: int = DEFAULT_MAX_SENDERS,
         *,
         bind_receiver: bool = False,
+        receiver: int | None = None,
     ) -> None:
-        if bind_receiver and local_member is None:
-            raise ValueError("bind_receiver needs local_member")
+        bound = local_member if receiver is None else receiver
+        if bind_receiver and bound is None:
+            raise ValueError("bind_receiver needs local_member or receiver")
         self._ad_prefix = cluster.encode("utf-8")
         self._keyring = keyring
         self._local = local_member
-        self._ad_suffix = _U64.pack(local_member) if bind_receiver else b""
+        self._ad_suffix = _U64.pack(bound) if bind_receiver else b""
         self.window = ReplayWindow(max_senders)
 
     def open(self, data: bytes) -> tuple[int, int, bytes]:
