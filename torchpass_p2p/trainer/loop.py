@@ -47,6 +47,7 @@ are a function of ``(seed, rank, step)``.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -78,6 +79,8 @@ from .seeding import seed_step
 from .service import StateService
 
 __all__ = ["Drained", "Removed", "TrainResult", "Trainer"]
+
+log = logging.getLogger(__name__)
 
 TRANSFER_SERVICE = "transfer"
 SLICE_S = 0.05
@@ -342,7 +345,14 @@ class Trainer:
     def _await_change(self) -> Any:
         """Block until the agent delivers a configuration with another rank map."""
         waited = time.monotonic()
+        fenced = False
         while not self._poll():
+            if self.agent.fenced and not fenced:  # say why nothing moves (once per wait)
+                fenced = True
+                self.log("fenced", step=self.step, config_id=self.config_id)
+                log.warning("member %s: fenced at step %d (no majority of configuration %d "
+                            "reachable); waiting for a decided configuration", self.log.member,
+                            self.step, self.config_id)
             time.sleep(SLICE_S)
             if time.monotonic() - waited > 600:
                 raise Removed("no new configuration for 600 s after a collective failure")
