@@ -30,8 +30,8 @@ from torch import nn
 
 import torchpass_p2p
 from torchpass_p2p.collective import exit_process
-from torchpass_p2p.launch.outcome import EXIT_REMOVED
-from torchpass_p2p.trainer import Removed, Trainer, step_generator
+from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED
+from torchpass_p2p.trainer import Drained, Removed, Trainer, step_generator
 
 VOCAB = 128
 
@@ -136,7 +136,7 @@ def main() -> int:
     except Removed as exc:
         print(f"member {me}: {exc}; exiting", file=sys.stderr, flush=True)
         agent.stop(leave=False, timeout_s=2.0)
-        return EXIT_REMOVED
+        return EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"final-{me}.json").write_text(json.dumps({

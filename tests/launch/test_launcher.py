@@ -197,6 +197,32 @@ def test_respawn_starts_a_new_spare_that_joins_through_the_live_members(
     assert "respawning rank 1" in log
 
 
+DRAINED = '''
+import time
+out = Path(sys.argv[1])
+env = dump(out)
+if env.get("RANK") == "1":
+    sys.exit(4)  # EXIT_DRAINED: its rank went to a spare on purpose
+if env["TORCHPASS_ROLE"] == "rank":
+    time.sleep(1.5)  # long enough for a respawn to show
+    sys.exit(0)
+time.sleep(60)
+'''
+
+
+def test_a_drained_member_is_not_respawned(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", DRAINED)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "1", "--respawn",
+                               str(script), str(out)])
+    code, log = finish(launcher)
+    assert code == 0, log
+    assert "exited with 4" in log
+    assert "respawning" not in log, log
+    assert len(reports(out, 3, timeout_s=0)) == 3  # nobody started after the first three
+
+
 STUBBORN = '''
 import signal, subprocess, time
 out = Path(sys.argv[1])

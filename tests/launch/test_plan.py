@@ -18,6 +18,7 @@ from torchpass_p2p.launch.keyfile import (
     write_key_file,
 )
 from torchpass_p2p.launch.outcome import (
+    EXIT_DRAINED,
     EXIT_REMOVED,
     ChildExit,
     Verdict,
@@ -122,6 +123,7 @@ def test_exit_code() -> None:
         1, "0000000000000002 exited with 1 after the job completed")
     # A removed member (EXIT_REMOVED) that learns it only after the job completed is no failure.
     assert exit_code([gone(1, 0), gone(2, EXIT_REMOVED)]) == (0, "job complete")
+    assert exit_code([gone(1, 0), gone(2, EXIT_DRAINED)]) == (0, "job complete")
     assert exit_code([gone(1, 0)], stopped_by=15) == (143, "stopped by SIGTERM")
     assert describe_exit(-9) == "exited with signal SIGKILL" and describe_exit(2) == "exited with 2"
 

@@ -8,11 +8,11 @@ join and the leave reach the agreement together (one cut, or two in a row). Must
 member of each new configuration logs the same plan (same plan hash) before its first collective
 in it, and all of them form the same group; the drained member keeps training until the
 configuration without it is decided, then stops as drained (not failed) and its process exits
-with ``EXIT_REMOVED``, which the launcher does not count as a failure; a spare takes rank 1 with
-state fetched from the survivors, who reach the resume step by themselves; the late spare is
-admitted; no step is lost, every rank finishes every step, and the final state of every rank
-(weights, optimizer, schedule, data position) is bitwise equal to a fault-free run's: a drain
-does not change the result.
+with ``EXIT_DRAINED``, which the launcher neither counts as a failure nor reports; a spare takes
+rank 1 with state fetched from the survivors, who reach the resume step by themselves; the late
+spare is admitted; no step is lost, every rank finishes every step, and the final state of every
+rank (weights, optimizer, schedule, data position) is bitwise equal to a fault-free run's: a
+drain does not change the result.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from tests.launch.procs import free_ports_block, wait_for
 from tests.trainer.settings import ARGS
 from torchpass_p2p.cli.main import main as cli
 from torchpass_p2p.launch.keyfile import write_key_file
-from torchpass_p2p.launch.outcome import EXIT_REMOVED
+from torchpass_p2p.launch.outcome import EXIT_DRAINED
 from torchpass_p2p.trainer.timeline import final_states, read_events
 
 STEPS = 160
@@ -179,10 +179,10 @@ def test_s09_drain_while_a_late_spare_joins(tmp_path: Path, clean: Run,
     mine = [r for r in events if r["member"] == drained]
 
     # The drained member stopped as drained, after the configuration without it was decided;
-    # its process exited with EXIT_REMOVED, which its launcher counts as no failure.
+    # its process exited with EXIT_DRAINED, which its launcher counts as no failure.
     [stopped] = [r for r in mine if r["event"] == "removed"]
     assert stopped["drained"] is True, stopped
-    assert re.search(rf"rank 1 \({drained}\) exited with {EXIT_REMOVED}\b", output), output[-4000:]
+    assert re.search(rf"rank 1 \({drained}\) exited with {EXIT_DRAINED}\b", output), output[-4000:]
 
     # One configuration removed it, and a spare took rank 1 with the survivors' state. Every
     # member of the new configuration formed the same group, once: the handover's, even one

@@ -9,8 +9,9 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
 3. *Supervise.* Each exit is recorded. A failure (non-zero exit or death by signal) is posted
    as evidence to every live sibling's status page in a background task (bounded by a 2 s
    deadline per request, never awaited by the loop), and with ``respawn`` the dead process is
-   replaced by a new spare joining through the live members. :func:`.outcome.decide` says when
-   the job is over.
+   replaced by a new spare joining through the live members; a member that exits
+   ``EXIT_DRAINED`` handed its rank over on purpose and is neither reported nor replaced.
+   :func:`.outcome.decide` says when the job is over.
 4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group; after
    ``grace_s`` seconds the rest get SIGKILL. A child's process group is killed as soon as the
    child itself is reaped, so its orphans never outlive it.
@@ -56,7 +57,7 @@ from .keyfile import (
     remove_run_dir,
     write_key_file,
 )
-from .outcome import ChildExit, Verdict, decide, describe_exit, exit_code
+from .outcome import EXIT_DRAINED, ChildExit, Verdict, decide, describe_exit, exit_code
 from .plan import (
     MAX_LABEL_BYTES,
     ChildSpec,
@@ -343,7 +344,7 @@ class _Supervisor:
                 await self._stop(event.signum)
                 return
             self._record(event)
-            if event.returncode != 0 and not event.child.signalled:
+            if event.returncode not in (0, EXIT_DRAINED) and not event.child.signalled:
                 self._report(event)
                 if finish_at is None:
                     await self._maybe_respawn(event.child)

@@ -16,7 +16,7 @@ replaced one (that is agreed among the agents, DESIGN section 5), so it reasons 
 Exit code (:func:`exit_code`): 0 when some process exited 0 and no process failed after the
 first such exit, except processes the launcher itself signalled while shutting down and members
 that exit with :data:`EXIT_REMOVED` (the agreement removed them: a member paused past its lease
-may wake and learn it only after the others finished); 128 + the
+may wake and learn it only after the others finished) or :data:`EXIT_DRAINED`; 128 + the
 signal number when a signal stopped the launcher; 1 otherwise (every exit failed, or a failure
 after completion). Known limitation: a rank drained on purpose that exits 0 while roles are
 known makes the launcher believe its rank is finished; if every starting rank leaves that way,
@@ -33,11 +33,16 @@ from enum import StrEnum
 
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
-__all__ = ["EXIT_REMOVED", "ChildExit", "Verdict", "decide", "describe_exit", "exit_code"]
+__all__ = ["EXIT_DRAINED", "EXIT_REMOVED", "ChildExit", "Verdict", "decide", "describe_exit",
+           "exit_code"]
 
 EXIT_REMOVED = 3
 """What a member's script exits with once a decided configuration removed it
 (:class:`torchpass_p2p.trainer.Removed`): it may come back only as a new spare."""
+EXIT_DRAINED = 4
+"""What a member's script exits with once the rank it asked to hand over was taken by a spare
+(:class:`torchpass_p2p.trainer.Drained`: ``torchpass-p2p drain``, a GPU fault): a clean end,
+which the launcher neither reports as evidence nor respawns (the host is being emptied)."""
 
 
 class Verdict(StrEnum):
@@ -104,7 +109,7 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None) -> t
     if first is None:
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
-        if e.returncode not in (0, EXIT_REMOVED) and not e.by_launcher:
+        if e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED) and not e.by_launcher:
             return 1, (f"{format_member_id(e.member_id)} {describe_exit(e.returncode)} after "
                        "the job completed")
     return 0, "job complete"
