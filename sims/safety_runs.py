@@ -74,9 +74,9 @@ MAX_SIMULTANEOUS_CRASHES = 10
 CRASH_SPREAD_S = 0.05
 """Simultaneous crashes fall within this many seconds of each other ("nearly" at once)."""
 
-VOTE_POLL_S = 0.01
-"""How often crash_in_agreement looks at the votes_cast counters (seconds); votes go out every
-``vote_push_interval_s`` = 50 ms, so 10 ms catches a change in its first push."""
+VOTE_POLL_S = 0.005
+"""How often crash_in_agreement looks at the votes_cast counters (seconds); votes go out at most
+every ``vote_push_interval_s`` = 10 ms, so 5 ms catches a change in its first push."""
 
 VOTE_WAIT_S = 15.0
 """crash_in_agreement gives up waiting for a vote after this long (seconds)."""
