@@ -6,7 +6,7 @@ formed, so no handshake is run here; integrity is the same as over TCP minus the
 every chunk's digest must equal the manifest's, and the manifest's fingerprint (recomputed by
 the receiver) must be the agreed one.
 
-Protocol (ranks from the plan; source ``j`` of ``n``):
+Protocol (ranks from the plan; source ``j`` of ``n``; every wait bounded, see below):
 
 1. each source sends its manifest: an ``int64[1]`` length, then ``uint8[length]`` bytes;
 2. the receiver checks the sources agree (or match ``expected_fingerprint``) and builds its
@@ -14,13 +14,34 @@ Protocol (ranks from the plan; source ``j`` of ``n``):
 3. source ``j`` sends chunks ``i`` with ``i % n == j`` (each as its tensor segments, straight
    from snapshot memory, ``isend``), the receiver posts the matching ``irecv`` into target
    memory, all outstanding at once so every source streams concurrently;
-4. the receiver hashes every chunk (worker threads) and compares with the manifest.
+4. the receiver hashes every chunk (worker threads) and compares with the manifest;
+5. **repair rounds**: the receiver sends every source still in the transfer a status, an
+   ``int64[1]`` count then ``int64[count]`` chunk indices: the chunks it must (re)send in this
+   round, striped over those sources; the chunks of a source that died, stalled or sent a bad
+   chunk are among them. ``count == 0`` ends the source's part (``provide`` returns);
+   ``count < 0`` tells it the receiver gave up. Rounds repeat until every chunk verifies or no
+   source is left.
 
-Limits: a process group cannot move a dead source's stripe to another source mid-transfer
-(gloo operations cannot be aborted, DESIGN section 13): a failure or a wait longer than
-``progress_timeout_s`` raises ``TransferFailed`` and the caller falls back to TCP. Snapshot
-tensors are host memory, so with NCCL they would first need device staging: only gloo is
-exercised here.
+Deadlines ("no progress for T", ``T = plan.progress_timeout_s``): the receiver waits on its
+receives in order, each for at most ``T``. A source whose connection closes (it died:
+``source_failed``) or that sends a bad chunk (``bad_chunk``) is dropped and its chunks go to the
+repair round. A receive that does not complete within ``T`` raises
+``TransferFailed("no_progress")`` at once: gloo answers a timed-out wait by closing every
+connection of the group (measured: the next send to a healthy source fails with "Application
+timeout caused pair closure"), so no repair is possible over it; the caller falls back to TCP
+(which moves a stalled source's chunks to the others) and rebuilds the group. When every source
+has died the receiver raises ``TransferFailed("no_sources_left")``, the TCP client's error for
+the same case; ``failures`` counts each source's reason. A source waits at most
+``STATUS_WAIT_FACTOR * T`` for a status (the receiver may first spend ``T`` on a stalled peer,
+then hash the state) and raises ``TransferFailed("receiver_lost")`` after that, or as soon as
+the receiver's connection closes.
+
+Limits: gloo operations cannot be aborted (DESIGN section 13). A receive given up on may stay
+posted: should its source resume, its bytes can still land in the target; they are the same
+bytes (the same agreed state) that a repair round or the TCP fallback writes there. To be rid
+of them, drop the group (every reference) before receiving into the same memory by other means.
+Snapshot tensors are host memory, so with NCCL they would first need device staging: only gloo
+is exercised here.
 """
 
 from __future__ import annotations
@@ -28,8 +49,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import time
-from collections import Counter
-from collections.abc import Mapping
+from collections import Counter, deque
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -40,12 +61,39 @@ from . import fingerprint as fp
 from .client import FetchResult
 from .errors import TransferError, TransferFailed
 from .frames import DEFAULT_MAX_MANIFEST_BYTES
-from .manifest import decode_manifest, encode_manifest
+from .manifest import Manifest, decode_manifest, encode_manifest
 from .snapshot import Snapshot
 from .transport import TransferPlan, Transport
 
 _TAG_MANIFEST = 1
 _TAG_DATA = 2
+_TAG_STATUS = 3
+_TAG_REPAIR = 16
+"""Chunks of repair round ``r`` travel with tag ``_TAG_REPAIR + r``: a late byte of an earlier
+round can never match a later round's receive."""
+SEND_WINDOW_CHUNKS = 4
+"""Chunks a source keeps in flight (4 x 16 MiB), as the TCP client's window: enough to keep
+the pipe full; a source never has more than this much of its stripe posted."""
+STATUS_WAIT_FACTOR = 3
+"""A source waits ``3 T`` for the receiver's status: up to ``T`` spent on a stalled peer, the
+hashing of the state (0.05-0.5 s per GiB here), and margin for a loaded host."""
+
+
+class _Lost(Exception):
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _wait(work: Any, timeout_s: float) -> None:
+    """Wait for one send/recv; a closed peer or ``timeout_s`` without completion raises
+    :class:`_Lost` (``source_failed`` / ``no_progress``)."""
+    try:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        reason = "no_progress" if "Timed out" in str(e) else "source_failed"
+        raise _Lost(reason, str(e)[:300]) from None
 
 
 class PgTransport(Transport):
@@ -61,92 +109,205 @@ class PgTransport(Transport):
         self.max_manifest_bytes = max_manifest_bytes
         self.max_state_bytes = max_state_bytes
 
-    def _timeout(self, plan: TransferPlan) -> datetime.timedelta:
-        return datetime.timedelta(seconds=plan.progress_timeout_s)
+    # -- hook (tests inject faults here) ---------------------------------------------------
+    def chunk_sent(self, index: int) -> None:
+        """Called on a source after chunk ``index`` has left (its sends completed)."""
 
+    # -- source side -----------------------------------------------------------------------
     async def provide(self, snapshot: Snapshot, plan: TransferPlan) -> None:
-        """Send this rank's manifest and stripe to ``plan.receiver``; returns when sent.
-        Raises ``TransferFailed`` (``send_failed``) if the group errs or times out."""
+        """Send this rank's manifest and stripe to ``plan.receiver``, then serve the repair
+        rounds; returns when the receiver says it is done. Raises ``TransferFailed``:
+        ``send_failed`` / ``no_progress`` (the receiver died or stalled), ``receiver_lost``
+        (no status in time), ``receiver_aborted``, ``bad_request``."""
         await asyncio.to_thread(self._provide, snapshot, plan)
+
+    def _send_chunks(self, snap: Snapshot, chunks: Sequence[int], dst: int, tag: int,
+                     timeout_s: float) -> None:
+        """Send ``chunks`` in order, ``SEND_WINDOW_CHUNKS`` outstanding at a time."""
+        pending: deque[tuple[int, list[Any]]] = deque()
+        for i in (*chunks, None):
+            if i is not None:
+                pending.append((i, [dist.isend(seg, dst, self.group, tag=tag)
+                                    for seg in snap.segment_tensors(i)]))
+            while pending and (i is None or len(pending) >= SEND_WINDOW_CHUNKS):
+                done, works = pending.popleft()
+                for w in works:
+                    _wait(w, timeout_s)
+                self.chunk_sent(done)
 
     def _provide(self, snap: Snapshot, plan: TransferPlan) -> None:
         me = dist.get_rank(self.group)
         j, n = plan.sources.index(me), len(plan.sources)
+        dst, g, t = plan.receiver, self.group, plan.progress_timeout_s
         body = encode_manifest(snap, self.algo)
-        dst, g, timeout = plan.receiver, self.group, self._timeout(plan)
         try:
-            dist.send(torch.tensor([len(body)], dtype=torch.int64), dst, g, tag=_TAG_MANIFEST)
-            dist.send(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst, g,
-                      tag=_TAG_MANIFEST)
-            works = []
-            for i in range(j, snap.num_chunks, n):
-                for seg in snap.segment_tensors(i):
-                    works.append(dist.isend(seg, dst, g, tag=_TAG_DATA))
-            for w in works:
-                w.wait(timeout)
-        except RuntimeError as e:
-            raise TransferFailed("send_failed", str(e)[:200]) from None
+            _wait(dist.isend(torch.tensor([len(body)], dtype=torch.int64), dst, g,
+                             tag=_TAG_MANIFEST), t)
+            _wait(dist.isend(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst, g,
+                             tag=_TAG_MANIFEST), t)
+            self._send_chunks(snap, range(j, snap.num_chunks, n), dst, _TAG_DATA, t)
+            for rnd in range(snap.num_chunks + 1):
+                count = torch.zeros(1, dtype=torch.int64)
+                try:
+                    _wait(dist.irecv(count, dst, g, tag=_TAG_STATUS), STATUS_WAIT_FACTOR * t)
+                except _Lost as e:
+                    raise TransferFailed("receiver_lost", e.reason) from None
+                c = int(count)
+                if c == 0:
+                    return
+                if c < 0:
+                    raise TransferFailed("receiver_aborted")
+                if c > snap.num_chunks:
+                    raise TransferFailed("bad_request", f"{c} chunks asked")
+                idx = torch.empty(c, dtype=torch.int64)
+                _wait(dist.irecv(idx, dst, g, tag=_TAG_STATUS), t)
+                chunks = idx.tolist()
+                if any(not 0 <= i < snap.num_chunks for i in chunks):
+                    raise TransferFailed("bad_request", "chunk index out of range")
+                self._send_chunks(snap, chunks, dst, _TAG_REPAIR + rnd, t)
+            raise TransferFailed("bad_request", "more repair rounds than chunks")
+        except _Lost as e:
+            raise TransferFailed("send_failed" if e.reason == "source_failed" else e.reason,
+                                 "the receiver closed or stalled") from None
 
+    # -- receiver side ---------------------------------------------------------------------
     async def receive(self, plan: TransferPlan,
                       into: Snapshot | Mapping[str, Any] | None = None) -> FetchResult:
-        """Receive from ``plan.sources`` (ranks). Raises ``TransferFailed``:
-        ``source_failed`` (group error or no progress), ``sources_disagree``, ``bad_chunk``,
-        ``bad_manifest``."""
+        """Receive from ``plan.sources`` (ranks), moving the chunks of a source that dies or
+        sends a bad chunk to the others. Raises ``TransferFailed``: ``no_progress`` (a source
+        moved nothing for ``plan.progress_timeout_s``: the group is unusable, fall back to
+        TCP), ``no_sources_left`` (``failures`` says why each source was dropped),
+        ``sources_disagree``, ``fingerprint_mismatch``, ``bad_manifest``."""
         return await asyncio.to_thread(self._receive, plan, into)
+
+    def _recv_manifest(self, src: int, timeout_s: float) -> Manifest:
+        size = torch.zeros(1, dtype=torch.int64)
+        _wait(dist.irecv(size, src, self.group, tag=_TAG_MANIFEST), timeout_s)
+        if not 0 < int(size) <= self.max_manifest_bytes:
+            raise TransferFailed("bad_manifest", f"size {int(size)}")
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        _wait(dist.irecv(buf, src, self.group, tag=_TAG_MANIFEST), timeout_s)
+        try:
+            return decode_manifest(buf.numpy().tobytes(), self.max_state_bytes)
+        except TransferError as e:
+            raise TransferFailed(e.reason, e.detail) from None
+
+    def _status(self, src: int, chunks: Sequence[int], timeout_s: float, *,
+                abort: bool = False) -> None:
+        """Tell ``src`` which chunks to send next (none: it is done), or that the receiver
+        gave up (``abort``)."""
+        count = -1 if abort else len(chunks)
+        _wait(dist.isend(torch.tensor([count], dtype=torch.int64), src, self.group,
+                         tag=_TAG_STATUS), timeout_s)
+        if count > 0:
+            _wait(dist.isend(torch.tensor(list(chunks), dtype=torch.int64), src, self.group,
+                             tag=_TAG_STATUS), timeout_s)
+
+    def _release(self, sources: Sequence[int], timeout_s: float, *, abort: bool) -> None:
+        """Best effort: tell ``sources`` the transfer is over for them."""
+        for src in sources:
+            try:
+                self._status(src, [], timeout_s, abort=abort)
+            except _Lost:
+                pass
 
     def _receive(self, plan: TransferPlan, into: Any) -> FetchResult:
         t0 = time.monotonic()
-        g, timeout = self.group, self._timeout(plan)
+        g, t = self.group, plan.progress_timeout_s
         failures: Counter[str] = Counter()
-        manifests = []
+        alive: list[int] = []  # sources still in the transfer, plan order
+
+        def drop(src: int, reason: str, detail: str = "") -> None:
+            if src in alive:
+                alive.remove(src)
+            failures[reason] += 1
+            if reason == "no_progress":  # the whole group is unusable now: no repair round
+                raise TransferFailed(
+                    "no_progress", f"source {src} moved nothing for {t} s; gloo closed every "
+                    "connection of the group on the timed-out wait: fall back to TCP and "
+                    f"rebuild the group ({detail})", failures)
+
+        manifests: dict[int, Manifest] = {}
+        for src in plan.sources:
+            try:
+                manifests[src] = self._recv_manifest(src, t)
+                alive.append(src)
+            except _Lost as e:
+                drop(src, e.reason, e.detail)
+            except TransferFailed as e:  # a bad manifest: drop that source only
+                failures[e.reason] += 1
+                self._release([src], t, abort=True)
         try:
-            for src in plan.sources:
-                size = torch.zeros(1, dtype=torch.int64)
-                dist.recv(size, src, g, tag=_TAG_MANIFEST)
-                if not 0 < int(size) <= self.max_manifest_bytes:
-                    raise TransferFailed("bad_manifest", f"size {int(size)}")
-                buf = torch.empty(int(size), dtype=torch.uint8)
-                dist.recv(buf, src, g, tag=_TAG_MANIFEST)
-                manifests.append(decode_manifest(buf.numpy().tobytes(), self.max_state_bytes))
-        except TransferError as e:
-            raise TransferFailed(e.reason, e.detail) from None
-        except RuntimeError as e:
-            raise TransferFailed("source_failed", str(e)[:200]) from None
-        fps = [m.fingerprint for m in manifests]
-        want = plan.expected_fingerprint
-        if want is None:
-            if len(set(fps)) != 1:
-                raise TransferFailed("sources_disagree", "sources hold different states")
-            want = fps[0]
-        if any(f != want for f in fps):
-            # Every source already streams its stripe: a mismatch cannot be routed around.
-            raise TransferFailed("fingerprint_mismatch", "a source holds another state")
-        m = manifests[0]
-        if m.algo != self.algo:
-            raise TransferFailed("bad_manifest", "algorithm")
-        own = into if into is None or isinstance(into, Snapshot) else Snapshot.capture(into, 0)
-        target, allocated = m.allocate(own, self.max_state_bytes)
+            if not alive:
+                raise TransferFailed("no_sources_left", f"failures {dict(failures)}", failures)
+            fps = [manifests[s].fingerprint for s in alive]
+            want = plan.expected_fingerprint
+            if want is None:
+                if len(set(fps)) != 1:
+                    raise TransferFailed("sources_disagree", "sources hold different states")
+                want = fps[0]
+            if any(f != want for f in fps):
+                # Every source already streams its stripe: a mismatch cannot be routed around.
+                raise TransferFailed("fingerprint_mismatch", "a source holds another state")
+            m = manifests[alive[0]]
+            if m.algo != self.algo:
+                raise TransferFailed("bad_manifest", "algorithm")
+            own = (into if into is None or isinstance(into, Snapshot)
+                   else Snapshot.capture(into, 0))
+            target, allocated = m.allocate(own, self.max_state_bytes)
+        except BaseException:
+            self._release(alive, t, abort=True)
+            raise
+
         n = len(plan.sources)
-        works = []
-        try:
-            for i in range(m.num_chunks):
-                src = plan.sources[i % n]
-                for seg in target.segment_tensors(i):
-                    works.append(dist.irecv(seg, src, g, tag=_TAG_DATA))
-            for w in works:
-                w.wait(timeout)
-        except RuntimeError as e:
-            raise TransferFailed("source_failed", str(e)[:200]) from None
-        with ThreadPoolExecutor(max_workers=2) as pool:
-            digests = list(pool.map(lambda i: fp.digest_buffers(m.algo, target.segments(i)),
-                                    range(m.num_chunks)))
-        bad = [i for i, d in enumerate(digests) if d != m.digest(i)]
-        if bad:
-            failures["bad_chunk"] += len(bad)
-            raise TransferFailed("bad_chunk", f"chunks {bad[:8]}", failures)
-        target.set_digests(m.algo, m.digests)
+        assign = {i: plan.sources[i % n] for i in range(m.num_chunks)}
+        tag, refetched = _TAG_DATA, 0
         per_src: dict[Any, int] = {s: 0 for s in plan.sources}
-        for i in range(m.num_chunks):
-            per_src[plan.sources[i % n]] += m.chunk_range(i)[1]
-        return FetchResult(target, m.fingerprint, failures, per_src, 0, allocated,
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for rnd in range(m.num_chunks + 1):
+                works = [(i, src, [dist.irecv(seg, src, g, tag=tag)
+                                   for seg in target.segment_tensors(i)])
+                         for i, src in assign.items() if src in alive]
+                for _i, src, ws in works:
+                    if src not in alive:
+                        continue  # dropped meanwhile: its chunks go to the next round
+                    try:
+                        for w in ws:
+                            _wait(w, t)
+                    except _Lost as e:
+                        drop(src, e.reason, e.detail)
+                todo = sorted(assign)
+                digests = pool.map(lambda i: fp.digest_buffers(m.algo, target.segments(i)),
+                                   todo)
+                missing = []
+                for i, d in zip(todo, digests, strict=True):
+                    if d == m.digest(i):
+                        per_src[assign[i]] += m.chunk_range(i)[1]
+                        continue
+                    missing.append(i)
+                    if assign[i] in alive:  # it completed its sends: the bytes were bad
+                        drop(assign[i], "bad_chunk")
+                if not missing:
+                    break
+                if not alive:
+                    raise TransferFailed("no_sources_left",
+                                         f"{len(missing)} chunks missing; failures "
+                                         f"{dict(failures)}", failures)
+                refetched += len(missing)
+                tag = _TAG_REPAIR + rnd
+                assign = {i: alive[k % len(alive)] for k, i in enumerate(missing)}
+                for src in list(alive):
+                    chunks = [i for i in missing if assign[i] == src]
+                    try:
+                        self._status(src, chunks, t)
+                    except _Lost as e:
+                        drop(src, e.reason)
+                        continue
+                    if not chunks:  # nothing for it this round: released
+                        alive.remove(src)
+            else:
+                raise TransferFailed("no_sources_left", "repair rounds exhausted", failures)
+        self._release(alive, t, abort=False)  # every chunk verified: the sources are done
+        target.set_digests(m.algo, m.digests)
+        return FetchResult(target, m.fingerprint, failures, per_src, refetched, allocated,
                            time.monotonic() - t0)

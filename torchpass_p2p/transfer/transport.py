@@ -8,7 +8,10 @@ calls :meth:`Transport.provide`, the receiver :meth:`Transport.receive`; both ta
   to the member's :class:`TransferServer` and returns at once (the server keeps serving);
   ``receive`` is :func:`fetch` (striping, failover, keyed chunk tags).
 * ``pg_transport.PgTransport``: a process group's send/recv (gloo on CPU; NCCL where a group
-  connects GPUs). ``provide`` returns once this source's stripe is sent.
+  connects GPUs). ``provide`` returns once the receiver has verified every chunk (a source
+  also sends the chunks of a source that died). A source that stalls ends the transfer with
+  ``TransferFailed("no_progress")`` (gloo closes the group on a timed-out wait): fall back to
+  ``TcpTransport``.
 
 ``tests/transfer/conformance.py`` is the one suite both must pass.
 """

@@ -1,0 +1,109 @@
+"""One rank of a process-group transfer with a source that fails halfway:
+``python -m tests.transfer.pg_fault_worker RANK WORLD STORE_PATH OUT_JSON FAULT``.
+
+Ranks 0..WORLD-2 are sources of a deterministic 16 MiB state in 1 MiB chunks; the last rank
+receives. Rank 0, the victim, injects ``FAULT`` right after the second chunk of its stripe has
+left: ``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself: a hung source; the test kills it
+afterwards). The receiver writes its outcome as JSON and every rank leaves with ``os._exit``
+(a group with a dead or stopped peer is not torn down: destroying it can block)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import os
+import signal
+import sys
+import traceback
+
+import torch.distributed as dist
+
+from torchpass_p2p.transfer import Snapshot, TransferFailed
+from torchpass_p2p.transfer.pg_transport import PgTransport
+from torchpass_p2p.transfer.transport import TransferPlan
+
+from .source_proc import state
+
+SIZE_MIB = 16
+CHUNK_BYTES = 1 << 20
+PROGRESS_TIMEOUT_S = 2.0
+GROUP_TIMEOUT_S = 600.0
+"""Far above the transfer's own deadline: only ``progress_timeout_s`` may end a wait."""
+
+
+class Victim(PgTransport):
+    def __init__(self, fault: str) -> None:
+        super().__init__()
+        self.fault = fault
+        self.sent = 0
+
+    def chunk_sent(self, index: int) -> None:
+        self.sent += 1
+        if self.sent == 2:
+            os.kill(os.getpid(), signal.SIGKILL if self.fault == "kill" else signal.SIGSTOP)
+
+
+async def main(rank: int, world: int, out: str, fault: str) -> None:
+    sources = tuple(range(world - 1))
+    receiver = world - 1
+    plan = TransferPlan(sources=sources, config_id=1, receiver=receiver,
+                        progress_timeout_s=PROGRESS_TIMEOUT_S)
+    snap = Snapshot.capture({"model": state(SIZE_MIB)}, step=5, chunk_bytes=CHUNK_BYTES)
+    if rank != receiver:
+        transport = Victim(fault) if rank == 0 else PgTransport()
+        await transport.provide(snap, plan)
+        return
+    into = Snapshot.capture({"model": {k: t.zero_() for k, t in state(SIZE_MIB).items()}},
+                            step=0, chunk_bytes=CHUNK_BYTES)
+    report: dict = {}
+    try:
+        res = await PgTransport().receive(plan, into=into)
+    except TransferFailed as e:
+        report = {"error": type(e).__name__, "reason": e.reason, "failures": dict(e.failures)}
+        print(f"receiver: {e!r}", file=sys.stderr, flush=True)
+    else:
+        s = res.snapshot
+        fresh = Snapshot(s.step, s.table, s.tensors, s.tree, s.chunk_bytes)
+        expected = state(SIZE_MIB)
+        report = {
+            "failures": dict(res.failures),
+            "refetched": res.refetched_chunks,
+            "bytes_by_source": {str(k): v for k, v in res.bytes_by_source.items()},
+            "total_bytes": s.total_bytes,
+            "num_chunks": s.num_chunks,
+            "in_place": res.allocated_bytes == 0,
+            "fingerprint_equal": fresh.fingerprint() == snap.fingerprint() == res.fingerprint,
+            "tensors_equal": all(t.equal(expected[e.name.split(".", 1)[1]])
+                                 for e, t in zip(s.table, s.tensors, strict=True)),
+        }
+    with open(out, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    r, w, store_path, out_path, fault = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+                                         sys.argv[4], sys.argv[5])
+    store = dist.FileStore(store_path, w)
+    dist.init_process_group("gloo", store=store, rank=r, world_size=w,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    code = 0
+    try:
+        asyncio.run(main(r, w, out_path, fault))
+    except TransferFailed as e:
+        print(f"rank {r}: {e!r}", file=sys.stderr, flush=True)
+        code = 3
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        # The receiver stays until the surviving sources are through (its exit would close
+        # their connections before they read its last status); the store is not the group.
+        if r == w - 1:
+            store.wait([f"done{k}" for k in range(1, w - 1)],
+                       datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        else:
+            store.set(f"done{r}", str(code))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

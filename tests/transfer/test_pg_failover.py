@@ -1,0 +1,78 @@
+"""The process-group transport when a source fails halfway (real gloo processes, real signals):
+its chunks move to the other source, or, with none left, the receiver raises the typed
+``TransferFailed("no_sources_left")`` after "no progress for T" instead of waiting for the
+group's timeout (set far above T in the workers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 240.0
+"""Backstop for a broken deadline (the workers' group timeout is 600 s), not a speed check."""
+
+
+def run(fault: str, world: int) -> tuple[dict, list[int]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.transfer.pg_fault_worker",
+                                   str(r), str(world), store, out, fault], cwd=REPO)
+                 for r in range(world)]
+        try:
+            codes = [p.wait(WAIT_S) for p in procs[1:]]  # every rank but the victim
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+        return json.loads(Path(out).read_text()), [procs[0].returncode, *codes]
+
+
+STALLED = {"error": "TransferFailed", "reason": "no_progress", "failures": {"no_progress": 1}}
+"""The receiver's report when a receive did not complete within T. gloo does not always report
+a SIGKILLed peer's closed connection to receives already posted: about one run in three here it
+surfaces only as the timeout (and then the whole group is closed), so a killed source may end
+the transfer this way instead of being repaired around."""
+
+
+@pytest.mark.slow  # three interpreters importing torch: 10-30 s on a shared 2-core host
+def test_stripe_of_a_killed_source_moves_to_the_other():
+    report, codes = run("kill", 3)
+    if report.get("error"):
+        assert report == STALLED and codes == [-signal.SIGKILL, 3, 0]
+        pytest.xfail("gloo reported the dead source only as a timeout (see STALLED)")
+    assert codes == [-signal.SIGKILL, 0, 0]
+    assert report["failures"] == {"source_failed": 1}
+    assert report["tensors_equal"] and report["fingerprint_equal"] and report["in_place"]
+    total, victim, other = (report["total_bytes"], report["bytes_by_source"]["0"],
+                            report["bytes_by_source"]["1"])
+    assert victim + other == total
+    # The victim sent 2 to 6 of its 8 chunks (its window is 4), the other source the rest.
+    chunk = total // report["num_chunks"]
+    assert 2 * chunk <= victim <= 6 * chunk
+    assert report["refetched"] == report["num_chunks"] // 2 - victim // chunk
+
+
+@pytest.mark.slow
+def test_a_stalled_source_is_a_typed_error_not_a_hang():
+    # gloo closes the whole group on a timed-out wait: the receiver says so (no_progress) and
+    # the healthy source's provide() fails too (exit 3: TransferFailed) instead of waiting.
+    report, codes = run("stop", 3)
+    assert report == STALLED
+    assert codes == [-signal.SIGKILL, 3, 0]
+
+
+@pytest.mark.slow
+def test_no_source_left_is_a_typed_error():
+    report, codes = run("kill", 2)
+    assert report in (STALLED, {"error": "TransferFailed", "reason": "no_sources_left",
+                                "failures": {"source_failed": 1}})
+    assert codes == [-signal.SIGKILL, 0]
