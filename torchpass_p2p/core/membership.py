@@ -87,6 +87,15 @@ DEAD: Final = MemberState.DEAD
 LEFT: Final = MemberState.LEFT
 _INF: Final = math.inf
 _SEQ_MOD: Final = 1 << 32
+# The classes the hot paths test with ``type(x) is``, read from C statics in the compiled build.
+_PING: Final = Ping
+_ACK: Final = Ack
+_PING_REQ: Final = PingReq
+_NACK: Final = Nack
+_GOSSIP: Final = Gossip
+_ALIVE: Final = Alive
+_ALERT: Final = Alert
+_DEAD: Final = Dead
 
 
 # The four records below are plain classes, not dataclasses: mypyc builds a dataclass through
@@ -296,26 +305,28 @@ class Member:
             else:
                 self._counts["dropped_while_joining"] += 1
             return
-        # One isinstance per type, most frequent first: the compiled build makes each a pointer
-        # compare, where a union or tuple would be a slower generic check.
-        if isinstance(message, Ping):
+        # Exact classes first, most frequent first: messages are plain Python classes (see
+        # scripts/native_build.py), so in the compiled build isinstance is a generic call (and a
+        # miss walks the class's __instancecheck__), where ``type(m) is`` a Final alias is one
+        # pointer compare. No message class is subclassed, so the two tests agree.
+        if type(message) is _PING:
             self._apply_from(now, sender, message.updates)
             if not (self.left or self.removed):
                 self._send(sender, Ack(message.seq, self._piggyback()))
-        elif isinstance(message, Ack):
+        elif type(message) is _ACK:
             if message.updates:
                 self._apply_from(now, sender, message.updates)
             self._on_ack(now, message.seq)
-        elif isinstance(message, PingReq):
+        elif type(message) is _PING_REQ:
             if message.updates:
                 self._apply_from(now, sender, message.updates)
             self._on_ping_req(now, sender, message)
-        elif isinstance(message, Nack):
+        elif type(message) is _NACK:
             rnd = self._rounds.get(message.seq)
             if rnd is not None and rnd.subject == message.target and sender in rnd.relays:
                 rnd.nacked[sender] = None
                 self._heard_back(now)
-        elif isinstance(message, Gossip):
+        elif type(message) is _GOSSIP:
             if message.updates:
                 self._apply_from(now, sender, message.updates)
         elif isinstance(message, Digest):
@@ -798,7 +809,7 @@ class Member:
             self._enqueue(update)
 
     def _merge(self, now: float, update: Update) -> bool:
-        if isinstance(update, Alert):
+        if isinstance(update, _ALERT):  # isinstance: mypy narrows the other branch
             return self._merge_alert(now, update)
         member, inc = update.member, update.incarnation
         if member not in self._config:
@@ -807,7 +818,7 @@ class Member:
         if member == self.id:
             return self._merge_about_self(now, update)
         state, known = self._view.get(member, (ALIVE, 0))
-        if isinstance(update, Alive):
+        if type(update) is _ALIVE:
             # A higher incarnation beats a stale conviction (memberlist's precedence), so views
             # converge even where a refutation arrived after a Dead; Left is final.
             if inc <= known or state == LEFT:
@@ -823,7 +834,7 @@ class Member:
         if state >= DEAD or inc < known:
             return False
         self._suspicions.pop(member, None)
-        if isinstance(update, Dead):
+        if type(update) is _DEAD:
             self._accused_at.setdefault(member, now)
             self._set_view(member, DEAD, inc)
             self._confirmers[member] = update.confirmer
@@ -906,7 +917,7 @@ class Member:
 
     def _enqueue(self, update: Update) -> None:
         key: tuple[int, int, int]
-        if isinstance(update, Alert):
+        if isinstance(update, _ALERT):  # isinstance: mypy narrows the other branch
             key = (1, update.observer, update.subject)
         else:
             key = (0, update.member, 0)
