@@ -334,14 +334,16 @@ class Reconfiguration:
                     m._send(peer, vote)
         progress = self._progress
         if progress is not None and progress.dirty:
-            # Progress is on the critical path of the plan (resume_step, PlanReady), so it
-            # spreads like votes. With one peer per push, a 6-member job often left a member
-            # without the last bit until the next resend, 0.5 s later, and the new group
-            # waited for it.
+            # One peer per push while the tally grows (a push per change still spreads it
+            # epidemically, a third of the bytes of votes); once it is complete here (the plan
+            # is ready), the last bits go to gossip_fanout peers: with one, a 6-member job often
+            # left a member without them until the next resend, 0.5 s later, and the new group
+            # waited for that member.
+            ready = self.plan is not None and self.plan.resume_step is not None
             reports = progress_messages(m._config.config_id, progress, len(m._config),
                                         progress.dirty)
             progress.dirty = 0
-            for peer in m._sample_members(m.params.gossip_fanout):
+            for peer in m._sample_members(m.params.gossip_fanout if ready else 1):
                 for report in reports:
                     m._send(peer, report)
 
