@@ -9,8 +9,9 @@ everything and lets the cluster settle. It adds one rule of its own, checked per
 
 * [minority-decided] a member on a side that held fewer than a majority of the configuration
   live at the moment of the cut installs, during the cut, only configurations that some member
-  off that side installs too (a decision whose last votes were already in flight at the cut is
-  fine; one the side reached on its own is not).
+  off that side installs too (a decision whose last votes were already in flight at the cut, or
+  that some member had installed before the cut, is fine; one the side reached on its own is
+  not).
 
 What one seed draws (all from ``random.Random(f"safety_run:{seed}")``; the cluster's own
 randomness comes from ``seed``):
@@ -402,8 +403,11 @@ class _SafetyRun:
         """[minority-decided]: see the module docstring."""
         out = []
         by_key: dict[tuple[int, int], set[MemberId]] = {}
+        first_at: dict[tuple[int, int], float] = {}
         for d in self.watch.decisions:
-            by_key.setdefault((d.config_id, d.plan.hash), set()).add(d.member)
+            key = (d.config_id, d.plan.hash)
+            by_key.setdefault(key, set()).add(d.member)
+            first_at[key] = min(first_at.get(key, d.at), d.at)
         for cut in self.cuts:
             for side, minority in zip(cut.sides, cut.minority, strict=True):
                 if not minority:
@@ -411,6 +415,8 @@ class _SafetyRun:
                 for d in self.watch.decisions:
                     if d.member not in side or not cut.start <= d.at <= cut.end:
                         continue
+                    if first_at[(d.config_id, d.plan.hash)] < cut.start:
+                        continue  # decided before the cut; this member learned it during it
                     elsewhere = by_key[(d.config_id, d.plan.hash)] - side
                     # Legitimate if a quorum of the previous configuration had voted this
                     # cut before the partition began: its bits were already in flight.

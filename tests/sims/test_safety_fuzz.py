@@ -107,6 +107,20 @@ def test_minority_check_catches_a_lone_decision() -> None:
     assert run.check_sides() == []
 
 
+def test_minority_check_allows_learning_during_a_cut_what_was_decided_before_it() -> None:
+    """Seed 8725 of the 10,000-seed run: a member decided config 3 before a cut, the member it
+    removes learned it during the cut on the same side; the rule flagged that until it looked
+    at when the decision was first made."""
+    run = _SafetyRun(0, 8, CI_MEMBERS, CI_WINDOW_S, CI_SETTLE_S, ("halves",))
+    ids = [sm.id for sm in run.cluster.members]
+    run.cuts.append(_Cut(1.0, (frozenset(ids[:3]), frozenset(ids[3:])), (True, False), 5.0))
+    plan = object.__new__(type("P", (), {"hash": 7, "removed": (), "joined": ()}))
+    run.watch.decisions.append(_Decision(ids[1], 0.5, 1, plan))  # type: ignore[arg-type]
+    run.watch.decisions.append(_Decision(ids[0], 2.0, 1, plan))  # type: ignore[arg-type]
+    assert run.check_sides() == []
+    assert safety_run(8725).safety_violations == 0
+
+
 # ---------------------------------------------------------------------- deterministic cases
 
 
