@@ -17,10 +17,16 @@ from .group import (
     exit_process,
 )
 from .reduce import flatten, sum_in_rank_order, unflatten_into
-from .rendezvous import ServiceDirectory, StoreKeeper, connect_store, store_prefix
+from .rendezvous import (
+    ServiceDirectory,
+    StoreKeeper,
+    connect_store,
+    store_prefix,
+    store_service,
+)
 
 __all__ = [
     "CollectiveError", "GroupSpec", "ManagedGroup", "ServiceDirectory", "StoreKeeper",
     "Superseded", "build_group", "connect_store", "exit_process", "flatten", "store_prefix",
-    "sum_in_rank_order", "unflatten_into",
+    "store_service", "sum_in_rank_order", "unflatten_into",
 ]

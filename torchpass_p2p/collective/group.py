@@ -79,12 +79,16 @@ class GroupSpec:
         rank: this member's rank, ``0 <= rank < world_size``.
         world_size: ranks in the configuration (none vacant).
         holder: member id holding rank 0 (hosts the store).
+        attempt: 0 for the configuration's first group; ``a > 0`` for its ``a``-th regroup
+            (formed again after a collective failed with no member failing: its own store and
+            key namespace, :mod:`.rendezvous`).
     """
 
     config_id: int
     rank: int
     world_size: int
     holder: int
+    attempt: int = 0
 
     @classmethod
     def of(cls, configuration: Any, member_id: int) -> GroupSpec:
@@ -114,7 +118,7 @@ def build_group(spec: GroupSpec, directory: ServiceDirectory, keeper: StoreKeepe
                 backend: str = "gloo", watch: Watch | None = None, slice_s: float = SLICE_S,
                 timeout_s: float = STORE_TIMEOUT_S, device: torch.device | None = None,
                 ) -> ManagedGroup:
-    """Rendezvous and build the group of ``spec.config_id``.
+    """Rendezvous and build the group of ``spec.config_id`` (attempt ``spec.attempt``).
 
     The rendezvous and the backend's connection setup run in a helper thread; this thread waits
     in slices and stops with :class:`Superseded` when ``watch()`` is true (the helper then
@@ -145,7 +149,7 @@ def build_group(spec: GroupSpec, directory: ServiceDirectory, keeper: StoreKeepe
     def form() -> None:
         try:
             store = connect_store(spec.config_id, spec.rank, spec.holder, directory, keeper,
-                                  timeout_s=timeout_s)
+                                  timeout_s=timeout_s, attempt=spec.attempt)
             box["pg"] = _make_pg(backend, store, spec, device)
         except Exception as exc:  # reported to the waiting thread as text only
             box["error"] = f"{type(exc).__name__}: {exc}"
@@ -153,10 +157,12 @@ def build_group(spec: GroupSpec, directory: ServiceDirectory, keeper: StoreKeepe
             done.set()
 
     started = time.monotonic()
-    threading.Thread(target=form, name=f"rendezvous-{spec.config_id}", daemon=True).start()
+    threading.Thread(target=form, name=f"rendezvous-{spec.config_id}.{spec.attempt}",
+                     daemon=True).start()
     _wait_done(done, watch, slice_s)
     if "error" in box:
-        raise CollectiveError(f"rendezvous of configuration {spec.config_id} failed: "
+        again = f" (attempt {spec.attempt})" if spec.attempt else ""
+        raise CollectiveError(f"rendezvous of configuration {spec.config_id}{again} failed: "
                               f"{box['error']}", spec.config_id)
     return ManagedGroup(box["pg"], spec, backend, time.monotonic() - started)
 
@@ -287,7 +293,8 @@ class ManagedGroup:
 
     def __repr__(self) -> str:
         s = self.spec
-        return (f"ManagedGroup(config {s.config_id}, rank {s.rank}/{s.world_size}, "
+        again = f" attempt {s.attempt}" if s.attempt else ""
+        return (f"ManagedGroup(config {s.config_id}{again}, rank {s.rank}/{s.world_size}, "
                 f"{self.backend}, {self.state})")
 
 

@@ -1,5 +1,6 @@
 """Data-parallel training through faults (issue #7 part 2): the step loop with the commit rule
-(``loop``), the rule itself (``commit``), per-step seeding (``seeding``), the transfer service
+(``loop``), the rule itself (``commit``), regrouping after a transient collective failure
+(``regroup``), per-step seeding (``seeding``), the transfer service
 (``service``), fault injection (``faults``) and the timeline (``events``)."""
 
 from .commit import resolve

@@ -14,6 +14,14 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
                                  after 37 or more steps to a fetching member (a promoted spare),
                                  as soon as one connection has been sent a quarter of that
                                  state's bytes: a source dying mid-transfer (S10)
+    reset@20:grad:rank=1         a transient collective failure, no process dying: at step 20,
+                                 just before the gradient all-reduce, rank 1's operation fails
+                                 as if gloo had raised (:class:`InjectedReset`, a
+                                 ``CollectiveError``); the trainer abandons the group like after
+                                 any failed collective, and the dropped references close its
+                                 connections, so its peers' operations fail too (DESIGN 13).
+                                 No member is suspected: the ranks regroup in the same
+                                 configuration (:mod:`.regroup`)
 
 Points: ``compute`` (before forward), ``grad`` (forward and backward done, peers already in the
 all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit all-reduce), and
@@ -21,7 +29,8 @@ all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit a
 one connection has been sent: checked after each chunk, so the kill lands between two chunks,
 with the receiver's further requests unanswered). The step of a ``serve`` fault is the served
 snapshot's step (the state after that many steps), at least that; its rank is this member's
-rank in the configuration it is entering or training in (``rank_of()``).
+rank in the configuration it is entering or training in (``rank_of()``). A ``reset`` takes
+no number and any point but ``serve``.
 
 A fault fires only in a process started as a rank (``TORCHPASS_ROLE`` is not ``spare``), once:
 the replacement redoing that step must not fault again. ``before(fault, **details)`` is called
@@ -43,17 +52,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Fault", "FaultInjector", "parse_faults", "start_orphan"]
+from torchpass_p2p.collective import CollectiveError
+
+__all__ = ["Fault", "FaultInjector", "InjectedReset", "parse_faults", "start_orphan"]
 
 POINTS = ("compute", "grad", "commit", "serve")
-KINDS = ("kill", "stop", "orphan")
+KINDS = ("kill", "stop", "orphan", "reset")
 ORPHAN_SLEEP_S = 3600
 """How long an orphan lives unless killed: far past any test, so only its reaping ends it."""
 
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """``kind`` ``kill``, ``stop`` or ``orphan``; ``seconds``: how long a ``stop`` lasts;
+    """``kind`` ``kill``, ``stop``, ``orphan`` or ``reset``; ``seconds``: how long a ``stop`` lasts;
     ``fraction``: of the snapshot sent on one connection before a ``serve`` fault fires."""
 
     kind: str
@@ -75,6 +86,8 @@ def parse_faults(text: str) -> list[Fault]:
                     "rank=") or len(rest) > 1:
                 raise ValueError
             number = float(rest[0]) if rest else 0.0
+            if kind == "reset" and (rest or point == "serve"):
+                raise ValueError
             if point == "serve":
                 if kind != "kill" or not 0.0 < number < 1.0:
                     raise ValueError
@@ -83,8 +96,15 @@ def parse_faults(text: str) -> list[Fault]:
                 out.append(Fault(kind, int(step), point, int(rank[5:]), number))
         except ValueError:
             raise ValueError(f"bad fault {item!r}: expected kind@step:point:rank=R[:seconds] "
-                             "or kill@step:serve:rank=R:fraction") from None
+                             "or kill@step:serve:rank=R:fraction "
+                             "or reset@step:point:rank=R") from None
     return out
+
+
+class InjectedReset(CollectiveError):
+    """The ``reset`` fault: this rank's collective fails without any process dying (the
+    trainer treats it as any :class:`CollectiveError`). ``config_id`` is -1: the injector does
+    not know the group."""
 
 
 class FaultInjector:
@@ -127,7 +147,12 @@ class FaultInjector:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def at(self, step: int, point: str, rank: int) -> None:
-        """Fire any fault for (``rank``, ``step``, ``point``)."""
+        """Fire any fault for (``rank``, ``step``, ``point``).
+
+        Raises:
+            InjectedReset: a ``reset`` fault fired (every other kind ends or stops the
+                process).
+        """
         with self._lock:
             due = [f for f in self.faults if (f.step, f.point, f.rank) == (step, point, rank)]
             if not due:
@@ -140,6 +165,8 @@ class FaultInjector:
             details = {"orphan_pid": orphan.pid, "orphan_ports": ports}
         if self.before is not None:
             self.before(f, **details)
+        if f.kind == "reset":
+            raise InjectedReset(f"injected reset at step {step} ({point}) of rank {rank}", -1)
         if f.kind in ("kill", "orphan"):
             os.kill(os.getpid(), signal.SIGKILL)
         else:

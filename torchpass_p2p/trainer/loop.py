@@ -27,6 +27,16 @@ Theory of operation (DESIGN sections 6 and 8).
   transfer server for ``c``, builds the group of ``c`` (:mod:`torchpass_p2p.collective`) and
   all-gathers the 32-byte state fingerprints: training goes on only when they are all equal.
   A newer configuration during recovery restarts it.
+* *A regroup* (:mod:`.regroup`, issue #7) repairs a collective that failed while no member
+  did (a connection reset by a network blip): no configuration change comes then. After a
+  :class:`CollectiveError` a rank waits :func:`~.regroup.regroup_wait_s` (about the time a
+  death takes to be decided) for a configuration with another rank map; if none came, the
+  ranks form the group of the same configuration again (the next attempt: a store and key
+  namespace of its own), all-gather their progress, resume at the highest step applied (those
+  one behind roll forward, as with a plan's ``resume_step``), check the fingerprints and train
+  on. A configuration change during the regroup wins; a regroup that fails is retried after
+  another wait (at most :data:`~.regroup.MAX_REGROUPS`), then only a change helps, for at most
+  :data:`~.regroup.GIVE_UP_S`.
 * Changes that leave the rank map as it is (a spare joined or left) cost nothing: the group
   stays; only the services are announced under the new ``config_id``. A group is named after
   the first configuration of its rank map (``Change.group_id``), so that members that entered
@@ -68,13 +78,16 @@ from torchpass_p2p.collective import (
     flatten,
     unflatten_into,
 )
-from torchpass_p2p.collective.rendezvous import STORE_SERVICE
+from torchpass_p2p.collective.rendezvous import store_service
+from torchpass_p2p.core.params import Params
 from torchpass_p2p.launch.plan import format_address
 from torchpass_p2p.transfer import Snapshot, TransferError, TransferKeys
 
 from .commit import resolve
 from .events import EventLog
 from .faults import FaultInjector
+from .regroup import GIVE_UP_S, MAX_REGROUPS, next_attempt, regroup_resume
+from .regroup import regroup_wait_s as default_regroup_wait_s
 from .seeding import seed_step
 from .service import StateService
 
@@ -113,6 +126,8 @@ class TrainResult:
         fingerprint: 32-byte fingerprint of the final state.
         rank: the rank this member held at the end (-1 before it held one).
         recoveries: configurations this member entered after the first.
+        regroups: groups of the same configuration formed again after a collective failed
+            with no member failing (:mod:`.regroup`).
     """
 
     steps: int
@@ -120,6 +135,7 @@ class TrainResult:
     fingerprint: bytes = b""
     rank: int = -1
     recoveries: int = 0
+    regroups: int = 0
 
 
 class Trainer:
@@ -136,13 +152,17 @@ class Trainer:
         backend: ``"gloo"`` or ``"nccl"``.
         log_path: JSON-lines timeline (:mod:`.events`); None: no log.
         faults: fault injector (default: from ``TORCHPASS_FAULTS``).
+        regroup_wait_s: after a collective failure, how long to wait for a configuration
+            change before regrouping in the same configuration (default:
+            :func:`~.regroup.regroup_wait_s` of the agent's protocol parameters).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  agent: Any, scheduler: Any = None, seed: int = 0,
                  extra: Mapping[str, Any] | None = None, backend: str = "gloo",
                  log_path: str | os.PathLike[str] | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None,
+                 regroup_wait_s: float | None = None) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.agent = agent
         self.seed = seed
@@ -159,6 +179,11 @@ class Trainer:
                                                  point=f.point, rank=f.rank,
                                                  seconds=f.seconds, fraction=f.fraction,
                                                  **details))
+        if regroup_wait_s is None:
+            params = getattr(getattr(agent, "settings", None), "params", None)
+            regroup_wait_s = default_regroup_wait_s(
+                params if isinstance(params, Params) else Params())
+        self.regroup_wait_s = regroup_wait_s
         self.keeper = StoreKeeper(agent.address[0])
         self.service = StateService(TransferKeys.from_keyring(agent.settings.keyring),
                                     self._known_config_id, host=agent.address[0],
@@ -170,6 +195,8 @@ class Trainer:
         """The configuration this member trains in (its group's, or newer with the same
         ranks)."""
         self._ranks: tuple[Any, ...] = ()
+        self._spec: GroupSpec | None = None
+        """The last group this member tried to form (its attempt numbers the next regroup)."""
         self._latest: Any = None  # newest Change seen
         self._reduced: tuple[int, torch.Tensor] | None = None
         self._snapshot: Snapshot | None = None
@@ -350,8 +377,10 @@ class Trainer:
     def _announce(self, config_id: int) -> None:
         self.agent.register_service(TRANSFER_SERVICE, config_id, self.service.port)
 
-    def _await_change(self) -> Any:
-        """Block until the agent delivers a configuration with another rank map."""
+    def _await_change(self, within_s: float | None = None) -> Any:
+        """Block until the agent delivers a configuration with another rank map and return
+        it; None when ``within_s`` seconds passed first. Without ``within_s``: raise
+        :class:`Removed` after :data:`~.regroup.GIVE_UP_S` (the last resort)."""
         waited = time.monotonic()
         fenced = False
         while not self._poll():
@@ -362,21 +391,104 @@ class Trainer:
                             "reachable); waiting for a decided configuration", self.log.member,
                             self.step, self.config_id)
             time.sleep(SLICE_S)
-            if time.monotonic() - waited > 600:
-                raise Removed("no new configuration for 600 s after a collective failure")
+            if within_s is not None and time.monotonic() - waited > within_s:
+                return None
+            if time.monotonic() - waited > GIVE_UP_S:
+                raise Removed(f"no new configuration for {GIVE_UP_S:.0f} s after a collective "
+                              "failure")
         return self._latest
 
     def _recover(self, exc: BaseException) -> None:
-        kind = "collective_failed" if isinstance(exc, CollectiveError) else "superseded"
+        failed = isinstance(exc, CollectiveError)
+        kind = "collective_failed" if failed else "superseded"
         self.log(kind, step=self.step, config_id=self.config_id, error=str(exc)[:160])
-        if isinstance(exc, CollectiveError):
+        if failed:
             self.agent.report_error(exc)
         if self.group is not None:
             self.group.abandon()
             self.group = None
         del exc
+        tries = 0
+        while failed and tries < MAX_REGROUPS:
+            # A member's death is normally decided within the wait: the normal path.
+            if self._await_change(within_s=self.regroup_wait_s) is not None:
+                break
+            tries += 1
+            try:
+                self._regroup()
+                self.result.regroups += 1
+                return
+            except (CollectiveError, Superseded) as again:
+                superseded = isinstance(again, Superseded)
+                self.log("regroup_failed", step=self.step, config_id=self.config_id,
+                         attempt=None if self._spec is None else self._spec.attempt,
+                         superseded=superseded,
+                         error=f"{type(again).__name__}: {again}"[:160])
+                if self.group is not None:
+                    self.group.abandon()
+                    self.group = None
+                if superseded:  # a configuration with another rank map came: it wins
+                    break
         self._enter_until_in(self._await_change())
         self.result.recoveries += 1
+
+    def _regroup(self) -> None:
+        """Form the group of the current configuration again (the next attempt), agree on the
+        resume step with the other ranks and check the fingerprints (:mod:`.regroup`).
+
+        Raises:
+            CollectiveError: the rendezvous or an operation failed (a member did not come).
+            Superseded: a configuration with another rank map arrived meanwhile.
+            RuntimeError: the ranks' states cannot be reconciled, or fingerprints differ
+                (a bug: never expected).
+        """
+        last = self._spec
+        assert last is not None
+        spec = replace(last, attempt=next_attempt(last.attempt))
+        self._spec = spec
+        c, a = self.config_id, spec.attempt
+        reduced = -1 if self._reduced is None else self._reduced[0]
+        self.log("regroup_started", config_id=c, group_id=spec.config_id, attempt=a,
+                 rank=spec.rank, step=self.step, reduced=reduced)
+        if spec.rank == 0:  # host the store first: the others look it up meanwhile
+            self.agent.register_service(store_service(a), spec.config_id,
+                                        self.keeper.host_store(spec.config_id, a).port)
+        group = self.group = build_group(spec, self.agent, self.keeper, backend=self.backend,
+                                         watch=self._watch)
+        self.log("group_formed", config_id=c, group_id=spec.config_id, attempt=a,
+                 rank=spec.rank, world_size=spec.world_size, seconds=group.formed_s)
+        mine = torch.tensor([self.step, reduced], dtype=torch.int64)
+        progress = [(int(p[0]), int(p[1]))
+                    for p in group.allgather(mine, watch=self._watch)]
+        resume, why = regroup_resume(progress)
+        if resume is None:
+            group.abandon()
+            raise RuntimeError(f"configuration {c}, regroup {a}: {why}")
+        action, reason = resolve(self.step, None if reduced < 0 else reduced, resume)
+        self.log("commit_rule", action=action, reason=reason, step=self.step,
+                 resume_step=resume, config_id=c, attempt=a, regroup=why)
+        if action == "roll_forward":
+            assert self._reduced is not None
+            self._apply(self._reduced[0], self._reduced[1])
+            # A peer committed it (that is why we resume past it): tell the agent, as the
+            # commit would have (its vote and the hang watchdog).
+            self.agent.report_progress(resume - 1)
+        elif action == "redo":
+            self._reduced = None
+        else:  # regroup_resume checked every rank can reach resume
+            raise AssertionError(reason)
+        snap = self._publish()
+        mine_print = snap.fingerprint()
+        prints = group.allgather(torch.frombuffer(bytearray(mine_print), dtype=torch.uint8),
+                                 watch=self._watch)
+        every = {bytes(p.tolist()) for p in prints}
+        if every != {mine_print}:
+            group.abandon()
+            raise RuntimeError(f"configuration {c}, regroup {a}: state fingerprints differ "
+                               f"at step {resume}: {sorted(f.hex()[:16] for f in every)}")
+        self.log("regroup_done", config_id=c, group_id=spec.config_id, attempt=a,
+                 rank=spec.rank, step=resume, resume_step=resume, action=action,
+                 fingerprint=mine_print.hex())
 
     def _enter_until_in(self, change: Any) -> None:
         """Enter the configuration of ``change``; when that fails (a source or a peer failed
@@ -430,8 +542,9 @@ class Trainer:
         c = configuration.config_id
         spec = replace(GroupSpec.of(configuration, self.me), config_id=group_id)
         self._ranks = tuple(configuration.ranks)
+        self._spec = spec
         if spec.rank == 0:  # host the store first: the others can connect while we fetch
-            self.agent.register_service(STORE_SERVICE, group_id,
+            self.agent.register_service(store_service(), group_id,
                                         self.keeper.host_store(group_id).port)
         if fetch_from is not None:
             self._fetch(fetch_from, c, resume)
