@@ -65,8 +65,9 @@ megabytes per second; 10 s is well below the minutes a stuck collective would co
 CONNECT_TIMEOUT_S = 5.0
 """Connect, handshake and manifest, per source."""
 WINDOW_CHUNKS = 4
-"""Chunk requests outstanding per source (4 x 16 MiB = 64 MiB): enough to keep a loopback or
-LAN pipe full across the request round trip."""
+"""Chunks per source requested and not yet verified (4 x 16 MiB = 64 MiB): enough to keep a
+loopback or LAN pipe full across the request round trip and the check of the previous chunk;
+a source whose checks lag gets no new chunks (the stripe follows what each source delivers)."""
 DEFAULT_MAX_STATE_BYTES = 1 << 40
 """1 TiB: refuse manifests claiming more (a bound, not a real model size)."""
 RECV_PIECE_BYTES = 256 << 10
@@ -169,6 +170,9 @@ class _Transfer:
         self.refetched = 0
         self.stopping = False
         self.loop = asyncio.get_running_loop()
+        # Every receiving thread takes its first chunks only once all have started, so a small
+        # state is not all taken by the thread that happened to start first.
+        self.started = threading.Barrier(len(sources))
 
     async def run(self) -> None:
         if self.remaining == 0:
@@ -194,6 +198,7 @@ class _Transfer:
                                  f"{dict(self.failures)}", self.failures)
 
     def _stop(self) -> None:
+        self.started.abort()
         with self.cond:
             self.stopping = True
             for s in self.sources:
@@ -229,6 +234,10 @@ class _Transfer:
                 sock = s.conn.sock
                 sock.setblocking(True)
                 set_timeouts(sock, self.progress_timeout_s)
+                try:
+                    self.started.wait(self.progress_timeout_s)
+                except threading.BrokenBarrierError:
+                    pass  # a thread failed before it (or the wait timed out): go on
                 self._chunks(s)
             finally:
                 s.checks.put(None)
@@ -244,6 +253,7 @@ class _Transfer:
                 reason = "no_progress"
             else:
                 reason = "closed" if isinstance(e, ConnectionError) else type(e).__name__
+            self.started.abort()  # no other thread waits for this one
             with self.cond:
                 s.failed = s.failed or reason
                 self.failures[s.failed] += 1
@@ -284,8 +294,7 @@ class _Transfer:
                     self.remaining -= 1
                     self.received_bytes += n
                     received = self.received_bytes
-                    if self.remaining == 0:
-                        cond.notify_all()
+                    cond.notify_all()  # frees the window of s; the last chunk ends all
             if not ok:
                 s.conn.shutdown()
             elif self.on_progress is not None:
@@ -298,15 +307,15 @@ class _Transfer:
         while True:
             with cond:
                 gets = []
-                while len(s.inflight) < self.window and queue:
+                while len(s.inflight) + len(s.verifying) < self.window and queue:
                     i = queue.popleft()
                     s.inflight.append(i)
                     gets.append(i)
                 if not s.inflight:
                     if self.remaining == 0 or self.stopping or s.failed is not None:
                         return
-                    # Until another source fails (its chunks come back), a check fails, or
-                    # the last chunk is verified.
+                    # Until a check ends (a chunk verified frees the window; a bad one fails
+                    # ``s``) or another source fails (its chunks come back).
                     s.idle = True
                     cond.wait(self.progress_timeout_s)
                     s.idle = False
