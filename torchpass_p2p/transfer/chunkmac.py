@@ -36,6 +36,8 @@ more), so the receiver checks chunks in a second thread beside the one that read
 The source computes the inner tags once per snapshot (~0.2 s of CPU per GB, spread over
 threads); serving a chunk then costs one 16-byte keyed BLAKE3. Poly1305 (RFC 8439) is as fast
 per core but ``cryptography`` holds the GIL in it, so it cannot run beside the socket reads.
+Where sender and receiver share 2 cores (the loopback benchmark) the MAC's CPU shows: 0.59-0.69
+of a plain socket's rate, against 0.995 with the unkeyed XXH3 digests of protocol v1.
 """
 
 from __future__ import annotations
