@@ -11,6 +11,12 @@ offsets drawn from a generator seeded by ``(seed, r, k)``. Each rank writes
 ``OUT/final-<member>.json`` (rank, steps, state fingerprint, weights digest, loss curve) when
 training ends; a member removed from the job, or drained (``torchpass-p2p drain``: it trains
 until a spare holds its rank), exits with code 3.
+
+``--extra-state-mb N`` adds N MiB of ballast to the training state (a :class:`Ballast` among the
+trainer's ``extra`` objects): deterministic bytes drawn from ``--seed``, never changed by a step,
+but part of every snapshot, transfer and state fingerprint like the weights. It makes a small
+model's state as large as a real one's, so a transfer lasts long enough for faults to land in
+its middle (S10). Per step it costs only the trainer's copy of the state after the commit.
 """
 
 from __future__ import annotations
@@ -83,6 +89,26 @@ class CharLM(nn.Module):
         return self.head(self.ln(self.blocks(x)))
 
 
+class Ballast:
+    """``[mib * 2**17] int64`` of deterministic bytes (a generator seeded by ``seed``), Stateful
+    (``state_dict`` / ``load_state_dict``), so the trainer captures, transfers and fingerprints
+    it with the rest of the state."""
+
+    def __init__(self, mib: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.empty(mib << 17, dtype=torch.int64).random_(generator=g)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"data": self.data}
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        data = state_dict["data"]
+        if data.dtype != self.data.dtype or data.shape != self.data.shape:
+            raise ValueError(f"ballast of {data.dtype} {tuple(data.shape)}, expected "
+                             f"{self.data.dtype} {tuple(self.data.shape)}")
+        self.data = data  # the received tensor itself (received in place: the same memory)
+
+
 def weights_digest(model: nn.Module) -> str:
     """sha256 over every parameter and buffer's bytes, in state-dict order."""
     h = hashlib.sha256()
@@ -102,6 +128,8 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--corpus-kib", type=int, default=4096)
+    ap.add_argument("--extra-state-mb", type=int, default=0,
+                    help="MiB of ballast in the training state (module docstring)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -121,8 +149,9 @@ def main() -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     me = f"{agent.member_id:016x}"
     log_path = os.path.join(args.log_dir, f"{me}.jsonl") if args.log_dir else None
+    extra = {"ballast": Ballast(args.extra_state_mb, args.seed)} if args.extra_state_mb else {}
     trainer = Trainer(model, optimizer, agent=agent, scheduler=scheduler, seed=args.seed,
-                      log_path=log_path)
+                      extra=extra, log_path=log_path)
 
     def loss_fn(step: int, rank: int) -> torch.Tensor:
         g = step_generator(args.seed, rank, step, salt=1)

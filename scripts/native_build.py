@@ -5,9 +5,11 @@ source into C extensions that run the simulator 3-4x as fast (measured by
 benchmarks/sim_speed.py). The pure-Python modules stay the reference: everything works without
 this step, and `torchpass_p2p` drops a compiled module whose source is newer than it.
 
-Not compiled: ``messages.py`` (compiled classes coerce and type-check fields at construction,
-while the codec's contract is to reject wrongly typed fields itself) and ``codec.py``/``wire.py``
-(their contract is to raise only DecodeError on any input, whatever its type).
+``messages.py`` is compiled too: a compiled message class checks its fields' types when built
+(TypeError), a stricter local check on top of the codec's, which still rejects every wrongly typed
+field a peer sends with a DecodeError before building anything. Not compiled:
+``codec.py``/``wire.py`` (their contract is to raise only DecodeError on any input, whatever its
+type, and msgpack's C parser does their heavy lifting anyway).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from mypyc.build import mypycify
 from setuptools import setup
 
 MODULES = [
+    "torchpass_p2p/core/messages.py",
     "torchpass_p2p/core/events.py",
     "torchpass_p2p/core/params.py",
     "torchpass_p2p/core/hashing.py",

@@ -15,6 +15,7 @@ where "never" sorts last as +inf; a percentile that lands on "never" is ``None``
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -114,6 +115,11 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         ``recv_bytes_per_member_per_s``, ``packets_per_member_per_s`` and
         ``recv_packets_per_member_per_s`` likewise (bytes include the seal's overhead; ``None``
         when the run measured no sizes, ``count_bytes = false`` and unsealed).
+        ``steady_bytes_per_member_per_s`` = the median over the measured seconds of each
+        second's sampled rate: a typical second's cost. A configuration change sends vote and
+        progress bitmaps of N bits (Rapid, ATC 2018, section 5: the certificate is a bitmap),
+        so its few seconds cost O(N) bytes per member and lift the whole-run mean with N, while
+        the median stays at the per-member probing and gossip cost, which is flat in N.
     Convergence: ``views_final`` / ``views_max`` = distinct membership views among live members
     at the end / at the worst sample.
     Speed: ``events`` = entries the engine handled; ``events_per_s`` = events / ``wall_s``.
@@ -146,6 +152,8 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
     def rate(total: int, has_size: bool = True) -> float | None:
         return round(total / per, 3) if per and has_size else None
 
+    measured = [b for t, b in zip(sampler.t_s, sampler.bytes_per_member_per_s, strict=True)
+                if t > warmup_s]
     events = cluster.engine.events
     result: dict[str, Any] = {
         "virtual_s": virtual_s,
@@ -173,6 +181,8 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         "live_members": len(live),
         "bytes_per_member_per_s": rate(totals[0], sized),
         "recv_bytes_per_member_per_s": rate(totals[1], sized),
+        "steady_bytes_per_member_per_s": (round(statistics.median(measured), 3)
+                                          if sized and measured else None),
         "packets_per_member_per_s": rate(totals[2]),
         "recv_packets_per_member_per_s": rate(totals[3]),
         "views_final": sampler.views[-1] if sampler.views else None,

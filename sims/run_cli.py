@@ -45,6 +45,7 @@ _TABLE: tuple[tuple[str, str], ...] = (
     ("live_members", ""),
     ("bytes_per_member_per_s", "B/s sent"),
     ("recv_bytes_per_member_per_s", "B/s received"),
+    ("steady_bytes_per_member_per_s", "B/s sent, median second"),
     ("packets_per_member_per_s", "packets/s sent"),
     ("views_final", "distinct views"),
     ("views_max", "distinct views"),

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from tests.core.strategies import MESSAGE_STRATEGIES, messages
 from torchpass_p2p.core import codec
+from torchpass_p2p.core import messages as messages_module
 from torchpass_p2p.core.codec import (
     MAX_BODY_BYTES,
     MAX_CUT_BYTES,
@@ -45,6 +46,7 @@ from torchpass_p2p.core.messages import (
     Join,
     Joiner,
     Left,
+    Message,
     Nack,
     Ping,
     PingReq,
@@ -56,6 +58,9 @@ from torchpass_p2p.core.messages import (
     Vote,
 )
 from torchpass_p2p.core.sizes import encoded_size
+
+_COMPILED_MESSAGES = not messages_module.__file__.endswith(".py")
+"""True when scripts/build-native compiled the message classes."""
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -169,7 +174,6 @@ _LARGEST_CUT = Cut(
     [
         'Ping(-1)',
         'Ping(1 << 32)',
-        'Ping(True)',
         'Ping(1.0)',
         'Ping(1, [Alive(1, 1)])',
         'Ping(1, (Alive(1, 1),) * (MAX_UPDATES + 1))',
@@ -179,7 +183,6 @@ _LARGEST_CUT = Cut(
         'Gossip((Alive(-1, 0),))',
         'Gossip((Alive(1, 1 << 32),))',
         'Gossip((Alert(1, 1 << 64, 0),))',
-        'Gossip((Dead(1, 0, False),))',
         'Gossip((Left(1, None),))',
         'Digest(1 << 64, 0, 0)',
         'Digest(0, 0, 1 << 32)',
@@ -190,7 +193,6 @@ _LARGEST_CUT = Cut(
         '"not a message"',
         'Vote(1, 0, Cut(), 0, bytearray(1))',  # bits must be bytes
         'Vote(1, 0, Cut(), 0, "ab")',
-        'Vote(1, 0, Cut(), 0, b"", True)',
         'Vote(1, 0, Cut(), 0, b"", 1.0)',
         'Vote(1, 0, (), 0, b"")',  # a tuple is not a Cut
         'Vote(1, 0, None, 0, b"")',
@@ -205,12 +207,10 @@ _LARGEST_CUT = Cut(
         'Accept(1, 0, Cut((), ((7, "h", 1, "", ""),)))',  # a tuple is not a Joiner
         'Join(Joiner(7, "h", 1, ("", "")), 1)',  # a tuple is not a Topology
         'Join(Joiner(7, b"h", 1), 1)',
-        'Join(Joiner(7, "h", True), 1)',
         'Join(Joiner(7, "h", 1, Topology(None)), 1)',
         'Join(Joiner(7, "\\ud800", 1), 1)',  # a lone surrogate has no UTF-8 spelling
         'Join(Joiner(7, "h", 1, Topology("", "\\udfff")), 1)',
         'Join(JOINER, -1)',
-        'Prepare(1, True)',
         'Prepare(None, 0)',
         'Progress(1, 0, bytearray(1))',
         'Progress(1, -1, b"")',
@@ -218,11 +218,39 @@ _LARGEST_CUT = Cut(
     ],
 )
 def test_encode_rejects_invalid_messages(source: str) -> None:
+    # Compiled message classes refuse a wrong type already when built (TypeError); in pure
+    # Python the encoder refuses it. Either way nothing reaches the wire.
     namespace = {**globals(), "MAX_UPDATES": MAX_UPDATES, "MAX_SYNC_ENTRIES": MAX_SYNC_ENTRIES,
                  "JOINER": Joiner(7, "h", 1)}
-    message = eval(source, namespace)
+    try:
+        message = eval(source, namespace)
+    except TypeError:
+        assert _COMPILED_MESSAGES
+        return
     with pytest.raises(ValueError):
         encode(message)
+
+
+@pytest.mark.parametrize(
+    ("source", "stored"),
+    [
+        ("Ping(True)", Ping(1)),
+        ("Gossip((Dead(1, 0, False),))", Gossip((Dead(1, 0, 0),))),
+        ('Vote(1, 0, Cut(), 0, b"", True)', Vote(1, 0, Cut(), 0, b"", 1)),
+        ('Join(Joiner(7, "h", True), 1)', Join(Joiner(7, "h", 1), 1)),
+        ("Prepare(1, True)", Prepare(1, 1)),
+    ],
+)
+def test_a_bool_for_an_int_field_is_refused_or_stored_as_that_int(source: str,
+                                                                   stored: Message) -> None:
+    message = eval(source)
+    if not _COMPILED_MESSAGES:
+        with pytest.raises(ValueError):
+            encode(message)
+        return
+    # mypyc stores the bool as the int it equals: the message is then a valid one.
+    assert message == stored
+    assert decode(encode(message)) == stored
 
 
 # --- decode: exact reasons ----------------------------------------------------------------------

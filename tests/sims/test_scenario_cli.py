@@ -9,6 +9,7 @@ be updated on purpose.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +203,22 @@ def test_report_writes_the_three_plots(tmp_path: Path,
     for name in pngs:
         assert (tmp_path / "out" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "seed 0" in capsys.readouterr().out
+
+
+def test_steady_bytes_are_the_median_second_and_flat_in_members() -> None:
+    # A change costs O(N) bytes per member for a few seconds (N-bit vote and progress
+    # bitmaps), which lifts the whole-run mean with N; a typical second's cost (probes,
+    # acks, gossip: K = 10 observers and log N retransmits) does not grow with N.
+    data = dict(SMALL, virtual_s=16.0, count_bytes=True)
+    small = run_scenario(scenario_from_mapping(dict(data, members=64)), series=True)
+    large = run_scenario(scenario_from_mapping(dict(data, members=512)), series=True)
+    for run in (small, large):
+        series = run["series"]
+        seconds = [b for t, b in zip(series["t_s"], series["bytes_per_member_per_s"], strict=True)
+                   if t > data["warmup_s"]]
+        assert run["steady_bytes_per_member_per_s"] == round(statistics.median(seconds), 3)
+        assert run["steady_bytes_per_member_per_s"] < run["bytes_per_member_per_s"]
+    ratio = large["steady_bytes_per_member_per_s"] / small["steady_bytes_per_member_per_s"]
+    assert 0.9 < ratio < 1.15
+    assert (large["bytes_per_member_per_s"] - large["steady_bytes_per_member_per_s"]
+            > small["bytes_per_member_per_s"] - small["steady_bytes_per_member_per_s"])

@@ -13,19 +13,21 @@ CLEAN_TIMEOUT_S = 200.0
 
 
 @pytest.fixture(scope="session")
-def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Run]:
-    """``clean_run(steps)``: the fault-free run of ``steps`` steps (4 ranks, 1 spare, ``ARGS``),
-    launched on first use and shared by every module asking for the same length."""
-    runs: dict[int, Run] = {}
+def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
+    """``clean_run(steps, script_args=ARGS)``: the fault-free run of ``steps`` steps (4 ranks,
+    1 spare, the example's ``script_args``), launched on first use and shared by every module
+    asking for the same length and settings."""
+    runs: dict[tuple[int, tuple[str, ...]], Run] = {}
 
-    def get(steps: int) -> Run:
-        if steps not in runs:
+    def get(steps: int, script_args: tuple[str, ...] = ARGS) -> Run:
+        key = (steps, tuple(script_args))
+        if key not in runs:
             run = run_job(tmp_path_factory.mktemp(f"clean-{steps}"), nproc=4, spares=1,
-                          steps=steps, script_args=ARGS, timeout_s=CLEAN_TIMEOUT_S)
+                          steps=steps, script_args=key[1], timeout_s=CLEAN_TIMEOUT_S)
             assert run.code == 0, run.output[-3000:]
             assert len(run.finals) == 4 and all(r["steps"] == steps for r in run.finals)
             assert len({r["fingerprint"] for r in run.finals}) == 1
-            runs[steps] = run
-        return runs[steps]
+            runs[key] = run
+        return runs[key]
 
     return get

@@ -1,16 +1,27 @@
 """The trainer's pure parts: the commit rule, seeding, fault specs, gradient flattening and
-the rank-order sum, and reading timelines back."""
+the rank-order sum, and reading timelines back; and the transfer server's hook for faults."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
 
 from torchpass_p2p.collective import flatten, sum_in_rank_order, unflatten_into
-from torchpass_p2p.trainer import Fault, parse_faults, resolve, step_generator, step_seed
+from torchpass_p2p.trainer import (
+    Fault,
+    FaultInjector,
+    parse_faults,
+    resolve,
+    step_generator,
+    step_seed,
+)
 from torchpass_p2p.trainer.timeline import read_events, recoveries
+from torchpass_p2p.transfer import Snapshot, TransferKeys, fetch
+from torchpass_p2p.transfer.server import TransferServer
 
 
 @pytest.mark.parametrize(("applied", "reduced", "resume", "action"), [
@@ -45,12 +56,16 @@ def test_step_seed_is_a_fixed_function_of_seed_rank_step() -> None:
 
 
 def test_fault_specs() -> None:
-    spec = "kill@37:grad:rank=1, stop@80:commit:rank=2:8,orphan@5:compute:rank=0"
+    spec = ("kill@37:grad:rank=1, stop@80:commit:rank=2:8,orphan@5:compute:rank=0,"
+            "kill@37:serve:rank=2:0.25")
     assert parse_faults(spec) == [Fault("kill", 37, "grad", 1), Fault("stop", 80, "commit", 2, 8.0),
-                                  Fault("orphan", 5, "compute", 0)]
+                                  Fault("orphan", 5, "compute", 0),
+                                  Fault("kill", 37, "serve", 2, fraction=0.25)]
     assert parse_faults("") == []
     for bad in ("kill@x:grad:rank=1", "boom@1:grad:rank=1", "kill@1:nowhere:rank=1",
-                "kill@1:grad:r=1", "orphans@1:grad:rank=1"):
+                "kill@1:grad:r=1", "orphans@1:grad:rank=1", "kill@1:serve:rank=1",
+                "kill@1:serve:rank=1:1.5", "stop@1:serve:rank=1:0.5",
+                "kill@1:grad:rank=1:2:3"):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
 
@@ -101,3 +116,43 @@ def test_recovery_timeline_from_logs(tmp_path) -> None:
             f.action) == ("kill", 1, 1, 37, 36, 0, ("redo",))
     assert [round(v, 6) for v in (f.detected_s, f.decided_s, f.transferred_s, f.rebuilt_s,
                                   f.resumed_s)] == [0.1, 1.4, 1.8, 2.0, 2.5]
+
+
+def test_a_serve_fault_fires_once_past_its_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``kill@S:serve:rank=R:F`` fires on rank R serving a snapshot of step S or later, once one
+    connection was sent F of it; not for another rank, an earlier step or fewer bytes."""
+    kills: list[int] = []
+    monkeypatch.setattr("torchpass_p2p.trainer.faults.os.kill", lambda pid, sig: kills.append(sig))
+    logged: list[tuple[Fault, dict]] = []
+    injector = FaultInjector(parse_faults("kill@5:serve:rank=2:0.25"), started_as_rank=True,
+                             before=lambda f, **details: logged.append((f, details)))
+    assert injector.serving
+    injector.served(4, 90, 100, rank=2)  # the state of step 4: not armed yet
+    injector.served(5, 90, 100, rank=1)  # another rank
+    injector.served(5, 24, 100, rank=2)  # less than a quarter
+    injector.served(5, 20, 100, rank=None)  # no rank (a spare before it holds one)
+    assert kills == [] and logged == []
+    injector.served(6, 25, 100, rank=2)
+    assert kills == [signal.SIGKILL] and not injector.serving
+    assert logged == [(Fault("kill", 5, "serve", 2, fraction=0.25),
+                       {"snapshot_step": 6, "served_bytes": 25, "total_bytes": 100})]
+    injector.served(6, 50, 100, rank=2)  # once
+    assert len(kills) == 1
+    assert not FaultInjector(parse_faults("kill@5:serve:rank=2:0.25"),
+                             started_as_rank=False).serving  # a spare never faults
+
+
+async def test_the_transfer_server_reports_each_chunk_served() -> None:
+    """The hook a ``serve`` fault rides on: ``on_served(step, served_bytes, total_bytes)`` after
+    each chunk handed to the socket, bytes counted per connection."""
+    calls: list[tuple[int, int, int]] = []
+    keys = TransferKeys(os.urandom(32))
+    snap = Snapshot.capture({"w": {"t": torch.arange(3000, dtype=torch.float32)}}, 9,
+                            copy=True, chunk_bytes=4096)  # 12000 bytes: 3 chunks, 4096 .. 3808
+    async with TransferServer(keys, lambda: 3,
+                              on_served=lambda *a: calls.append(a)) as server:
+        server.publish(snap)
+        for _ in range(2):  # two receivers: counted apart
+            got = await fetch([server.address], keys, 3, step=9, window=1)
+            assert got.fingerprint == snap.fingerprint()
+    assert calls == [(9, n, 12000) for n in (4096, 8192, 12000)] * 2

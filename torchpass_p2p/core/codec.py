@@ -808,5 +808,10 @@ def decode(body: bytes) -> Message:
     decoder = _MESSAGE_DECODERS.get(tag) if type(tag) is int else None
     if decoder is None:
         raise DecodeError("unknown_tag")
-    return decoder(obj)
+    try:
+        return decoder(obj)
+    except TypeError:
+        # The decoders check every field before building a message, so this is a gap in those
+        # checks that the compiled message classes (scripts/build-native) caught when built.
+        raise DecodeError("type") from None
 

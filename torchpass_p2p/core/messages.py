@@ -13,9 +13,14 @@ Member ids are unsigned 64-bit integers drawn fresh for every process start and 
 (SWIM section 4.2: a member raises its own incarnation to refute a suspicion of itself).
 
 They are values: nothing mutates one after construction (they are shared between the outbox, the
-gossip queue and the codec's cache). They are not ``frozen`` only because a frozen dataclass costs
-four times as much to build (0.9 us against 0.23 us here), and the decoder and the simulator build
-millions.
+gossip queue and the codec's cache). They are not ``frozen``, and spell out ``__init__``, only
+for speed: a frozen dataclass costs four times as much to build in CPython (0.9 us against 0.23
+us here), and mypyc (scripts/build-native compiles this module) builds a frozen or generated-
+``__init__`` dataclass through the Python-level ``__init__`` that ``dataclasses`` generates,
+while a written-out one becomes a native constructor. The decoder and the simulator build
+millions. Compiled, a constructor also checks its arguments' types (``TypeError``: an ``int``
+field given a ``str``); in pure Python the encoder rejects such a message (``ValueError``).
+Equality and ``repr`` come from ``dataclass``.
 
 The wire codec (:mod:`torchpass_p2p.core.codec`) maps each class to a type tag; the tags below
 are part of the wire format and never change meaning within a protocol version.
@@ -56,15 +61,19 @@ class MemberState(IntEnum):
 # --- updates: the facts gossip spreads -------------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Alive:
     """``member`` is alive at ``incarnation``. A higher incarnation refutes every older alert."""
 
     member: MemberId
     incarnation: int
 
+    def __init__(self, member: MemberId, incarnation: int) -> None:
+        self.member = member
+        self.incarnation = incarnation
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Alert:
     """``observer`` failed to reach ``subject`` (at the subject's ``incarnation``) for M rounds.
 
@@ -76,8 +85,13 @@ class Alert:
     subject: MemberId
     incarnation: int
 
+    def __init__(self, observer: MemberId, subject: MemberId, incarnation: int) -> None:
+        self.observer = observer
+        self.subject = subject
+        self.incarnation = incarnation
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Dead:
     """``member`` at ``incarnation`` was confirmed dead by ``confirmer`` after its suspicion
     timed out with enough independent alerts. Final for that member id."""
@@ -86,13 +100,22 @@ class Dead:
     incarnation: int
     confirmer: MemberId
 
+    def __init__(self, member: MemberId, incarnation: int, confirmer: MemberId) -> None:
+        self.member = member
+        self.incarnation = incarnation
+        self.confirmer = confirmer
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Left:
     """``member`` left on its own (graceful shutdown or drain). Final for that member id."""
 
     member: MemberId
     incarnation: int
+
+    def __init__(self, member: MemberId, incarnation: int) -> None:
+        self.member = member
+        self.incarnation = incarnation
 
 
 Update: TypeAlias = Alive | Alert | Dead | Left
@@ -101,7 +124,7 @@ Update: TypeAlias = Alive | Alert | Dead | Left
 # --- messages: what one datagram carries ----------------------------------------------------
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Ping:
     """Direct probe. The receiver answers ``Ack(seq)`` to the sender.
 
@@ -111,8 +134,12 @@ class Ping:
     seq: int
     updates: tuple[Update, ...] = ()
 
+    def __init__(self, seq: int, updates: tuple[Update, ...] = ()) -> None:
+        self.seq = seq
+        self.updates = updates
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class PingReq:
     """Indirect probe (SWIM section 3.1): ask the receiver to ping ``target`` and relay
     ``Ack(seq)`` back, or ``Nack(seq)`` if the target stays silent (Lifeguard section IV-A)."""
@@ -121,16 +148,25 @@ class PingReq:
     target: MemberId
     updates: tuple[Update, ...] = ()
 
+    def __init__(self, seq: int, target: MemberId, updates: tuple[Update, ...] = ()) -> None:
+        self.seq = seq
+        self.target = target
+        self.updates = updates
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Ack:
     """Answer to ``Ping(seq)``, direct from the target or relayed by a ``PingReq`` helper."""
 
     seq: int
     updates: tuple[Update, ...] = ()
 
+    def __init__(self, seq: int, updates: tuple[Update, ...] = ()) -> None:
+        self.seq = seq
+        self.updates = updates
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Nack:
     """A relay reports that ``target`` did not answer its ping in time (Lifeguard section IV-A):
     proof that the path prober -> relay works, so a missing nack counts against the prober."""
@@ -138,15 +174,22 @@ class Nack:
     seq: int
     target: MemberId
 
+    def __init__(self, seq: int, target: MemberId) -> None:
+        self.seq = seq
+        self.target = target
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Gossip:
     """A push of updates to a few random members (eager on news, then periodic)."""
 
     updates: tuple[Update, ...]
 
+    def __init__(self, updates: tuple[Update, ...]) -> None:
+        self.updates = updates
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Digest:
     """Anti-entropy opener: a 64-bit order-independent hash of the sender's membership view for
     ``config_id`` and the number of entries it covers. The receiver answers with
@@ -156,8 +199,13 @@ class Digest:
     digest: int
     entries: int
 
+    def __init__(self, config_id: int, digest: int, entries: int) -> None:
+        self.config_id = config_id
+        self.digest = digest
+        self.entries = entries
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class SyncState:
     """One page of a membership view: every non-default entry (``Alive`` with incarnation > 0,
     ``Dead``, ``Left``). ``reply`` asks the receiver to send its own pages back."""
@@ -167,6 +215,14 @@ class SyncState:
     pages: int
     entries: tuple[Update, ...]
     reply: bool = False
+
+    def __init__(self, config_id: int, page: int, pages: int, entries: tuple[Update, ...],
+                 reply: bool = False) -> None:
+        self.config_id = config_id
+        self.page = page
+        self.pages = pages
+        self.entries = entries
+        self.reply = reply
 
 
 
@@ -205,7 +261,7 @@ class Cut:
     joined: tuple[Joiner, ...] = ()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class Vote:
     """The senders' knowledge of who voted ``cut`` in ``round`` of ``config_id``'s agreement.
 
@@ -224,16 +280,29 @@ class Vote:
     bits: bytes
     max_step: int = -1
 
+    def __init__(self, config_id: int, round: int, cut: Cut, segment: int, bits: bytes,
+                 max_step: int = -1) -> None:
+        self.config_id = config_id
+        self.round = round
+        self.cut = cut
+        self.segment = segment
+        self.bits = bits
+        self.max_step = max_step
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Prepare:
     """Classic round phase 1a: the sender coordinates ``round`` of ``config_id``'s agreement."""
 
     config_id: int
     round: int
 
+    def __init__(self, config_id: int, round: int) -> None:
+        self.config_id = config_id
+        self.round = round
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Promise:
     """Classic round phase 1b: the sender promised ``round`` and last voted ``cut`` in
     ``voted_round`` (-1 and no cut when it never voted)."""
@@ -243,8 +312,14 @@ class Promise:
     voted_round: int
     cut: Cut | None
 
+    def __init__(self, config_id: int, round: int, voted_round: int, cut: Cut | None) -> None:
+        self.config_id = config_id
+        self.round = round
+        self.voted_round = voted_round
+        self.cut = cut
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Accept:
     """Classic round phase 2a: the coordinator of ``round`` asks everyone to vote ``cut``.
     Acceptors answer with their bit in a :class:`Vote` for that round, on the gossip path."""
@@ -253,16 +328,25 @@ class Accept:
     round: int
     cut: Cut
 
+    def __init__(self, config_id: int, round: int, cut: Cut) -> None:
+        self.config_id = config_id
+        self.round = round
+        self.cut = cut
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Join:
     """A process outside the configuration asks the receiver to sponsor it as a new spare."""
 
     joiner: Joiner
     config_id: int
 
+    def __init__(self, joiner: Joiner, config_id: int) -> None:
+        self.joiner = joiner
+        self.config_id = config_id
 
-@dataclass(slots=True)
+
+@dataclass(slots=True, init=False)
 class Progress:
     """Who of ``config_id``'s members reported their last committed training step, and the
     highest such step (DESIGN section 6). Bits and segments as in :class:`Vote`; receivers OR
@@ -272,6 +356,12 @@ class Progress:
     segment: int
     bits: bytes
     max_step: int = -1
+
+    def __init__(self, config_id: int, segment: int, bits: bytes, max_step: int = -1) -> None:
+        self.config_id = config_id
+        self.segment = segment
+        self.bits = bits
+        self.max_step = max_step
 
 
 Message: TypeAlias = (Ping | PingReq | Ack | Nack | Gossip | Digest | SyncState | Vote | Prepare

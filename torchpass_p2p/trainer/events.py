@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -16,19 +17,25 @@ __all__ = ["EventLog"]
 
 
 class EventLog:
-    """Appends to ``path`` (line buffered); ``path`` None: keeps nothing."""
+    """Appends to ``path`` (line buffered); ``path`` None: keeps nothing. Thread-safe: the
+    training thread and the state service's thread (a ``serve`` fault) both log."""
 
     def __init__(self, path: str | os.PathLike[str] | None, member: int) -> None:
         self.member = f"{member:016x}"
         self._file = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115
+        self._lock = threading.Lock()
 
     def __call__(self, event: str, **fields: Any) -> None:
         if self._file is None:
             return
         record = {"t": time.monotonic(), "event": event, "member": self.member, **fields}
-        self._file.write(json.dumps(record) + "\n")
+        line = json.dumps(record) + "\n"
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line)
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

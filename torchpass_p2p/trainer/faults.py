@@ -10,14 +10,25 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
                                  and holds every socket of this process (its ports stay bound),
                                  then SIGKILL itself: what a dead rank's data loader worker
                                  leaves behind
+    kill@37:serve:rank=2:0.25    SIGKILL itself while its transfer server serves the state
+                                 after 37 or more steps to a fetching member (a promoted spare),
+                                 as soon as one connection has been sent a quarter of that
+                                 state's bytes: a source dying mid-transfer (S10)
 
 Points: ``compute`` (before forward), ``grad`` (forward and backward done, peers already in the
-all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit all-reduce).
+all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit all-reduce), and
+``serve`` (only for ``kill``; its number is the fraction of the snapshot, ``0 < f < 1``, that
+one connection has been sent: checked after each chunk, so the kill lands between two chunks,
+with the receiver's further requests unanswered). The step of a ``serve`` fault is the served
+snapshot's step (the state after that many steps), at least that; its rank is this member's
+rank in the configuration it is entering or training in (``rank_of()``).
+
 A fault fires only in a process started as a rank (``TORCHPASS_ROLE`` is not ``spare``), once:
 the replacement redoing that step must not fault again. ``before(fault, **details)`` is called
 just before one fires, to log it; an ``orphan`` passes ``orphan_pid`` and ``orphan_ports`` (the
 local ports of the sockets it holds), so a test can check the orphan held the rank's port and is
-gone after the run.
+gone after the run; a ``serve`` fault passes ``snapshot_step``, ``served_bytes`` (sent on that
+connection) and ``total_bytes``.
 """
 
 from __future__ import annotations
@@ -27,13 +38,14 @@ import signal
 import socket
 import stat
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Fault", "FaultInjector", "parse_faults", "start_orphan"]
 
-POINTS = ("compute", "grad", "commit")
+POINTS = ("compute", "grad", "commit", "serve")
 KINDS = ("kill", "stop", "orphan")
 ORPHAN_SLEEP_S = 3600
 """How long an orphan lives unless killed: far past any test, so only its reaping ends it."""
@@ -41,13 +53,15 @@ ORPHAN_SLEEP_S = 3600
 
 @dataclass(frozen=True, slots=True)
 class Fault:
-    """``kind`` ``kill``, ``stop`` or ``orphan``; ``seconds``: how long a ``stop`` lasts."""
+    """``kind`` ``kill``, ``stop`` or ``orphan``; ``seconds``: how long a ``stop`` lasts;
+    ``fraction``: of the snapshot sent on one connection before a ``serve`` fault fires."""
 
     kind: str
     step: int
     point: str
     rank: int
     seconds: float = 0.0
+    fraction: float = 0.0
 
 
 def parse_faults(text: str) -> list[Fault]:
@@ -58,24 +72,31 @@ def parse_faults(text: str) -> list[Fault]:
             head, point, rank, *rest = item.split(":")
             kind, step = head.split("@")
             if kind not in KINDS or point not in POINTS or not rank.startswith(
-                    "rank="):
+                    "rank=") or len(rest) > 1:
                 raise ValueError
-            out.append(Fault(kind, int(step), point, int(rank[5:]),
-                             float(rest[0]) if rest else 0.0))
+            number = float(rest[0]) if rest else 0.0
+            if point == "serve":
+                if kind != "kill" or not 0.0 < number < 1.0:
+                    raise ValueError
+                out.append(Fault(kind, int(step), point, int(rank[5:]), fraction=number))
+            else:
+                out.append(Fault(kind, int(step), point, int(rank[5:]), number))
         except ValueError:
-            raise ValueError(f"bad fault {item!r}: expected kind@step:point:rank=R[:seconds]"
-                             ) from None
+            raise ValueError(f"bad fault {item!r}: expected kind@step:point:rank=R[:seconds] "
+                             "or kill@step:serve:rank=R:fraction") from None
     return out
 
 
 class FaultInjector:
     """Fires the faults meant for this process. ``before(fault, **details)`` is called just
-    before one fires (to log it; module docstring)."""
+    before one fires (to log it; module docstring). :meth:`at` runs on the training thread,
+    :meth:`served` on the transfer server's; a lock keeps each fault firing once."""
 
     def __init__(self, faults: list[Fault], *, started_as_rank: bool,
                  before: Callable[..., None] | None = None) -> None:
         self.faults = list(faults) if started_as_rank else []
         self.before = before
+        self._lock = threading.Lock()
 
     @classmethod
     def from_env(cls, before: Callable[..., None] | None = None) -> FaultInjector:
@@ -83,23 +104,47 @@ class FaultInjector:
                    started_as_rank=os.environ.get("TORCHPASS_ROLE", "rank") != "spare",
                    before=before)
 
+    @property
+    def serving(self) -> bool:
+        """Whether a ``serve`` fault is still armed (the trainer hooks the server only then)."""
+        return any(f.point == "serve" for f in self.faults)
+
+    def served(self, step: int, served_bytes: int, total_bytes: int, rank: int | None) -> None:
+        """After a chunk was sent: fire a ``serve`` fault of ``rank`` armed at ``step`` or
+        earlier once ``served_bytes`` (of this connection) reach its fraction of
+        ``total_bytes`` (the transfer server's ``on_served``)."""
+        with self._lock:
+            for f in self.faults:
+                if (f.point == "serve" and f.rank == rank and step >= f.step
+                        and served_bytes >= f.fraction * total_bytes):
+                    self.faults.remove(f)
+                    break
+            else:
+                return
+        if self.before is not None:
+            self.before(f, snapshot_step=step, served_bytes=served_bytes,
+                        total_bytes=total_bytes)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def at(self, step: int, point: str, rank: int) -> None:
         """Fire any fault for (``rank``, ``step``, ``point``)."""
-        for f in self.faults:
-            if (f.step, f.point, f.rank) == (step, point, rank):
-                self.faults.remove(f)
-                details: dict[str, Any] = {}
-                if f.kind == "orphan":
-                    orphan, ports = start_orphan()
-                    details = {"orphan_pid": orphan.pid, "orphan_ports": ports}
-                if self.before is not None:
-                    self.before(f, **details)
-                if f.kind in ("kill", "orphan"):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                else:
-                    subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"])
-                    os.kill(os.getpid(), signal.SIGSTOP)
+        with self._lock:
+            due = [f for f in self.faults if (f.step, f.point, f.rank) == (step, point, rank)]
+            if not due:
                 return
+            f = due[0]
+            self.faults.remove(f)
+        details: dict[str, Any] = {}
+        if f.kind == "orphan":
+            orphan, ports = start_orphan()
+            details = {"orphan_pid": orphan.pid, "orphan_ports": ports}
+        if self.before is not None:
+            self.before(f, **details)
+        if f.kind in ("kill", "orphan"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 def start_orphan() -> tuple[subprocess.Popen[bytes], list[int]]:

@@ -157,10 +157,12 @@ class Trainer:
         self.faults = faults or FaultInjector.from_env(
             before=lambda f, **details: self.log("fault", kind=f.kind, step=f.step,
                                                  point=f.point, rank=f.rank,
-                                                 seconds=f.seconds, **details))
+                                                 seconds=f.seconds, fraction=f.fraction,
+                                                 **details))
         self.keeper = StoreKeeper(agent.address[0])
         self.service = StateService(TransferKeys.from_keyring(agent.settings.keyring),
-                                    self._known_config_id, host=agent.address[0])
+                                    self._known_config_id, host=agent.address[0],
+                                    on_served=self._served if self.faults.serving else None)
         self.step = 0
         """Steps applied: the state is after this many steps; step ``self.step`` runs next."""
         self.group: ManagedGroup | None = None
@@ -293,6 +295,12 @@ class Trainer:
         return {"seed": self.seed, "world_size": world, "data_position": self.step * world}
 
     # ------------------------------------------------------------------ configurations
+
+    def _served(self, step: int, served_bytes: int, total_bytes: int) -> None:
+        """The transfer server sent a chunk (its thread): a ``serve`` fault may fire."""
+        ranks = self._ranks
+        self.faults.served(step, served_bytes, total_bytes,
+                           ranks.index(self.me) if self.me in ranks else None)
 
     def _known_config_id(self) -> int:
         latest = self._latest
@@ -464,7 +472,9 @@ class Trainer:
         last: Exception | None = None
         for _ in range(FETCH_ATTEMPTS):
             with ThreadPoolExecutor(len(members)) as pool:
-                addresses = [a for a in pool.map(lookup, members) if a is not None]
+                found = {a: m for m, a in zip(members, pool.map(lookup, members), strict=True)
+                         if a is not None}
+            addresses = list(found)
             if not addresses:
                 raise TransferError("no_sources", f"no source announced state for {config_id}")
             try:
@@ -486,7 +496,9 @@ class Trainer:
         self.log("state_fetched", config_id=config_id, step=got_step, seconds=result.seconds,
                  bytes=result.snapshot.total_bytes, sources=len(addresses),
                  fingerprint=result.fingerprint.hex(), restored_fingerprint=own.hex(),
-                 failures=dict(result.failures), total_s=time.monotonic() - t0)
+                 failures=dict(result.failures), total_s=time.monotonic() - t0,
+                 served_by={f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()},
+                 refetched_chunks=result.refetched_chunks)
         if own != result.fingerprint:
             raise RuntimeError("the restored state's fingerprint differs from the sources'")
         del metadata

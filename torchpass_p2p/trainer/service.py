@@ -21,13 +21,16 @@ START_TIMEOUT_S = 10.0
 
 class StateService:
     """A :class:`~torchpass_p2p.transfer.TransferServer` on ``host`` (ephemeral port) serving
-    to holders of ``keys`` whose configuration is at least ``current_config_id()``."""
+    to holders of ``keys`` whose configuration is at least ``current_config_id()``.
+    ``on_served(step, served_bytes, total_bytes)``: the server's progress callback, called on
+    the service's thread after each chunk sent (fault injection)."""
 
     def __init__(self, keys: TransferKeys, current_config_id: Callable[[], int], *,
-                 host: str = "127.0.0.1") -> None:
+                 host: str = "127.0.0.1",
+                 on_served: Callable[[int, int, int], None] | None = None) -> None:
         self.keys = keys
         self._loop = asyncio.new_event_loop()
-        self._server = TransferServer(keys, current_config_id, host=host)
+        self._server = TransferServer(keys, current_config_id, host=host, on_served=on_served)
         self._thread = threading.Thread(target=self._loop.run_forever, name="state-service",
                                         daemon=True)
 

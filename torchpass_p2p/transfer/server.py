@@ -19,6 +19,11 @@ Bad input never crashes the server: each refused or dropped connection is counte
 ``refused`` by reason (``bad_frame``, ``frame_too_large``, ``bad_version``, ``unknown_key``,
 ``auth_failed``, ``stale_config``, ``bad_request``, ``no_snapshot``, ``step_mismatch``,
 ``handshake_timeout``, ``too_many_connections``, ``closed``).
+
+Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
+event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
+this connection has sent of it so far, and its total bytes. It must not block; the trainer's
+fault injection uses it (``kill@S:serve``, :mod:`torchpass_p2p.trainer.faults`).
 """
 
 from __future__ import annotations
@@ -65,8 +70,10 @@ class TransferServer:
                  max_connections: int = MAX_CONNECTIONS,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 send_timeout_s: float = SEND_TIMEOUT_S) -> None:
+                 send_timeout_s: float = SEND_TIMEOUT_S,
+                 on_served: Callable[[int, int, int], None] | None = None) -> None:
         self.keys = keys
+        self.on_served = on_served
         self.current_config_id = current_config_id
         self.host, self.port = host, port
         self.max_connections = max_connections
@@ -184,6 +191,7 @@ class TransferServer:
     async def _requests(self, conn: Conn, session: bytes, tid: bytes) -> None:
         snap: Snapshot | None = None
         inner = b""
+        served = 0  # chunk bytes of ``snap`` sent on this connection
         while True:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):
@@ -206,6 +214,9 @@ class TransferServer:
                                            encode_frame("chunk", i=i, o=off, n=n, tag=tag))
                 self.stats["chunks"] += 1
                 self.stats["bytes"] += n
+                served += n
+                if self.on_served is not None:
+                    self.on_served(snap.step, served, snap.total_bytes)
             elif op == "manifest?":
                 if snap is not None:
                     raise PeerError("bad_request", "second manifest request")
@@ -213,7 +224,7 @@ class TransferServer:
                 step = msg.get("step")
                 if algo not in fp.ALGORITHMS or (step is not None and type(step) is not int):
                     raise PeerError("bad_request", "manifest request")
-                snap = self._snapshot
+                snap, served = self._snapshot, 0
                 if snap is None:
                     await conn.send(encode_frame("error", reason="no_snapshot"))
                     raise PeerError("no_snapshot")
