@@ -5,10 +5,10 @@ processes that each hold the same ``--gib`` GiB state (16 float32 tensors) and s
 ways; the receiver (this process) measures, in interleaved rounds, the median of ``repeats``
 runs of:
 
-* ``gb_per_s``: :func:`torchpass_p2p.transfer.fetch` from one source, digest ``xxh3`` with
-  keyed-BLAKE3 chunk tags (every byte hashed on the receiver), received in place;
-* ``gb_per_s_blake3``: the same with BLAKE3 chunk digests (cryptographic per byte);
-* ``two_sources_gb_per_s``: ``fetch`` striped over both sources (xxh3);
+* ``gb_per_s``: :func:`torchpass_p2p.transfer.fetch` from one source, received in place, every
+  byte of every chunk authenticated on the receiver (``chunkmac``: GMAC inner tags under a
+  per-snapshot key, keyed-BLAKE3 tags under the session key);
+* ``two_sources_gb_per_s``: ``fetch`` striped over both sources;
 * ``raw_socket_gb_per_s``: a plain blocking-socket loop, ``sendall`` in 4 MiB pieces /
   ``recv_into`` with ``MSG_WAITALL`` in pieces of the client's ``RECV_PIECE_BYTES`` (256 KiB,
   the cheapest receive loop measured here) of the same bytes into a preallocated buffer, no
@@ -18,8 +18,12 @@ runs of:
 * ``torch_save_gb_per_s``: ``torch.save`` into memory, send, receive, ``torch.load``;
 
 with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (and the same for the others).
-GB = 1e9 bytes. The sources' one-time digest cost per published snapshot is reported as
-``source_digest_s``. Figures only: nothing here asserts a time.
+GB = 1e9 bytes. A source's one-time costs per published snapshot, paid before the timed runs
+(wall seconds, 1 GiB): ``source_digest_s`` (xxh3 chunk digests, for the fingerprint) and
+``source_chunk_mac_s`` (the inner chunk MACs). ``receiver_cpu_s_per_gb`` and
+``source_cpu_s_per_gb`` (medians, user + system CPU of the receiving process and of the serving
+source per GB moved) say where the time goes; on a shared machine they vary less than the
+rates. Figures only: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -101,17 +105,31 @@ def _source_main(pipe, total_bytes: int, key: bytes) -> None:
 
     async def serve() -> None:
         t0 = time.perf_counter()
-        for algo in ("xxh3", "blake3"):
-            snap.digests(algo)
-        digest_s = time.perf_counter() - t0
+        snap.digests("xxh3")
+        t1 = time.perf_counter()
+        snap.chunk_macs()
+        t2 = time.perf_counter()
         async with TransferServer(TransferKeys(key), lambda: 1) as server:
             server.publish(snap)
             pipe.send({"transfer": server.port, "raw": socks[0].getsockname()[1],
-                       "save": socks[1].getsockname()[1], "digest_s": digest_s})
+                       "save": socks[1].getsockname()[1], "digest_s": t1 - t0,
+                       "chunk_mac_s": t2 - t1, "pid": os.getpid()})
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, pipe.recv)  # any message: stop
 
     asyncio.run(serve())
+
+
+def _cpu_s(source_pids: list[int]) -> tuple[float, float]:
+    """(this process's CPU seconds, the sources' together): user + system, all threads."""
+    t = os.times()
+    tck = os.sysconf("SC_CLK_TCK")
+    src = 0.0
+    for pid in source_pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        src += (int(fields[11]) + int(fields[12])) / tck
+    return t.user + t.system, src
 
 
 def _raw_recv(port: int, views: list[memoryview], piece: int = RECV_PIECE_BYTES,
@@ -170,9 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     views = [byte_view(t) for t in into.tensors]
     src = [("127.0.0.1", p["transfer"]) for p in ports]
 
-    def run_fetch(sources, algo):
+    def run_fetch(sources):
         t0 = time.perf_counter()
-        res = asyncio.run(fetch(sources, keys, 1, into=into, algo=algo))
+        res = asyncio.run(fetch(sources, keys, 1, into=into))
         dt = time.perf_counter() - t0
         assert res.allocated_bytes == 0 and not res.failures
         return dt
@@ -188,28 +206,38 @@ def main(argv: list[str] | None = None) -> int:
         return time.perf_counter() - t0
 
     cases = {
-        "gb_per_s": lambda: run_fetch(src[:1], "xxh3"),
+        "gb_per_s": lambda: run_fetch(src[:1]),
         "raw_socket_gb_per_s": run_raw,
         "raw_socket_4mib_gb_per_s": lambda: run_raw(PIECE, 0),
-        "two_sources_gb_per_s": lambda: run_fetch(src, "xxh3"),
-        "gb_per_s_blake3": lambda: run_fetch(src[:1], "blake3"),
+        "two_sources_gb_per_s": lambda: run_fetch(src),
         "torch_save_gb_per_s": run_save,
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
+    pids = [p["pid"] for p in ports]
     for f in cases.values():  # warm-up: page in buffers, first connections
         f()
     for _ in range(args.repeats):
         for k, f in cases.items():
+            c0 = _cpu_s(pids)
             times[k].append(f())
+            c1 = _cpu_s(pids)
+            cpu[k].append((c1[0] - c0[0], c1[1] - c0[1]))
     out: dict[str, object] = {"bytes": total, "repeats": args.repeats}
     for k, ts in times.items():
         out[k] = round(total / statistics.median(ts) / 1e9, 3)
     raw = out["raw_socket_gb_per_s"]
     out["ratio_vs_raw"] = round(out["gb_per_s"] / raw, 3)  # type: ignore[operator]
-    out["ratio_vs_raw_blake3"] = round(out["gb_per_s_blake3"] / raw, 3)  # type: ignore
     out["two_sources_vs_one"] = round(out["two_sources_gb_per_s"] / out["gb_per_s"], 3)  # type: ignore
     out["all_gb_per_s"] = {k: [round(total / t / 1e9, 3) for t in ts] for k, ts in times.items()}
+    gb = total / 1e9
+    out["receiver_cpu_s_per_gb"] = {k: round(statistics.median(c[0] for c in cs) / gb, 3)
+                                    for k, cs in cpu.items()}
+    out["source_cpu_s_per_gb"] = {k: round(statistics.median(c[1] for c in cs) / gb, 3)
+                                  for k, cs in cpu.items()}
     out["source_digest_s"] = round(ports[0]["digest_s"], 3)
+    out["source_chunk_mac_s"] = round(ports[0]["chunk_mac_s"], 3)
+    out["loadavg_1min_after"] = round(os.getloadavg()[0], 2)
     out["python"] = platform.python_version()
     out["torch"] = torch.__version__
     out["cpus"] = os.cpu_count()

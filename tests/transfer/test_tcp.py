@@ -13,7 +13,7 @@ import pytest
 from torchpass_p2p.core.seal import key_id
 from torchpass_p2p.transfer import Refused, Snapshot, TransferFailed, TransferKeys, fetch
 from torchpass_p2p.transfer.auth import client_handshake
-from torchpass_p2p.transfer.frames import Conn, encode_frame
+from torchpass_p2p.transfer.frames import Conn, decode_frame, encode_frame
 from torchpass_p2p.transfer.server import TransferServer
 
 from .states import build, capture
@@ -33,7 +33,8 @@ def snap():
 
 
 class CorruptServer(TransferServer):
-    """Flips one byte in the middle of every chunk (a faulty source or an on-path attacker)."""
+    """Flips one byte in the middle of every chunk after its tag was computed (an on-path
+    attacker, or a source whose memory changed after it computed its inner chunk MACs)."""
 
     def chunk_buffers(self, snapshot, index):
         bufs = super().chunk_buffers(snapshot, index)
@@ -59,6 +60,31 @@ class StallServer(TransferServer):
         if self.stats["stall_calls"] > 2:
             await asyncio.sleep(3600)
         await super().serve_chunk(conn, snapshot, index, header)
+
+
+class Recorder(TransferServer):
+    """Records every chunk frame it sends (header and bytes, by index); with ``replay``
+    (requested index -> recorded index, or None) it answers as an on-path attacker would, with
+    a recorded frame's bytes and tag under a header naming the requested chunk."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.frames: dict[int, tuple[bytes, bytes]] = {}
+        self.replay = lambda index: None
+
+    async def serve_chunk(self, conn, snapshot, index, header):
+        body = b"".join(bytes(b) for b in self.chunk_buffers(snapshot, index))
+        j = self.replay(index)
+        if j is None:
+            self.frames[index] = (header, body)
+            await conn.send(header + body)
+            return
+        old_header, old_body = self.frames[j]
+        old = decode_frame(old_header[4:])
+        off, n = snapshot.chunk_range(index)
+        assert n == len(old_body)
+        await conn.send(encode_frame("chunk", i=index, o=off, n=n, tag=old["tag"]) + old_body)
+        self.stats["replayed"] += 1
 
 
 def received_fingerprint(result) -> bytes:
@@ -221,6 +247,61 @@ async def test_bad_chunk_moves_to_a_good_source(snap, keys, bad_server):
         assert received_fingerprint(res) == snap.fingerprint()
     finally:
         await close_all(servers)
+
+
+async def test_chunk_moved_to_another_index_fails_its_tag(snap, keys):
+    # An on-path attacker answers ``get 1`` with chunk 0's frame from this same connection
+    # (its bytes and its tag), relabelled as chunk 1 (chunks 0 and 1 are both 4096 bytes).
+    (rec,) = await serving(snap, keys, Recorder)
+    rec.replay = lambda i: 0 if i == 1 else None
+    try:
+        with pytest.raises(TransferFailed) as e:
+            await fetch([rec.address], keys, CONFIG, window=1)
+        assert e.value.failures == {"bad_chunk": 1}
+        assert rec.stats["replayed"] == 1
+    finally:
+        await rec.close()
+
+
+async def test_chunk_replayed_from_another_transfer_fails_its_tag(snap, keys):
+    # Transfer 1 is recorded; in transfer 2 each chunk is answered with transfer 1's frame for
+    # the same index: the very same bytes, under the other transfer's tag.
+    (rec,) = await serving(snap, keys, Recorder)
+    try:
+        first = await fetch([rec.address], keys, CONFIG)
+        assert first.failures == {} and len(rec.frames) == snap.num_chunks
+        rec.replay = lambda i: i
+        with pytest.raises(TransferFailed) as e:
+            await fetch([rec.address], keys, CONFIG)
+        assert e.value.failures == {"bad_chunk": 1}
+        assert rec.stats["replayed"] >= 1
+        rec.replay = lambda i: None  # honest again: a fresh transfer succeeds
+        res = await fetch([rec.address], keys, CONFIG)
+        assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await rec.close()
+
+
+async def test_a_second_manifest_request_is_refused(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        loop = asyncio.get_running_loop()
+        c = Conn(socket.create_connection(server.address), loop)
+        await client_handshake(c, keys, CONFIG, os.urandom(16))
+        await c.send(encode_frame("manifest?", algo="xxh3", step=None))
+        msg = await c.read_frame()
+        assert msg["op"] == "manifest" and len(msg["key"]) == 32
+        await c.recv_exact(msg["size"])
+        await c.send(encode_frame("manifest?", algo="xxh3", step=None))
+        try:
+            assert await loop.sock_recv(c.sock, 10) == b""
+        except ConnectionResetError:
+            pass
+        c.close()
+        await asyncio.sleep(0.05)
+        assert server.refused == {"bad_request": 1}
+    finally:
+        await server.close()
 
 
 async def test_only_bad_sources_fail_cleanly(snap, keys):

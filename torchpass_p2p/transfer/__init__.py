@@ -3,7 +3,8 @@ peer-to-peer from surviving replicas.
 
 * ``snapshot``: the state as a table of tensors plus plain metadata (``Snapshot.capture``,
   ``restore``, ``RNGState``);
-* ``fingerprint``: chunk digests (xxh3 / blake3), the state fingerprint, chunk tags;
+* ``fingerprint``: chunk digests (xxh3 / blake3), the state fingerprint, control-frame tags;
+* ``chunkmac``: the per-chunk MAC of the TCP transfer (GMAC, then keyed BLAKE3);
 * ``frames``: bounded msgpack control frames on a socket; ``manifest``: the table a source sends;
 * ``auth``: transfer keys derived from the cluster key, mutual challenge-response;
 * ``server``: ``TransferServer`` serves the last published snapshot;

@@ -15,7 +15,8 @@ Handshake (tags are keyed BLAKE3-256 under the transfer key ``K``)::
 Each side proves the key over a nonce the other just drew, so a recorded handshake replayed to
 either side fails; ``config_id`` and ``transfer_id`` are bound into both tags. The connection's
 session key, which keys every chunk and manifest tag, is
-``MAC_K("session" | Nc | Ns | config_id | tid)``: fresh per connection.
+``MAC_K("session" | Nc | Ns | config_id | tid)``: fresh per connection. Under it, the manifest
+frame carries the snapshot's chunk-MAC key (wrapped) and every chunk its MAC (``chunkmac``).
 
 The stream is authenticated, not encrypted: an eavesdropper on the fabric can read tensor
 bytes; only key holders can request them or inject bytes a receiver accepts.
@@ -40,7 +41,8 @@ from .frames import Conn, encode_frame, field
 INFO = b"torchpass transfer v1"
 NONCE_BYTES = 32
 TRANSFER_ID_BYTES = 16
-VERSION = 1
+VERSION = 2
+"""Of the transfer protocol (``frames``); 2: chunk MACs over every byte (``chunkmac``)."""
 
 
 def derive(key: bytes) -> bytes:

@@ -14,15 +14,17 @@
    ``window`` chunk requests outstanding and takes the next chunk as one arrives, so faster
    sources carry more. The thread owns its socket in blocking mode (kernel receive timeout, no
    event-loop round trip per chunk) and receives each chunk straight into tensor memory in
-   256 KiB pieces, hashing each piece while it is still in the CPU cache; the chunk is accepted
-   only if its digest equals the manifest's and its tag verifies under the connection's session
-   key.
+   256 KiB pieces. Each source also has a checking thread that verifies every received chunk's
+   MAC (``chunkmac``: GMAC over all its bytes under the snapshot's key, then a keyed-BLAKE3 tag
+   under the connection's session key binding transfer, index, offset and length) beside the
+   socket reads (GMAC releases the GIL); a chunk counts only once its MAC verifies.
 5. **Failover.** A source that closes, errs, sends a bad chunk, or makes no progress for
    ``progress_timeout_s`` seconds is dropped; its unverified chunks go back to the queue and the
    other sources take them. No fixed total deadline: only "no progress for T".
-6. **Done** when every chunk is verified: since each chunk's digest matched the manifest whose
-   fingerprint was agreed, the received state has that fingerprint. Restore it into live
-   objects with ``result.snapshot.restore(objects)``.
+6. **Done** when every chunk is verified: each chunk's bytes are those its source MAC'd from
+   the snapshot whose manifest (and so fingerprint) was agreed. Restore the state into live
+   objects with ``result.snapshot.restore(objects)``; ``result.snapshot.fingerprint()``
+   recomputes the fingerprint from the received bytes (the trainer compares it again).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import os
+import queue
 import socket
 import threading
 import time
@@ -39,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import chunkmac
 from . import fingerprint as fp
 from .auth import TRANSFER_ID_BYTES, TransferKeys, client_handshake
 from .errors import PeerError, Refused, TransferError, TransferFailed
@@ -61,16 +65,15 @@ megabytes per second; 10 s is well below the minutes a stuck collective would co
 CONNECT_TIMEOUT_S = 5.0
 """Connect, handshake and manifest, per source."""
 WINDOW_CHUNKS = 4
-"""Chunk requests outstanding per source (4 x 16 MiB = 64 MiB): enough to keep a loopback or
-LAN pipe full across the request round trip."""
+"""Chunks per source requested and not yet verified (4 x 16 MiB = 64 MiB): enough to keep a
+loopback or LAN pipe full across the request round trip and the check of the previous chunk;
+a source whose checks lag gets no new chunks (the stripe follows what each source delivers)."""
 DEFAULT_MAX_STATE_BYTES = 1 << 40
 """1 TiB: refuse manifests claiming more (a bound, not a real model size)."""
 RECV_PIECE_BYTES = 256 << 10
-"""Bytes per receive call (``MSG_WAITALL``), hashed right after while still in the CPU cache,
-so the digest costs no second pass through memory. 256 KiB is half a core's L2 here (512 KiB);
-measured (0.5 GiB, loopback, 2 cores): receiver CPU ~0.38 s/GB with xxh3 digests at 256-512
-KiB, ~0.41 at 1 MiB, ~0.47 at 4 MiB, against 0.64 for the previous loop-plus-hash-thread
-receiver."""
+"""Bytes per receive call (``MSG_WAITALL``). Measured (0.5 GiB, loopback, 2 cores, each piece
+hashed while cached): receiver CPU ~0.38 s/GB at 256-512 KiB, ~0.41 at 1 MiB, ~0.47 at 4 MiB;
+the MAC now runs in a checking thread (see ``_Transfer._check``), the piece size stayed."""
 STOP_TIMEOUT_S = 5.0
 """After a cancelled transfer: how long to wait for the receiving threads to end (their sockets
 are shut down first, which ends a blocked receive at once)."""
@@ -98,7 +101,10 @@ class _Source:
     conn: Conn
     session: bytes
     manifest: Manifest
+    chunk_key: bytes
     inflight: deque[int] = field(default_factory=deque)
+    verifying: deque[int] = field(default_factory=deque)
+    checks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     idle: bool = False
     done: bool = False
     failed: str | None = None
@@ -123,16 +129,17 @@ async def _open(addr: Address, keys: TransferKeys, config_id: int, tid: bytes, a
         if msg["op"] != "manifest":
             raise PeerError("bad_frame", f"expected manifest, got {msg['op']!r}")
         size = get_field(msg, "size", int)
+        wrapped = get_field(msg, "key", bytes, chunkmac.KEY_BYTES)
         tag = get_field(msg, "tag", bytes, fp.TAG_BYTES)
         if size > max_manifest_bytes:
             raise PeerError("too_large", f"manifest of {size} bytes > {max_manifest_bytes}")
         body = bytes(await conn.recv_exact(size))
-        if not hmac.compare_digest(tag, fp.frame_tag(session, b"manifest", body)):
+        if not hmac.compare_digest(tag, fp.frame_tag(session, b"manifest", wrapped + body)):
             raise PeerError("bad_tag", "manifest tag")
         manifest = await asyncio.to_thread(decode_manifest, body, max_state_bytes)
         if manifest.algo != algo:
             raise PeerError("bad_manifest", "algorithm")
-        return _Source(addr, conn, session, manifest)
+        return _Source(addr, conn, session, manifest, chunkmac.wrap_key(session, wrapped))
     except BaseException:
         conn.close()
         raise
@@ -163,6 +170,9 @@ class _Transfer:
         self.refetched = 0
         self.stopping = False
         self.loop = asyncio.get_running_loop()
+        # Every receiving thread takes its first chunks only once all have started, so a small
+        # state is not all taken by the thread that happened to start first.
+        self.started = threading.Barrier(len(sources))
 
     async def run(self) -> None:
         if self.remaining == 0:
@@ -188,6 +198,7 @@ class _Transfer:
                                  f"{dict(self.failures)}", self.failures)
 
     def _stop(self) -> None:
+        self.started.abort()
         with self.cond:
             self.stopping = True
             for s in self.sources:
@@ -212,15 +223,28 @@ class _Transfer:
                 if stuck:
                     s.conn.shutdown()
 
-    # -- the receiving thread of one source ------------------------------------------------
+    # -- the receiving and the checking thread of one source -------------------------------
     def _pump(self, s: _Source) -> None:
-        """Request, receive and verify chunks from ``s`` until none is left or ``s`` fails;
-        a failure puts ``s``'s unverified chunks back in the queue for the other sources."""
+        """Request and receive chunks from ``s`` until none is left or ``s`` fails, handing
+        each received chunk to ``s``'s checking thread (:meth:`_check`); a failure puts ``s``'s
+        unverified chunks back in the queue for the other sources once that thread is done."""
+        checker = self.pool.submit(self._check, s)
         try:
-            sock = s.conn.sock
-            sock.setblocking(True)
-            set_timeouts(sock, self.progress_timeout_s)
-            self._chunks(s)
+            try:
+                sock = s.conn.sock
+                sock.setblocking(True)
+                set_timeouts(sock, self.progress_timeout_s)
+                try:
+                    self.started.wait(self.progress_timeout_s)
+                except threading.BrokenBarrierError:
+                    pass  # a thread failed before it (or the wait timed out): go on
+                self._chunks(s)
+            finally:
+                s.checks.put(None)
+                checker.result()  # raises only on a bug
+            with self.cond:
+                if s.failed is not None and not self.stopping:
+                    raise PeerError(s.failed)  # a bad chunk found by the checking thread
             sock.setblocking(False)  # back to the event loop (the closing ``bye``)
         except (TransferError, OSError) as e:
             if isinstance(e, TransferError):
@@ -229,16 +253,52 @@ class _Transfer:
                 reason = "no_progress"
             else:
                 reason = "closed" if isinstance(e, ConnectionError) else type(e).__name__
+            self.started.abort()  # no other thread waits for this one
             with self.cond:
                 s.failed = s.failed or reason
                 self.failures[s.failed] += 1
-                self.refetched += len(s.inflight)
-                self.queue.extend(s.inflight)
+                lost = [*s.verifying, *s.inflight]
+                self.refetched += len(lost)
+                self.queue.extend(lost)
+                s.verifying.clear()
                 s.inflight.clear()
                 self.cond.notify_all()
             s.conn.close()
         finally:
             s.done = True
+
+    def _check(self, s: _Source) -> None:
+        """Verify, in order, the chunks ``s``'s receiving thread queued (``(index, tag)``; ``None``
+        ends). GMAC releases the GIL, so this runs beside the socket reads. A bad tag fails
+        ``s`` (``bad_chunk``) and shuts its socket down, which ends the receiving thread."""
+        m, cond, tid = self.m, self.cond, self.tid
+        while True:
+            item = s.checks.get()
+            if item is None:
+                return
+            i, tag = item
+            if s.failed is not None:
+                continue  # left in s.verifying: the receiving thread requeues it
+            off, n = m.chunk_range(i)
+            inner = chunkmac.inner_tag(s.chunk_key, i, self.target.segments(i))
+            ok = hmac.compare_digest(tag, chunkmac.chunk_tag(s.session, tid, i, off, n, inner))
+            with cond:
+                if s.failed is not None:
+                    continue
+                if not ok:
+                    s.failed = "bad_chunk"
+                    cond.notify_all()
+                else:
+                    s.verifying.popleft()  # == i: checked in the order received
+                    s.bytes += n
+                    self.remaining -= 1
+                    self.received_bytes += n
+                    received = self.received_bytes
+                    cond.notify_all()  # frees the window of s; the last chunk ends all
+            if not ok:
+                s.conn.shutdown()
+            elif self.on_progress is not None:
+                self.loop.call_soon_threadsafe(self.on_progress, received, m.total_bytes)
 
     def _chunks(self, s: _Source) -> None:
         m, conn, sock, cond, queue = self.m, s.conn, s.conn.sock, self.cond, self.queue
@@ -247,14 +307,16 @@ class _Transfer:
         while True:
             with cond:
                 gets = []
-                while len(s.inflight) < self.window and queue:
+                while len(s.inflight) + len(s.verifying) < self.window and queue:
                     i = queue.popleft()
                     s.inflight.append(i)
                     gets.append(i)
                 if not s.inflight:
                     if self.remaining == 0 or self.stopping or s.failed is not None:
                         return
-                    s.idle = True  # until another source fails (its chunks come back)
+                    # Until a check ends (a chunk verified frees the window; a bad one fails
+                    # ``s``) or another source fails (its chunks come back).
+                    s.idle = True
                     cond.wait(self.progress_timeout_s)
                     s.idle = False
                     conn.last_progress = time.monotonic()
@@ -276,43 +338,26 @@ class _Transfer:
             off, n = m.chunk_range(i)
             if msg.get("i") != i or msg.get("o") != off or msg.get("n") != n:
                 raise PeerError("bad_chunk_header", f"chunk {i}")
-            tag = get_field(msg, "tag", bytes, fp.TAG_BYTES)
-            h = fp.new_hasher(m.algo)
+            tag = get_field(msg, "tag", bytes, chunkmac.TAG_BYTES)
             for seg in self.target.segments(i):
-                _recv_exact(conn, seg, h.update)
-            digest = h.digest()
-            if digest != m.digest(i) or not hmac.compare_digest(
-                    tag, fp.chunk_tag(s.session, self.tid, i, off, n, digest)):
-                raise PeerError("bad_chunk", f"chunk {i} from {s.addr}")
+                _recv_exact(conn, seg)
             with cond:
                 s.inflight.popleft()
-                s.bytes += n
-                self.remaining -= 1
-                self.received_bytes += n
-                received = self.received_bytes
-                if self.remaining == 0:
-                    cond.notify_all()
-            if self.on_progress is not None:
-                self.loop.call_soon_threadsafe(self.on_progress, received, m.total_bytes)
+                s.verifying.append(i)
+            s.checks.put((i, tag))
 
 
-def _recv_exact(conn: Conn, view: memoryview,
-                consume: Callable[[memoryview], object] | None = None) -> None:
+def _recv_exact(conn: Conn, view: memoryview) -> None:
     """Fill ``view`` from ``conn``'s blocking socket in pieces of ``RECV_PIECE_BYTES``
-    (``MSG_WAITALL``: one call per piece), handing each full piece to ``consume`` while it is
-    still in the CPU cache. Raises ``PeerError`` ``closed`` at end of stream."""
+    (``MSG_WAITALL``: one call per piece). Raises ``PeerError`` ``closed`` at end of stream."""
     recv_into, pos, end = conn.sock.recv_into, 0, len(view)
     piece = RECV_PIECE_BYTES
-    start = 0
     while pos < end:
         k = recv_into(view[pos:min(pos + piece, end)], 0, socket.MSG_WAITALL)
         if k == 0:
             raise PeerError("closed", "connection closed mid-message")
         pos += k
         conn.last_progress = time.monotonic()
-        if consume is not None and (pos - start >= piece or pos == end):
-            consume(view[start:pos])
-            start = pos
     conn.bytes_in += end
 
 
@@ -329,11 +374,13 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
 
     ``into``: the receiver's own state (a :class:`Snapshot`, or the dict of live objects it
     would pass to ``Snapshot.capture``) to receive into in place. ``step``: ask for exactly this
-    step (sources holding another refuse). ``algo``: chunk digest, ``"xxh3"`` or ``"blake3"``
-    (see ``fingerprint``). ``progress_timeout_s``: seconds without a byte from a busy source
-    before it is dropped. ``max_alloc_bytes``: bytes the receiver may allocate for tensors it
-    lacks (default ``max_state_bytes``). ``on_progress(received_bytes, total_bytes)`` is called
-    after each verified chunk.
+    step (sources holding another refuse). ``algo``: the digest algorithm of the fingerprint,
+    ``"xxh3"`` or ``"blake3"`` (see ``fingerprint``); chunks are authenticated by their MACs
+    (``chunkmac``) either way: a chunk whose MAC fails counts ``bad_chunk`` against its source,
+    which is dropped. ``progress_timeout_s``: seconds without a byte from a busy source before
+    it is dropped. ``max_alloc_bytes``: bytes the receiver may allocate for tensors it lacks
+    (default ``max_state_bytes``). ``on_progress(received_bytes, total_bytes)`` is called (on
+    the event loop) after each verified chunk.
 
     Raises :class:`TransferFailed` (``no_sources``, ``sources_disagree``, ``no_sources_left``)
     with ``failures`` counting each source's reason; ``ValueError`` for local misuse.
@@ -389,7 +436,8 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
         target, allocated = manifest.allocate(
             own, max_state_bytes if max_alloc_bytes is None else max_alloc_bytes)
         # One receiving (and hashing) thread per source.
-        with ThreadPoolExecutor(max_workers=len(chosen), thread_name_prefix="transfer") as pool:
+        with ThreadPoolExecutor(max_workers=2 * len(chosen),
+                                thread_name_prefix="transfer") as pool:
             tr = _Transfer(chosen, target, manifest, tid, window, progress_timeout_s,
                            on_progress, pool, failures)
             await tr.run()
@@ -399,7 +447,6 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
                     await asyncio.wait_for(s.conn.send(encode_frame("bye")), 1.0)
                 except (OSError, TimeoutError):
                     pass
-        target.set_digests(manifest.algo, manifest.digests)  # verified chunk by chunk
         return FetchResult(target, manifest.fingerprint, failures,
                            {s.addr: s.bytes for s in chosen}, tr.refetched, allocated,
                            time.monotonic() - t0)

@@ -9,17 +9,22 @@ Frames (``op`` and fields; ``bin`` = bytes):
 =============  ==========  ===========================================================
 op             direction   fields
 =============  ==========  ===========================================================
-hello          C -> S      v, key_id, nonce (32 bin), config_id, transfer_id (16 bin)
+hello          C -> S      v (2), key_id, nonce (32 bin), config_id, transfer_id (16 bin)
 challenge      S -> C      nonce (32 bin), tag (32 bin)
 proof          C -> S      tag (32 bin)
 ready          S -> C      config_id (the server's)
-manifest?      C -> S      algo, step (int or None)
-manifest       S -> C      size, tag (16 bin); then ``size`` raw bytes
+manifest?      C -> S      algo, step (int or None); once per connection
+manifest       S -> C      size, key (32 bin), tag (16 bin); then ``size`` raw bytes
 get            C -> S      i (chunk index)
 chunk          S -> C      i, o (offset), n (length), tag (16 bin); then ``n`` raw bytes
 error          S -> C      reason
 bye            C -> S
 =============  ==========  ===========================================================
+
+``manifest``: ``key`` is the snapshot's chunk-MAC key wrapped under the session key and ``tag``
+a ``frame_tag`` over ``key`` and the manifest bytes. ``chunk``: ``tag`` is the chunk's MAC
+(``chunkmac``). Version 2 (this table) replaced version 1's chunk tags, keyed hashes of an
+unkeyed XXH3 digest; a version-1 peer is refused ``bad_version``.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
 Imports on CPU-only machines (torch.distributed is always present in torch wheels). The group
 is the one the members built for the current ``config_id``: membership gating happened when it
-formed, so no handshake is run here; integrity is the same as over TCP minus the keyed tags:
-every chunk's digest must equal the manifest's, and the manifest's fingerprint (recomputed by
-the receiver) must be the agreed one.
+formed, so no handshake is run here, and the data plane is gloo's, unauthenticated (README,
+threat model): every chunk's digest (XXH3 by default: it catches corruption, not an attacker;
+``fingerprint``) must equal the manifest's, and the manifest's fingerprint (recomputed by the
+receiver) must be the agreed one. The TCP transport's per-chunk MACs (``chunkmac``) have no
+counterpart here.
 
 Protocol (ranks from the plan; source ``j`` of ``n``; every wait bounded, see below):
 

@@ -4,10 +4,11 @@ Lifecycle: ``server = TransferServer(keys, current_config_id)``, ``await server.
 ``server.publish(snapshot)`` after each committed step, ``await server.close()`` (bounded).
 ``async with TransferServer(...) as server`` does start and close.
 
-Per connection: handshake (``auth``) within ``handshake_timeout_s``, then requests: a manifest,
-then any number of chunk requests, each answered in order. Serving costs no hashing: chunk
-digests are computed once per published snapshot (in a worker thread, on the first request)
-and each chunk's 16-byte tag is a keyed hash of its digest.
+Per connection: handshake (``auth``) within ``handshake_timeout_s``, then requests: one
+manifest, then any number of chunk requests, each answered in order. Serving costs no hashing
+of chunk bytes: a published snapshot's chunk digests (for its fingerprint) and inner chunk MACs
+(``chunkmac``) are computed once (in worker threads, on the first request), and each chunk's
+16-byte tag is a keyed BLAKE3 of its inner MAC under the connection's session key.
 
 Consistency: a connection serves the snapshot that was published when its manifest was asked
 for, for its whole life, even if a newer one is published meanwhile (the old one stays alive
@@ -34,6 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from . import chunkmac
 from . import fingerprint as fp
 from .auth import TransferKeys, server_handshake
 from .errors import PeerError
@@ -59,8 +61,8 @@ class TransferServer:
     """Serves published snapshots over TCP to key holders with a current ``config_id``.
 
     ``current_config_id()`` is read at each handshake; a client presenting an older one is
-    refused. ``algo`` names the chunk digest (``fingerprint.ALGORITHMS``); the receiver asks
-    for one and the server serves whichever is asked.
+    refused. The receiver names the digest algorithm of the manifest's fingerprint
+    (``fingerprint.ALGORITHMS``); chunks are authenticated by ``chunkmac`` whatever it is.
     """
 
     def __init__(self, keys: TransferKeys, current_config_id: Callable[[], int], *,
@@ -188,9 +190,7 @@ class TransferServer:
 
     async def _requests(self, conn: Conn, session: bytes, tid: bytes) -> None:
         snap: Snapshot | None = None
-        algo = "xxh3"
-        digests = b""
-        dlen = 0
+        inner = b""
         served = 0  # chunk bytes of ``snap`` sent on this connection
         while True:
             try:
@@ -207,7 +207,8 @@ class TransferServer:
                 if i >= snap.num_chunks:
                     raise PeerError("bad_request", f"chunk {i} out of range")
                 off, n = snap.chunk_range(i)
-                tag = fp.chunk_tag(session, tid, i, off, n, digests[i * dlen:(i + 1) * dlen])
+                tb = chunkmac.TAG_BYTES
+                tag = chunkmac.chunk_tag(session, tid, i, off, n, inner[i * tb:(i + 1) * tb])
                 async with asyncio.timeout(self.send_timeout_s):
                     await self.serve_chunk(conn, snap, i,
                                            encode_frame("chunk", i=i, o=off, n=n, tag=tag))
@@ -217,6 +218,8 @@ class TransferServer:
                 if self.on_served is not None:
                     self.on_served(snap.step, served, snap.total_bytes)
             elif op == "manifest?":
+                if snap is not None:
+                    raise PeerError("bad_request", "second manifest request")
                 algo = msg.get("algo")
                 step = msg.get("step")
                 if algo not in fp.ALGORITHMS or (step is not None and type(step) is not int):
@@ -229,10 +232,10 @@ class TransferServer:
                     await conn.send(encode_frame("error", reason="step_mismatch"))
                     raise PeerError("step_mismatch", f"asked {step}, have {snap.step}")
                 body = await asyncio.to_thread(encode_manifest, snap, algo)
-                digests = snap.digests(algo)  # cached by encode_manifest
-                dlen = fp.DIGEST_BYTES[algo]
-                tag = fp.frame_tag(session, b"manifest", body)
-                await conn.send(encode_frame("manifest", size=len(body), tag=tag))
+                mac_key, inner = await asyncio.to_thread(snap.chunk_macs)
+                wrapped = chunkmac.wrap_key(session, mac_key)
+                tag = fp.frame_tag(session, b"manifest", wrapped + body)
+                await conn.send(encode_frame("manifest", size=len(body), key=wrapped, tag=tag))
                 await conn.send(body)
                 self.stats["transfers"] += 1
             elif op == "bye":

@@ -29,10 +29,12 @@ RNG state is captured by including :class:`RNGState` among the objects.
 from __future__ import annotations
 
 import bisect
+import os
 import random
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,6 +42,7 @@ import msgpack
 import numpy as np
 import torch
 
+from . import chunkmac
 from . import fingerprint as fp
 
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -48,6 +51,10 @@ hand-off) vanish against ~8 ms of loopback transfer; a lost source still costs l
 re-sending. Measured (benchmarks.transfer, 1 GiB, quiet 2-core machine): one source ran at the
 same 0.83 of a raw socket as with 8 MiB, two sources went from 0.93 to 1.14 of one source.
 Every member must use the same value: the fingerprint covers the chunk layout."""
+
+MAC_THREADS = 4
+"""Threads computing a snapshot's inner chunk tags (GMAC releases the GIL): the source's
+one-time cost, ~0.2 s of CPU per GB, is on the path of the first transfer it serves."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -280,6 +287,7 @@ class Snapshot:
         self._views: list[memoryview] = [memoryview(f.numpy()).cast("B") for f in self._flat]
         self._lock = threading.Lock()
         self._digests: dict[str, bytes] = {}
+        self._chunk_macs: tuple[bytes, bytes] | None = None
         self.table_bytes = _pack([e.encode() for e in table])
 
     # -- building ---------------------------------------------------------------------------
@@ -376,7 +384,7 @@ class Snapshot:
         return out
 
     def set_digests(self, algo: str, digests: bytes) -> None:
-        """Record digests already verified chunk by chunk (the receiver's, after a transfer)."""
+        """Record digests already verified chunk by chunk (the process-group receiver's)."""
         with self._lock:
             self._digests[algo] = digests
 
@@ -390,6 +398,22 @@ class Snapshot:
                              for i in range(self.num_chunks))
                 self._digests[algo] = d
             return d
+
+    def chunk_macs(self) -> tuple[bytes, bytes]:
+        """``(key, inner_tags)``: this snapshot's chunk-MAC key ``R`` (drawn once) and every
+        chunk's 16-byte inner tag (``chunkmac``), concatenated in chunk order; computed once
+        from the snapshot's bytes (thread-safe, blocking: call from a worker thread; ~0.2 s of
+        CPU per GB, on up to ``MAC_THREADS`` threads since GMAC releases the GIL)."""
+        with self._lock:
+            if self._chunk_macs is None:
+                key = chunkmac.new_key()
+                n = self.num_chunks
+                workers = max(1, min(MAC_THREADS, os.cpu_count() or 1, n))
+                with ThreadPoolExecutor(workers, thread_name_prefix="chunk-mac") as pool:
+                    tags = pool.map(lambda i: chunkmac.inner_tag(key, i, self.segments(i)),
+                                    range(n))
+                    self._chunk_macs = (key, b"".join(tags))
+            return self._chunk_macs
 
     def fingerprint(self, algo: str = "xxh3") -> bytes:
         """32-byte fingerprint of this state (see ``fingerprint``); blocking like

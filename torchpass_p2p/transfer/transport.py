@@ -6,7 +6,7 @@ calls :meth:`Transport.provide`, the receiver :meth:`Transport.receive`; both ta
 
 * :class:`TcpTransport` (here): works before any process group exists; ``provide`` publishes
   to the member's :class:`TransferServer` and returns at once (the server keeps serving);
-  ``receive`` is :func:`fetch` (striping, failover, keyed chunk tags).
+  ``receive`` is :func:`fetch` (striping, failover, a MAC over every chunk's bytes).
 * ``pg_transport.PgTransport``: a process group's send/recv (gloo on CPU; NCCL where a group
   connects GPUs). ``provide`` returns once the receiver has verified every chunk (a source
   also sends the chunks of a source that died). A source that stalls ends the transfer with
@@ -64,7 +64,7 @@ class Transport(ABC):
 
 class TcpTransport(Transport):
     """TCP: ``server`` serves this member's published snapshot (may be ``None`` on a
-    receive-only spare); ``keys`` authenticate; ``algo`` is the chunk digest."""
+    receive-only spare); ``keys`` authenticate; ``algo`` is the fingerprint's digest."""
 
     name = "tcp"
 
