@@ -223,6 +223,35 @@ def test_a_drained_member_is_not_respawned(tmp_path: Path) -> None:
     assert len(reports(out, 3, timeout_s=0)) == 3  # nobody started after the first three
 
 
+PAUSED_PAST_THE_END = '''
+import signal, time
+out = Path(sys.argv[1])
+dump(out)
+rank = os.environ["RANK"]
+if rank == "1":
+    sys.exit(1)  # a failure first: roles are unknown from here on
+if rank == "2":
+    os.kill(os.getpid(), signal.SIGSTOP)  # paused, as a member past its lease
+    time.sleep(60)
+time.sleep(1.5)  # rank 0: the job completes
+'''
+
+
+def test_a_stopped_member_is_not_given_the_grace_and_is_continued_to_terminate(
+        tmp_path: Path) -> None:
+    # With the old launcher the stopped member held it for the whole grace, then ignored
+    # SIGTERM for another grace (it was never continued) until SIGKILL: 40 s here.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", PAUSED_PAST_THE_END)
+    launcher = start_launcher(["--nproc", "3", "--grace", "20", str(script), str(out)])
+    code, log = finish(launcher)
+    assert code == 0, log
+    assert "job complete" in log and "all stopped by a signal, stopping them now" in log, log
+    assert "rank 2 " in log and "exited with signal SIGTERM" in log, log
+    assert "grace period over" not in log and "killing rank 2" not in log, log
+
+
 STUBBORN = '''
 import signal, subprocess, time
 out = Path(sys.argv[1])

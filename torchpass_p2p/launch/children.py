@@ -58,12 +58,32 @@ class Child:
         """The exit status: the exit code, or ``-N`` after death by signal ``N``."""
         return await self.process.wait()
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the child is stopped by a signal (SIGSTOP, SIGTSTP; ``T`` in
+        ``/proc/PID/stat``, Linux; False where that cannot be read). A stopped process runs no
+        code, so it can finish nothing and act on no signal but SIGKILL until it is continued."""
+        if not self.running:
+            return False
+        try:
+            with open(f"/proc/{self.process.pid}/stat", "rb") as f:
+                # "pid (comm) state ...": comm may hold spaces or parentheses; state follows
+                # the last ")".
+                return f.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+        except (OSError, IndexError):
+            return False
+
     def send(self, sig: int) -> None:
-        """Send ``sig`` to the child's process group if the child still runs."""
+        """Send ``sig`` to the child's process group if the child still runs. A termination
+        request (SIGTERM, SIGINT, SIGHUP) is followed by SIGCONT, as systemd does when it stops a
+        unit: a stopped process would otherwise act on it only when continued, after the
+        caller's grace period."""
         if not self.running:
             return
         self.signalled = True
         _killpg(self.pgid, sig)
+        if sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            _killpg(self.pgid, signal.SIGCONT)
 
     def kill_group(self) -> list[int]:
         """SIGKILL whatever is left in the child's process group (orphans after it exited);

@@ -12,8 +12,11 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    replaced by a new spare joining through the live members; a member that exits
    ``EXIT_DRAINED`` handed its rank over on purpose and is neither reported nor replaced.
    :func:`.outcome.decide` says when the job is over.
-4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group; after
-   ``grace_s`` seconds the rest get SIGKILL. A child's process group is killed as soon as the
+4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group,
+   followed by SIGCONT so that a stopped child acts on it; after ``grace_s`` seconds the rest
+   get SIGKILL. When the job completes while every remaining child is stopped by a signal (a
+   member paused past its lease, already removed), there is no grace: a stopped process
+   finishes nothing. A child's process group is killed as soon as the
    child itself is reaped, so its orphans never outlive it.
 5. *Cleanup.* The run directory is removed; the exit code comes from :func:`.outcome.exit_code`.
 
@@ -360,6 +363,13 @@ class _Supervisor:
                 await self._stop(signal.SIGTERM)
                 return
             if verdict is Verdict.FINISH and finish_at is None:
+                running = self._running()
+                if all(c.stopped for c in running):
+                    # A stopped process finishes nothing (a member paused past its lease and
+                    # removed, which would otherwise hold the launcher for the whole grace).
+                    log.info("%s; all stopped by a signal, stopping them now", reason)
+                    await self._stop(signal.SIGTERM)
+                    return
                 log.info("%s; waiting up to %.1f s", reason, self.options.grace_s)
                 finish_at = loop.time() + self.options.grace_s
 
