@@ -479,13 +479,7 @@ class Trainer:
             raise AssertionError(reason)
         snap = self._publish()
         mine_print = snap.fingerprint()
-        prints = group.allgather(torch.frombuffer(bytearray(mine_print), dtype=torch.uint8),
-                                 watch=self._watch)
-        every = {bytes(p.tolist()) for p in prints}
-        if every != {mine_print}:
-            group.abandon()
-            raise RuntimeError(f"configuration {c}, regroup {a}: state fingerprints differ "
-                               f"at step {resume}: {sorted(f.hex()[:16] for f in every)}")
+        self._check_fingerprints(group, mine_print, f"configuration {c}, regroup {a}", resume)
         self.log("regroup_done", config_id=c, group_id=spec.config_id, attempt=a,
                  rank=spec.rank, step=resume, resume_step=resume, action=action,
                  fingerprint=mine_print.hex())
@@ -560,14 +554,20 @@ class Trainer:
                                  watch=self._watch)
         self.log("group_formed", config_id=c, group_id=group_id, rank=spec.rank,
                  world_size=spec.world_size, seconds=self.group.formed_s)
-        prints = self.group.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
-                                      watch=self._watch)
+        self._check_fingerprints(self.group, mine, f"configuration {c}", resume)
+        self.log("joined", config_id=c, rank=spec.rank, step=resume, fingerprint=mine.hex())
+
+    def _check_fingerprints(self, group: ManagedGroup, mine: bytes, what: str,
+                            resume: int) -> None:
+        """All-gather the 32-byte state fingerprints over ``group``; abandon it and raise
+        ``RuntimeError`` (naming ``what``) unless every member's equals ``mine``."""
+        prints = group.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
+                                 watch=self._watch)
         every = {bytes(p.tolist()) for p in prints}
         if every != {mine}:
-            self.group.abandon()
-            raise RuntimeError(f"configuration {c}: state fingerprints differ at step {resume}:"
-                               f" {sorted(f.hex()[:16] for f in every)}")
-        self.log("joined", config_id=c, rank=spec.rank, step=resume, fingerprint=mine.hex())
+            group.abandon()
+            raise RuntimeError(f"{what}: state fingerprints differ at step {resume}: "
+                               f"{sorted(f.hex()[:16] for f in every)}")
 
     def _fetch(self, members: tuple[int, ...], config_id: int, step: int) -> None:
         if not members:
