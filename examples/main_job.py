@@ -18,20 +18,29 @@ or a run failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+from torchpass_p2p.agent.lifeline import STACKS_SIGNAL
 from torchpass_p2p.trainer.timeline import FaultTimeline, final_states, read_events, recoveries
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "char_lm.py"
 DEFAULT_FAULTS = "kill@37:grad:rank=1,stop@80:commit:rank=2:8"
+
+
+KILLED_MARK = "\n[main_job] past its deadline: stacks of every child, then SIGKILL\n"
+STACKS_WAIT_S = 0.5
+"""Between two children's stack dumps, so they do not interleave (each takes milliseconds)."""
+READER_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -44,10 +53,26 @@ class Run:
     events: list[dict[str, Any]]
     output: str
 
+    def diagnosis(self, chars: int = 3000) -> str:
+        """What to show when the run failed: the output's last ``chars`` characters, or after
+        a launch killed at its deadline, the launcher's lines naming each child's pid, the
+        children's stack dumps and each member's last timeline event."""
+        if KILLED_MARK not in self.output:
+            return self.output[-chars:]
+        last: dict[str, dict[str, Any]] = {}
+        for record in self.events:
+            last[record["member"]] = record
+        started = [line for line in self.output.splitlines() if "] started " in line]
+        return ("\n".join(started) + self.output[self.output.index(KILLED_MARK):]
+                + "last timeline event of each member:\n"
+                + "".join(f"  {r}\n" for r in sorted(last.values(), key=lambda r: r["t"])))
+
 
 def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = "",
             script_args: tuple[str, ...] = (), timeout_s: float = 600.0) -> Run:
-    """Launch ``char_lm.py`` in ``work`` (``out/`` and ``logs/`` are created there)."""
+    """Launch ``char_lm.py`` in ``work`` (``out/`` and ``logs/`` are created there). A launch
+    still running after ``timeout_s`` seconds is killed (code -9) after its children printed
+    their stacks into ``output`` (:meth:`Run.diagnosis`)."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("TORCHPASS_") and k not in ("RANK", "WORLD_SIZE")}
@@ -58,10 +83,49 @@ def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = ""
            "--spares", str(spares), "--grace", "3", str(SCRIPT), "--out", str(work / "out"),
            "--log-dir", str(work / "logs"), "--steps", str(steps), *script_args]
     t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+    chunks: list[bytes] = []
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        reader = threading.Thread(target=_read_all, args=(proc.stdout, chunks), daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _stacks_then_kill(proc, chunks)
+        reader.join(READER_TIMEOUT_S)  # EOF once the children are gone too
     return Run(proc.returncode, time.monotonic() - t0, final_states(work / "out"),
-               read_events(work / "logs"), proc.stdout.decode(errors="replace"))
+               read_events(work / "logs"), b"".join(chunks).decode(errors="replace"))
+
+
+def _read_all(stream: IO[bytes], chunks: list[bytes]) -> None:
+    while data := stream.read1(1 << 16):
+        chunks.append(data)
+
+
+def _stacks_then_kill(proc: subprocess.Popen[bytes], chunks: list[bytes]) -> None:
+    """A launch past its deadline: each child in turn prints its threads' stacks (into the
+    launcher's output: :mod:`torchpass_p2p.agent.lifeline`) under a line naming its pid; then
+    the launcher is SIGKILLed, which takes its children with it."""
+    chunks.append(KILLED_MARK.encode())
+    for pid in _children(proc.pid):
+        chunks.append(f"--- stacks of pid {pid} ---\n".encode())
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, STACKS_SIGNAL)
+        time.sleep(STACKS_WAIT_S)
+    proc.kill()
+    proc.wait()
+
+
+def _children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid`` (Linux ``/proc``; empty elsewhere)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                out.append(int(stat.parent.name))
+    return out
 
 
 def loss_curve(final: dict[str, Any], points: int = 8) -> str:

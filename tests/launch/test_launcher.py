@@ -8,6 +8,8 @@ import os
 import signal
 import socket
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -311,6 +313,33 @@ def test_die_with_launcher_leaves_a_process_alone_unless_its_parent_is_the_launc
     assert die_with_launcher({}) is False
     assert die_with_launcher({"TORCHPASS_LAUNCHER_PID": "garbage"}) is False
     assert die_with_launcher({"TORCHPASS_LAUNCHER_PID": str(os.getpid())}) is False  # not parent
+
+
+STACKS_CHILD = """
+import os, sys, time
+from torchpass_p2p.agent.lifeline import die_with_launcher
+assert die_with_launcher(os.environ)
+def waiting_in_a_named_function():
+    print("ready", flush=True)
+    time.sleep(5)
+    print("still alive", flush=True)
+waiting_in_a_named_function()
+"""
+
+
+def test_a_launched_child_prints_its_stacks_on_sigusr1_and_runs_on() -> None:
+    from torchpass_p2p.agent.lifeline import STACKS_SIGNAL
+    env = {**os.environ, "TORCHPASS_LAUNCHER_PID": str(os.getpid())}
+    child = subprocess.Popen([sys.executable, "-c", STACKS_CHILD], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        child.send_signal(STACKS_SIGNAL)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 0 and out == "still alive\n"
+    assert "Current thread" in err and "in waiting_in_a_named_function" in err
 
 
 LEAVES_ORPHANS = '''

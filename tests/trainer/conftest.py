@@ -24,7 +24,7 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
         if key not in runs:
             run = run_job(tmp_path_factory.mktemp(f"clean-{steps}"), nproc=4, spares=1,
                           steps=steps, script_args=key[1], timeout_s=CLEAN_TIMEOUT_S)
-            assert run.code == 0, run.output[-3000:]
+            assert run.code == 0, run.diagnosis()
             assert len(run.finals) == 4 and all(r["steps"] == steps for r in run.finals)
             assert len({r["fingerprint"] for r in run.finals}) == 1
             runs[key] = run

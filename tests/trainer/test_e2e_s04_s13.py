@@ -80,7 +80,7 @@ def test_s04_survivors_leave_the_collective_without_its_timeout(tmp_path: Path,
                                                                 clean: Run) -> None:
     faulty = run_job(tmp_path / "faults", nproc=4, spares=1, steps=STEPS,
                      faults="kill@37:grad:rank=2", script_args=ARGS, timeout_s=RUN_LIMIT_S)
-    assert faulty.code == 0, faulty.output[-3000:]
+    assert faulty.code == 0, faulty.diagnosis()
     events = faulty.events
 
     [fault] = recoveries(events)
@@ -124,7 +124,7 @@ def test_s13_the_orphan_of_a_killed_rank_is_killed_and_not_needed(tmp_path: Path
     [fault_record] = [r for r in faulty.events if r["event"] == "fault"]
     orphan = fault_record["orphan_pid"]
     try:
-        assert faulty.code == 0, faulty.output[-3000:]
+        assert faulty.code == 0, faulty.diagnosis()
         # The orphan held rank 1's agent port (UDP and TCP), not the spare's.
         member, pid, port = started(faulty.output, "rank 1")
         spare, _, spare_port = started(faulty.output, "spare")

@@ -62,7 +62,7 @@ def members_of(events: list[dict], config_id: int) -> dict[int, str]:
 def test_s10_source_killed_mid_transfer_is_replaced_exactly(tmp_path: Path, clean: Run) -> None:
     faulty = run_job(tmp_path / "faults", nproc=4, spares=2, steps=STEPS, faults=FAULTS,
                      script_args=S10_ARGS, timeout_s=RUN_LIMIT_S)
-    assert faulty.code == 0, faulty.output[-3000:]
+    assert faulty.code == 0, faulty.diagnosis()
     events = faulty.events
     before = members_of(events, 0)
 

@@ -48,7 +48,7 @@ def test_transient_failures_regroup_in_the_same_configuration(tmp_path: Path,
                                                               clean: Run) -> None:
     faulty = run_job(tmp_path / "faults", nproc=4, spares=2, steps=STEPS, faults=FAULTS,
                      script_args=ARGS, timeout_s=RUN_LIMIT_S)
-    assert faulty.code == 0, faulty.output[-3000:]
+    assert faulty.code == 0, faulty.diagnosis()
     events = faulty.events
 
     # The two faults fired, and no configuration change followed either.
