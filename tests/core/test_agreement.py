@@ -203,3 +203,70 @@ def test_a_classic_round_can_decide_the_empty_cut_but_the_fast_round_cannot() ->
     assert {(c.decision.round, c.decision.cut) for c in f.values() if c.decision} == {(10, Cut())}
     with pytest.raises(LocalProtocolError):
         Consensus(CONFIG, 101).vote_fast(Cut(), step=0)
+
+
+def test_a_member_whose_accept_was_lost_accepts_from_the_coordinators_vote() -> None:
+    # Eight members, exactly a majority (5) alive: 101..105. Coordinator 104 (round 4); the
+    # Accept to 102 is lost, so without more only 4 of the 5 needed bits could ever be set.
+    config = Configuration(7, MEMBERS[:8])
+    alive = {m: Consensus(config, m) for m in MEMBERS[:5]}
+    coordinator = alive[104]
+    assert coordinator.prepare(attempt=0, fallback=A) == 4
+    deliver(alive)  # Prepare and Promise; the coordinator then sends its Accept
+    assert coordinator.voted_round == 4
+    for m in (101, 103, 105):
+        alive[m].on_accept(104, Accept(7, 4, A))
+    # 102 never got it; gossip of the round-4 tally brings the coordinator's bit:
+    spread(alive)
+    assert alive[102].voted_round == 4 and alive[102].voted_cut == A
+    spread(alive)
+    assert all(c.decision is not None and (c.decision.round, c.decision.cut) == (4, A)
+               for c in alive.values())
+
+
+def test_a_vote_without_the_coordinators_bit_is_no_accept() -> None:
+    c = Consensus(CONFIG, 102)
+    # Round 4 belongs to 104 (index 3); these bits are 101's and 103's only.
+    assert c.merge_vote(Vote(7, 4, A, 0, bytes([0b101])))
+    assert c.voted_round == -1 and c.promised == 0
+    # With the coordinator's bit it accepts, but never below a promise:
+    c.on_prepare(105, Prepare(7, 5))  # round 5: coordinator index 4 -> member 105
+    assert c.merge_vote(Vote(7, 4, A, 0, bytes([0b1101])))
+    assert c.voted_round == -1
+
+
+def test_the_coordinator_sends_prepare_again_only_to_the_silent_and_at_most_twice() -> None:
+    c = Consensus(CONFIG, 104)
+    c.prepare(attempt=0, fallback=A)
+    c.outbox.clear()
+    c.on_promise(101, Promise(7, 4, -1, None))
+    c.on_promise(102, Promise(7, 4, -1, None))
+    for _ in range(3):
+        c.resend_prepare()
+    resent = [(dest, msg) for dest, msg in c.outbox]
+    silent = [m for m in MEMBERS if m not in (101, 102, 104)]
+    assert resent == [(m, Prepare(7, 4)) for m in silent] * 2
+    # A promise received again for the same round is harmless, and the Accept goes out once
+    # a majority (6 of 10) promised:
+    c.outbox.clear()
+    for m in (102, 103, 105, 106):
+        c.on_promise(m, Promise(7, 4, -1, None))
+    assert [d for d, msg in c.outbox if isinstance(msg, Accept)] == [m for m in MEMBERS
+                                                                     if m != 104]
+    c.outbox.clear()
+    c.resend_prepare()
+    assert c.outbox == []
+
+
+def test_the_coordinator_proposes_its_view_as_of_its_accept_not_of_its_prepare() -> None:
+    # Prepared while it saw A; by the time a majority promised (no fast votes among them), A
+    # was refuted and its view is the empty cut: that is what it proposes. Later updates do
+    # not change an Accept already sent.
+    c = Consensus(CONFIG, 104)
+    c.prepare(attempt=0, fallback=A)
+    c.update_fallback(Cut())
+    for m in (101, 102, 103, 105, 106):
+        c.on_promise(m, Promise(7, 4, -1, None))
+    assert {msg.cut for _, msg in c.outbox if isinstance(msg, Accept)} == {Cut()}
+    c.update_fallback(B)
+    assert c.voted_cut == Cut()

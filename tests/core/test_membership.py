@@ -740,6 +740,37 @@ def test_probe_spacing_and_timeouts_scale_with_health():
     assert m.health == 3
 
 
+@pytest.mark.parametrize("nacks", [0, 3])
+def test_a_stretched_round_whose_relays_nacked_accuses_though_the_nacks_are_old(nacks):
+    """Health 4 stretches a round to 2.5 s; the relays' nacks arrive 1 s in, so when the round
+    fails they are 1.5 s old, past ``self_suspect_after_s``. They still prove we reach peers
+    that cannot reach the subject: the failure is the subject's, not a sign of isolation. (A
+    6-member job whose subjects died together otherwise silenced its survivors.) Without a
+    nack the same round means we may be the one cut off."""
+    params = Params(sync_interval_s=1_000.0, failed_rounds_to_alert=1)
+    m = make_member(1, CONFIG, params=params)
+    s0 = CONFIG.subjects_of(1)[0]
+    m.health = 4
+    scale = m.health + 1
+    t0 = m.next_deadline()
+    m.handle_timer(t0)
+    assert drain(m) == [(s0, Ping(1, ()))]
+    nacked_at = t0 + params.probe_timeout_s * scale
+    m.handle_timer(nacked_at)
+    relays = [d for d, msg in drain(m) if type(msg) is PingReq]
+    for r in relays[:nacks]:
+        m.receive(nacked_at + 0.01, r, Nack(1, s0))
+    fails_at = t0 + params.round_timeout_s * scale
+    assert fails_at - (nacked_at + 0.01) > params.self_suspect_after_s
+    while (due := m.next_deadline()) <= fails_at:
+        m.handle_timer(due)
+    alerts = [e for e in events(m) if type(e) is ev.AlertRaised]
+    if nacks:
+        assert alerts == [ev.AlertRaised(fails_at, 1, s0, 0)] and not m.self_suspected
+    else:
+        assert alerts == [] and m.self_suspected
+
+
 def test_health_rises_on_a_send_error():
     m = make_member(1, CONFIG)
     m.report_send_error(0.1, 5)  # no open round to 5

@@ -12,6 +12,8 @@ Must hold: one or two configuration changes, both ranks replaced, same step (the
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from sims.cluster import Cluster, SimMember
@@ -120,3 +122,30 @@ def test_s12_at_the_e2e_size_two_members_that_observe_each_other(seed: int) -> N
     assert a not in final and b not in final
     assert set(final.ranks) == (set(config.ranks) - {a, b}) | set(config.spares)
     assert safety.violations == [] and checker.violations == []
+
+
+def test_s12_at_the_e2e_size_any_two_ranks_over_200_seeds() -> None:
+    """Any two of the 4 ranks crash together at 1 % loss, with no exit reported by a launcher
+    (detection alone): within 10 s both are removed and the two spares hold their ranks, in
+    every one of 200 seeds. Seeds 56, 85, 128 and 186 failed before three fixes: a survivor whose
+    subjects both died suspected itself (its stretched rounds' nacks had aged past
+    ``self_suspect_after_s``), and a lost ``Accept`` or ``Promise`` left a classic round of 4
+    live members out of 6 one vote short until the next attempt. With 4 piggybacks per update
+    (memberlist's count below 10 members), 3 seeds of 1,000 also lost an alert."""
+    slow = []
+    for seed in range(200):
+        cluster = Cluster(6, spares=2, seed=seed, link=LinkModel(loss=0.01), keep_events=False)
+        safety = SafetyChecker(cluster)
+        checker = InvariantChecker(cluster)
+        config = cluster.configuration
+        a, b = random.Random(seed).sample(list(config.ranks), 2)
+        for member in (a, b):
+            cluster.at(20.0, lambda sm=cluster.by_id[member], c=cluster: c.crash(sm))
+        cluster.run(30.0)
+        final = safety.configurations[max(safety.configurations)]
+        if (set(final.ranks) != (set(config.ranks) - {a, b}) | set(config.spares)
+                or {sm.core.configuration.config_id for sm in cluster.live()}
+                != {final.config_id}):
+            slow.append(seed)
+        assert safety.violations == [] and checker.violations == []
+    assert slow == []

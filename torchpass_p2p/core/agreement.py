@@ -14,14 +14,18 @@ votes cost O(N log N) bits in total instead of N^2 messages. A cut whose bitmap 
 ``N - floor((N - 1) / 4)`` of bits is decided (Rapid section 5: the fast quorum of Fast Paxos with
 at most a quarter of the members faulty).
 
-Classic rounds (round r >= 1). Without a decision by a deadline, members start classic rounds
-after jittered, deterministic delays. Round numbers ``attempt * N + index + 1`` are unique per
+Classic rounds (round r >= 1). Without a decision by a deadline, members start classic rounds after
+jittered, deterministic delays. Round numbers ``attempt * N + index + 1`` are unique per
 coordinator and tell everyone who coordinates a round. Phase 1 (``Prepare``/``Promise``) goes
-straight to and from the coordinator; the value rule is Fast Paxos's: with fast-round votes among
-a quorum ``Q`` of promises, a cut voted by at least ``|Q| - F`` of them (``F = N - fast quorum``)
-may have been decided and must be proposed again; at most one cut can qualify because
-``|Q| > 2F``. Phase 2 (``Accept``) goes to everyone; acceptors answer with their bit in a
-:class:`Vote` for that round, on the gossip path, and a majority of bits decides.
+straight to and from the coordinator, which sends its ``Prepare`` again to members whose promise is
+missing (:data:`PREPARE_RESENDS`). The value rule is Fast Paxos's: with fast-round votes among a
+quorum ``Q`` of promises, a cut voted by at least ``|Q| - F`` of them (``F = N - fast quorum``) may
+have been decided and must be proposed again; at most one cut can qualify because ``|Q| > 2F``;
+otherwise the coordinator proposes its own view as of its ``Accept``
+(:meth:`Consensus.update_fallback`). Phase 2 (``Accept``) goes to everyone; acceptors answer with
+their bit in a :class:`Vote` for that round, on the gossip path, and a majority of bits decides. A
+member whose ``Accept`` was lost accepts when a vote of that round carrying the coordinator's own
+bit reaches it: the coordinator sets that bit only for the cut it sent.
 
 Certificates. A decided bitmap is the decision's certificate: anyone holding the configuration can
 count its bits. Lagging members catch up from a peer's log of recent certificates.
@@ -50,6 +54,9 @@ SEGMENT_MASK: Final = (1 << SEGMENT_BITS) - 1
 """The bits of one segment, at segment 0."""
 
 FAST_ROUND = 0
+PREPARE_RESENDS = 2
+"""Times a coordinator sends its ``Prepare`` again (every ``Params.vote_resend_s``) to members
+whose promise is missing."""
 
 
 def fast_quorum(members: int) -> int:
@@ -189,6 +196,7 @@ class Consensus:
         """The classic round this member coordinates now (0: none)."""
         self._promises: dict[MemberId, tuple[int, Cut | None]] = {}
         self._accept_sent = False
+        self._prepare_resends = 0
         self._fallback: Cut | None = None
 
     # ------------------------------------------------------------------ fast round
@@ -222,7 +230,15 @@ class Consensus:
         if vote.round == FAST_ROUND and not vote.cut.removed and not vote.cut.joined:
             self.dropped["vote_invalid"] += 1  # only a classic round may decide the empty cut
             return False
-        return self._add(vote.round, vote.cut, bits << first, vote.max_step, vote.segment)
+        news = self._add(vote.round, vote.cut, bits << first, vote.max_step, vote.segment)
+        if (news and vote.round > FAST_ROUND and vote.round >= self.promised
+                and self.voted_round < vote.round and self.index >= 0
+                and (bits << first) >> coordinator_index(vote.round, self.n) & 1):
+            # The coordinator's own bit: it sent Accept(round, cut) to everyone, and ours was
+            # lost. Accept as if it had arrived; otherwise one lost datagram leaves a
+            # configuration with no spare acceptor a vote short until the next attempt.
+            self._accept(vote.round, vote.cut)
+        return news
 
     def dirty_votes(self) -> list[Vote]:
         """Segments changed since the last call, as gossip messages; clears the marks."""
@@ -263,6 +279,7 @@ class Consensus:
         self.coordinating = round_
         self._promises = {self.me: (self.voted_round, self.voted_cut)}
         self._accept_sent = False
+        self._prepare_resends = 0
         self._fallback = fallback
         prepare = Prepare(self.config_id, round_)
         for member in self.config.members:
@@ -270,6 +287,27 @@ class Consensus:
                 self.outbox.append((member, prepare))
         self._maybe_accept()
         return round_
+
+    def update_fallback(self, cut: Cut) -> None:
+        """The coordinator's current view, proposed instead of the one given to :meth:`prepare`
+        if no promised vote binds the round's value; no effect once the ``Accept`` went out or
+        when not coordinating."""
+        if self.coordinating and not self._accept_sent:
+            self._fallback = cut
+
+    def resend_prepare(self) -> None:
+        """Coordinator, before its ``Accept``: ``Prepare`` again to members whose promise has
+        not arrived (a lost ``Prepare`` or ``Promise`` would stall the round until the next
+        attempt; a member promises the same round again). At most :data:`PREPARE_RESENDS`
+        times per round, so a coordinator that cannot reach a majority does not keep the
+        others' own classic rounds postponed."""
+        if not self.coordinating or self._accept_sent or self._prepare_resends >= PREPARE_RESENDS:
+            return
+        self._prepare_resends += 1
+        prepare = Prepare(self.config_id, self.coordinating)
+        for member in self.config.members:
+            if member != self.me and member not in self._promises:
+                self.outbox.append((member, prepare))
 
     def on_prepare(self, sender: MemberId, msg: Prepare) -> None:
         if msg.round < 1 or self.config.members[coordinator_index(msg.round, self.n)] != sender:

@@ -663,7 +663,11 @@ class Member:
         # against us (relays that nacked saw the subject silent too); without relays, +1.
         self._counts["probe_rounds_failed"] += 1
         self._adjust_health(missed_nacks if rnd.relays else 1)
-        if self._isolated(now):
+        # A relay's nack in this round proves we reach peers that cannot reach the subject
+        # either: the failure is the subject's. Without this, once health stretches a round to
+        # seconds, its nacks are older than ``self_suspect_after_s`` when it ends, and a member
+        # whose subjects died together silences itself for as long as they stay dead.
+        if not rnd.nacked and self._isolated(now):
             if not self.self_suspected:
                 self.self_suspected = True
                 self._cut_dirty = True

@@ -226,6 +226,10 @@ class Reconfiguration:
             now=now, high=p.alerts_to_remove, low=p.min_alerts_to_confirm,
             min_window_s=p.suspicion_min_s, max_removed=_MAX_CUT_REMOVED,
             max_joined=_MAX_CUT_JOINED)
+        # A classic round we coordinate proposes our view as of its Accept, not as of its
+        # Prepare: promises may come much later (a healed partition), and a view from before
+        # would remove members that have refuted since.
+        self.consensus.update_fallback(proposal.cut or Cut())
         if proposal.cut is None:
             # Nothing to vote for yet; a subject that only waits for its refutation window
             # becomes stable at recheck_at without any new message, so look again then.
@@ -348,9 +352,10 @@ class Reconfiguration:
                     m._send(peer, report)
 
     def _resend(self, now: float) -> None:
-        """Anti-entropy for lost pushes: while undecided, all our vote tallies, and while the
-        plan waits for reports, our progress tally, to one random peer every
-        ``vote_resend_s``."""
+        """Anti-entropy for lost pushes: while undecided, all our vote tallies (and, as a
+        coordinator still gathering promises, our ``Prepare`` to the members that did not
+        promise), and while the plan waits for reports, our progress tally, to one random peer
+        every ``vote_resend_s``."""
         m = self._member
         consensus, progress = self.consensus, self._progress
         undecided = consensus.active and consensus.decision is None
@@ -364,6 +369,10 @@ class Reconfiguration:
         if undecided:
             for vote in consensus.all_votes():
                 m._send(peers[0], vote)
+            consensus.resend_prepare()
+            for dest, message in consensus.outbox:
+                m._send(dest, message)
+            consensus.outbox.clear()
         if waiting and progress is not None:
             for report in progress_messages(m._config.config_id, progress, len(m._config)):
                 m._send(peers[0], report)
