@@ -9,6 +9,9 @@ runs of:
   byte of every chunk authenticated on the receiver (``chunkmac``: GMAC inner tags under a
   per-snapshot key, keyed-BLAKE3 tags under the session key);
 * ``two_sources_gb_per_s``: ``fetch`` striped over both sources;
+* ``copying_source_gb_per_s``: ``fetch`` from one source whose server copies chunks into the
+  socket with ``send()`` instead of passing their pages by reference (``zero_copy``, the
+  default where ``transfer.splice`` works; the output says whether it did);
 * ``raw_socket_gb_per_s``: a plain blocking-socket loop, ``sendall`` in 4 MiB pieces /
   ``recv_into`` with ``MSG_WAITALL`` in pieces of the client's ``RECV_PIECE_BYTES`` (256 KiB,
   the cheapest receive loop measured here) of the same bytes into a preallocated buffer, no
@@ -109,9 +112,12 @@ def _source_main(pipe, total_bytes: int, key: bytes) -> None:
         t1 = time.perf_counter()
         snap.chunk_macs()
         t2 = time.perf_counter()
-        async with TransferServer(TransferKeys(key), lambda: 1) as server:
+        async with TransferServer(TransferKeys(key), lambda: 1) as server, \
+                TransferServer(TransferKeys(key), lambda: 1, zero_copy=False) as copying:
             server.publish(snap)
-            pipe.send({"transfer": server.port, "raw": socks[0].getsockname()[1],
+            copying.publish(snap)
+            pipe.send({"transfer": server.port, "copying": copying.port,
+                       "zero_copy": server.zero_copy, "raw": socks[0].getsockname()[1],
                        "save": socks[1].getsockname()[1], "digest_s": t1 - t0,
                        "chunk_mac_s": t2 - t1, "pid": os.getpid()})
             loop = asyncio.get_running_loop()
@@ -210,6 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw_socket_gb_per_s": run_raw,
         "raw_socket_4mib_gb_per_s": lambda: run_raw(PIECE, 0),
         "two_sources_gb_per_s": lambda: run_fetch(src),
+        "copying_source_gb_per_s": lambda: run_fetch([("127.0.0.1", ports[0]["copying"])]),
         "torch_save_gb_per_s": run_save,
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
@@ -229,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = out["raw_socket_gb_per_s"]
     out["ratio_vs_raw"] = round(out["gb_per_s"] / raw, 3)  # type: ignore[operator]
     out["two_sources_vs_one"] = round(out["two_sources_gb_per_s"] / out["gb_per_s"], 3)  # type: ignore
+    out["zero_copy"] = ports[0]["zero_copy"]
     out["all_gb_per_s"] = {k: [round(total / t / 1e9, 3) for t in ts] for k, ts in times.items()}
     gb = total / 1e9
     out["receiver_cpu_s_per_gb"] = {k: round(statistics.median(c[0] for c in cs) / gb, 3)

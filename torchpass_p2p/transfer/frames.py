@@ -30,6 +30,7 @@ unkeyed XXH3 digest; a version-1 peer is refused ``bad_version``.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import time
@@ -37,6 +38,7 @@ from typing import Any
 
 import msgpack
 
+from . import splice
 from .errors import PeerError
 
 MAX_FRAME_BYTES = 4096
@@ -89,7 +91,7 @@ class Conn:
     measured here, ~4 GB/s on loopback). ``last_progress`` (``time.monotonic()`` seconds) moves
     whenever bytes arrive or leave, for "no progress for T" watchdogs."""
 
-    __slots__ = ("sock", "loop", "last_progress", "bytes_in", "bytes_out")
+    __slots__ = ("sock", "loop", "last_progress", "bytes_in", "bytes_out", "closed")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         sock.setblocking(False)
@@ -100,6 +102,7 @@ class Conn:
         self.last_progress = time.monotonic()
         self.bytes_in = 0
         self.bytes_out = 0
+        self.closed = False
 
     async def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly. Raises :class:`PeerError` ``closed`` at end of stream."""
@@ -132,6 +135,23 @@ class Conn:
         self.bytes_out += len(data)
         self.last_progress = time.monotonic()
 
+    async def send_pages(self, buffers: list[memoryview], progress_timeout_s: float) -> None:
+        """Send writable ``buffers`` by reference (:func:`.splice.send_pages`, check
+        :func:`.splice.available` first) from a worker thread. The thread works on a duplicate
+        of the socket's descriptor and closes it itself, so closing this connection meanwhile
+        (which shuts the socket down and ends the thread) never hands its number to another
+        socket. Raises what ``send_pages`` raises."""
+        fd = os.dup(self.sock.fileno())
+
+        def run() -> int:
+            try:
+                return splice.send_pages(fd, buffers, progress_timeout_s, lambda: self.closed)
+            finally:
+                os.close(fd)
+
+        self.bytes_out += await asyncio.to_thread(run)
+        self.last_progress = time.monotonic()
+
     def shutdown(self) -> None:
         """Wake any thread blocked in a blocking call on this socket (``close`` alone does
         not)."""
@@ -141,6 +161,7 @@ class Conn:
             pass
 
     def close(self) -> None:
+        self.closed = True
         self.shutdown()
         try:
             self.sock.close()

@@ -35,7 +35,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from . import chunkmac
+from . import chunkmac, splice
 from . import fingerprint as fp
 from .auth import TransferKeys, server_handshake
 from .errors import PeerError
@@ -71,8 +71,11 @@ class TransferServer:
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  idle_timeout_s: float = IDLE_TIMEOUT_S,
                  send_timeout_s: float = SEND_TIMEOUT_S,
-                 on_served: Callable[[int, int, int], None] | None = None) -> None:
+                 on_served: Callable[[int, int, int], None] | None = None,
+                 zero_copy: bool = True) -> None:
         self.keys = keys
+        self.zero_copy = zero_copy and splice.available()
+        """Chunks leave by reference (:mod:`.splice`) instead of through ``send()``."""
         self.on_served = on_served
         self.current_config_id = current_config_id
         self.host, self.port = host, port
@@ -135,9 +138,15 @@ class TransferServer:
 
     async def serve_chunk(self, conn: Conn, snapshot: Snapshot, index: int,
                           header: bytes) -> None:
-        """Send one chunk: its header frame, then :meth:`chunk_buffers`."""
+        """Send one chunk: its header frame, then :meth:`chunk_buffers` (by reference when
+        ``zero_copy`` and every buffer is writable memory, as the snapshot's own is)."""
         await conn.send(header)
-        for buf in self.chunk_buffers(snapshot, index):
+        buffers = self.chunk_buffers(snapshot, index)
+        if self.zero_copy and all(isinstance(b, memoryview) and not b.readonly
+                                  and b.c_contiguous for b in buffers):
+            await conn.send_pages(buffers, self.send_timeout_s)
+            return
+        for buf in buffers:
             await conn.send(buf)
 
     # -- serving ---------------------------------------------------------------------------
