@@ -6,12 +6,13 @@ ways; the receiver (this process) measures, in interleaved rounds, the median of
 runs of:
 
 * ``gb_per_s``: :func:`torchpass_p2p.transfer.fetch` from one source, received in place, every
-  byte of every chunk authenticated on the receiver (``chunkmac``: GMAC inner tags under a
-  per-snapshot key, keyed-BLAKE3 tags under the session key);
+  byte of every chunk authenticated on the receiver as it lands (``chunkmac``: GMAC inner tags
+  under a per-snapshot key, keyed-BLAKE3 tags under the session key);
 * ``two_sources_gb_per_s``: ``fetch`` striped over both sources;
-* ``copying_source_gb_per_s``: ``fetch`` from one source whose server copies chunks into the
-  socket with ``send()`` instead of passing their pages by reference (``zero_copy``, the
-  default where ``transfer.splice`` works; the output says whether it did);
+* ``zero_copy_source_gb_per_s``: ``fetch`` from one source whose server passes chunk pages to
+  the socket by reference (``zero_copy=True``; by default a server does that only for receivers
+  on other hosts, so the cases above copy; ``zero_copy`` in the output says whether this
+  machine allows it);
 * ``raw_socket_gb_per_s``: a plain blocking-socket loop, ``sendall`` in 4 MiB pieces /
   ``recv_into`` with ``MSG_WAITALL`` in pieces of the client's ``RECV_PIECE_BYTES`` (256 KiB,
   the cheapest receive loop measured here) of the same bytes into a preallocated buffer, no
@@ -113,11 +114,11 @@ def _source_main(pipe, total_bytes: int, key: bytes) -> None:
         snap.chunk_macs()
         t2 = time.perf_counter()
         async with TransferServer(TransferKeys(key), lambda: 1) as server, \
-                TransferServer(TransferKeys(key), lambda: 1, zero_copy=False) as copying:
+                TransferServer(TransferKeys(key), lambda: 1, zero_copy=True) as by_ref:
             server.publish(snap)
-            copying.publish(snap)
-            pipe.send({"transfer": server.port, "copying": copying.port,
-                       "zero_copy": server.zero_copy, "raw": socks[0].getsockname()[1],
+            by_ref.publish(snap)
+            pipe.send({"transfer": server.port, "by_reference": by_ref.port,
+                       "zero_copy": by_ref.zero_copy, "raw": socks[0].getsockname()[1],
                        "save": socks[1].getsockname()[1], "digest_s": t1 - t0,
                        "chunk_mac_s": t2 - t1, "pid": os.getpid()})
             loop = asyncio.get_running_loop()
@@ -216,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         "raw_socket_gb_per_s": run_raw,
         "raw_socket_4mib_gb_per_s": lambda: run_raw(PIECE, 0),
         "two_sources_gb_per_s": lambda: run_fetch(src),
-        "copying_source_gb_per_s": lambda: run_fetch([("127.0.0.1", ports[0]["copying"])]),
+        "zero_copy_source_gb_per_s": lambda: run_fetch([("127.0.0.1",
+                                                          ports[0]["by_reference"])]),
         "torch_save_gb_per_s": run_save,
     }
     times: dict[str, list[float]] = {k: [] for k in cases}

@@ -59,8 +59,8 @@ def test_read_only_memory_is_refused() -> None:
         splice.send_pages(a.fileno(), [memoryview(b"read-only")], 1.0)
 
 
-@pytest.mark.parametrize("zero_copy", [True, False])
-def test_the_server_sends_the_same_bytes_either_way(zero_copy: bool) -> None:
+@pytest.mark.parametrize("zero_copy", [True, False, None])
+def test_the_server_sends_the_same_bytes_either_way(zero_copy: bool | None) -> None:
     snap, _ = capture("mlp_adam", "source")
 
     async def main() -> tuple[int, bytes]:

@@ -29,6 +29,7 @@ fault injection uses it (``kill@S:serve``, :mod:`torchpass_p2p.trainer.faults`).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import time
@@ -72,10 +73,15 @@ class TransferServer:
                  idle_timeout_s: float = IDLE_TIMEOUT_S,
                  send_timeout_s: float = SEND_TIMEOUT_S,
                  on_served: Callable[[int, int, int], None] | None = None,
-                 zero_copy: bool = True) -> None:
+                 zero_copy: bool | None = None) -> None:
         self.keys = keys
-        self.zero_copy = zero_copy and splice.available()
-        """Chunks leave by reference (:mod:`.splice`) instead of through ``send()``."""
+        self.zero_copy = zero_copy if splice.available() else False
+        """Chunks leave by reference (:mod:`.splice`) instead of through ``send()``: always
+        (True), never (False), or to receivers on other hosts (None, the default). On one host
+        the receiver's read then takes the pages from memory instead of a copy still in cache,
+        which cost it more CPU than the source saved (loopback benchmark: 2.4 GB/s against
+        3.7 with a copying source); across a network the receiver's side is the same either
+        way and the source's copy is saved."""
         self.on_served = on_served
         self.current_config_id = current_config_id
         self.host, self.port = host, port
@@ -139,11 +145,12 @@ class TransferServer:
     async def serve_chunk(self, conn: Conn, snapshot: Snapshot, index: int,
                           header: bytes) -> None:
         """Send one chunk: its header frame, then :meth:`chunk_buffers` (by reference when
-        ``zero_copy`` and every buffer is writable memory, as the snapshot's own is)."""
+        ``zero_copy`` says so and every buffer is writable memory, as the snapshot's own is)."""
         await conn.send(header)
         buffers = self.chunk_buffers(snapshot, index)
-        if self.zero_copy and all(isinstance(b, memoryview) and not b.readonly
-                                  and b.c_contiguous for b in buffers):
+        by_reference = self.zero_copy if self.zero_copy is not None else _remote(conn.sock)
+        if by_reference and all(isinstance(b, memoryview) and not b.readonly
+                                and b.c_contiguous for b in buffers):
             await conn.send_pages(buffers, self.send_timeout_s)
             return
         for buf in buffers:
@@ -251,3 +258,13 @@ class TransferServer:
                 return
             else:
                 raise PeerError("bad_request", f"op {op!r}")
+
+
+def _remote(sock: socket.socket) -> bool:
+    """Whether the peer of the connected ``sock`` is on another host (not a loopback address,
+    not our own address)."""
+    try:
+        peer, local = sock.getpeername()[0], sock.getsockname()[0]
+    except OSError:
+        return False
+    return peer != local and not ipaddress.ip_address(peer).is_loopback
