@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from torchpass_p2p.agent.lifeline import STACKS_SIGNAL
+from torchpass_p2p.launch.children import children_of
 from torchpass_p2p.trainer.timeline import FaultTimeline, final_states, read_events, recoveries
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,24 +109,13 @@ def _stacks_then_kill(proc: subprocess.Popen[bytes], chunks: list[bytes]) -> Non
     launcher's output: :mod:`torchpass_p2p.agent.lifeline`) under a line naming its pid; then
     the launcher is SIGKILLed, which takes its children with it."""
     chunks.append(KILLED_MARK.encode())
-    for pid in _children(proc.pid):
+    for pid in children_of(proc.pid):
         chunks.append(f"--- stacks of pid {pid} ---\n".encode())
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, STACKS_SIGNAL)
         time.sleep(STACKS_WAIT_S)
     proc.kill()
     proc.wait()
-
-
-def _children(pid: int) -> list[int]:
-    """Pids whose parent is ``pid`` (Linux ``/proc``; empty elsewhere)."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == pid:
-                out.append(int(stat.parent.name))
-    return out
 
 
 def loss_curve(final: dict[str, Any], points: int = 8) -> str:

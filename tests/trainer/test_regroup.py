@@ -35,8 +35,9 @@ def test_the_wait_is_the_longest_normal_decision_of_a_death() -> None:
     assert regroup_wait_s(Params()) == pytest.approx(10.6)
     slower = Params(suspicion_max_s=12.0, classic_timeout_s=3.0)
     assert regroup_wait_s(slower) == pytest.approx(18.1)
-    # A crash is decided in about 3.5 s (params.py); the wait is far from the last resort.
-    assert 3.5 < regroup_wait_s(Params()) < GIVE_UP_S / 10
+    # Longer than a crash takes to be decided (about 3.5 s, params.py: the exact 10.6 above),
+    # and an order of magnitude below the last resort.
+    assert 10 * regroup_wait_s(Params()) < GIVE_UP_S
 
 
 def test_attempts_count_up_from_the_configuration_s_first_group() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from ..agent.lifeline import LAUNCHER_PID_VARIABLE, prctl
 from .plan import ChildSpec
 
-__all__ = ["Child", "become_subreaper", "kill_strays"]
+__all__ = ["Child", "become_subreaper", "children_of", "kill_strays"]
 
 _PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
 
@@ -123,6 +123,12 @@ def kill_strays(known: Collection[int]) -> list[int]:
         except (ProcessLookupError, ChildProcessError):
             pass
     return killed
+
+
+def children_of(parent: int) -> list[int]:
+    """Pids of the live (not zombie) processes whose parent is ``parent`` (``/proc``; empty
+    elsewhere)."""
+    return [pid for pid, ppid, _, state in _processes() if ppid == parent and state != "Z"]
 
 
 def _processes() -> list[tuple[int, int, int, str]]:
