@@ -89,6 +89,8 @@ class Cluster:
         self.policy = policy
         self.started_in: dict[MemberId, int] = {}
         """Joiners: the config_id of the configuration each was handed when it started."""
+        self.exits_reported: set[MemberId] = set()
+        """Crashed members whose exit a launcher reported (:meth:`report_exited`)."""
         self.params = params or Params()
         self.rng = random.Random(seed)
         ids = sorted({self.rng.getrandbits(64) for _ in range(members)})
@@ -178,6 +180,21 @@ class Cluster:
     def leave(self, sm: SimMember) -> None:
         """The member leaves gracefully now (drain, shutdown): its Left goes out at once."""
         sm.core.leave(self.now)
+        self._after(sm)
+
+    def report_exited(self, sm: SimMember, subject: MemberId) -> None:
+        """``sm``'s launcher reaped ``subject``, its sibling on the same host, and reports the
+        exit to ``sm`` now (``Member.report_exited``; a crashed ``sm`` hears nothing).
+
+        Raises:
+            ValueError: ``subject`` has not crashed (a launcher reports only a reaped process).
+        """
+        if not self.by_id[subject].crashed:
+            raise ValueError("only a crashed member's exit can be reported")
+        self.exits_reported.add(subject)
+        if sm.crashed:
+            return
+        sm.core.report_exited(self.now, subject)
         self._after(sm)
 
     # ------------------------------------------------------------------ host side

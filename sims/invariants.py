@@ -40,7 +40,8 @@ Accusation and conviction (Rapid section 4.1, Lifeguard section IV-B):
 * [removed-by-decision] ``SelfRemoved`` comes right after the member's own
   ``ConfigurationDecided`` for a configuration that does not hold it: a verdict alone removes
   nobody (DESIGN section 5); the agreement rules live in :mod:`sims.safety`.
-* [left-by-self] ``MemberLeft`` names a member that did leave.
+* [left-by-self] ``MemberLeft`` names a member that did leave, or whose process exited and
+  whose launcher reported it (``Cluster.report_exited`` of a crashed member).
 
 The brief for this module also proposed "the confirmer is one of the subject's observers"; that
 does not hold: a member that is not an observer convicts on its own after ``suspicion_max_s`` as a
@@ -230,7 +231,7 @@ class InvariantChecker:
             self._dead(sm, event)
         else:  # MemberLeft
             self._view[key] = (_LEFT, inc)
-            if not subject_sm.core.left:
+            if not (subject_sm.core.left or subject in self.cluster.exits_reported):
                 self._fail("left-by-self", f"{what()}, but it never left")
 
     def _alert(self, sm: SimMember, event: ev.AlertRaised, state: int, known: int) -> None:

@@ -38,6 +38,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "agreement": (
         "alerts_to_remove",
         "cut_settle_s",
+        "exit_settle_s",
         "refutation_window_s",
         "vote_push_interval_s",
         "vote_resend_s",

@@ -39,7 +39,9 @@ from torchpass_p2p.core.messages import (
     Nack,
     Ping,
     PingReq,
+    Prepare,
     SyncState,
+    Vote,
 )
 from torchpass_p2p.core.params import Params
 
@@ -1225,17 +1227,63 @@ def test_an_exit_reaped_by_the_launcher_is_announced_as_a_departure():
     assert x.report_exited(0.3, 6) is False and x.report_exited(0.3, 999) is False
 
 
-def test_the_cut_for_an_exit_waits_only_for_the_settle_time_not_the_refutation_window():
+def _first_sent(fleet: Fleet, kind: type) -> list[tuple[float, int]]:
+    """(time, sender) of every ``kind`` message in the fleet's trace, in order."""
+    return [(at, src) for at, src, _, msg in fleet.trace if isinstance(msg, kind)]
+
+
+def _decisions(fleet: Fleet, member: int) -> list[ev.ConfigurationDecided]:
+    return [e for e in fleet.events(member) if isinstance(e, ev.ConfigurationDecided)]
+
+
+def test_the_cut_for_an_exit_waits_only_exit_settle_s_not_the_refutation_window():
     fleet = Fleet(8, params=P)
     fleet.run_until(3.0)
     fleet.down.add(8)
     for i in range(1, 8):
         fleet[i].report_exited(fleet.now, 8)
-    # Decided (virtual time) before the window an accused, maybe only stalled, member would be
-    # owed: only the 0.6 s settle time applies to a departure.
-    fleet.run_until(3.0 + P.refutation_window_s - 0.1)
-    assert all(fleet[i].configuration.config_id == 1 and 8 not in fleet[i].configuration
-               for i in range(1, 8))
+    fleet.run_until(3.0 + P.cut_settle_s)
+    # Every survivor votes exactly exit_settle_s after it learned of the exit (not the 0.6 s
+    # an accusation's cut waits, nor the refutation window a stalled member is owed), and the
+    # fast round decides at once on the zero-latency network.
+    votes = _first_sent(fleet, Vote)
+    assert votes and votes[0][0] == 3.0 + P.exit_settle_s
+    assert {src for _, src in votes} == set(range(1, 8))
+    for i in range(1, 8):
+        (decided,) = _decisions(fleet, i)
+        assert decided.round == 0 and decided.at < 3.0 + P.exit_settle_s + 0.05
+        assert 8 not in fleet[i].configuration and fleet[i].configuration.config_id == 1
+
+
+def test_a_cut_leaving_no_fast_quorum_is_led_into_a_classic_round_by_its_first_kept_member():
+    # Two of six exit: four voters can never make the fast quorum of six (5), so member 1,
+    # the first member the cut keeps, starts classic round 1 as soon as it has voted, instead
+    # of after classic_timeout_s; the other voters only vote and promise.
+    fleet = Fleet(6, params=P)
+    fleet.run_until(3.0)
+    fleet.down |= {5, 6}
+    for i in range(1, 5):
+        fleet[i].report_exited(fleet.now, 5)
+        fleet[i].report_exited(fleet.now, 6)
+    fleet.run_until(3.0 + P.classic_timeout_s)
+    assert _first_sent(fleet, Prepare) == [(3.0 + P.exit_settle_s, 1)] * 3  # to 2, 3 and 4
+    for i in range(1, 5):
+        (decided,) = _decisions(fleet, i)
+        assert decided.round == 1 and decided.at < 3.0 + P.exit_settle_s + 0.05
+        assert fleet[i].configuration.config_id == 1
+        assert not {5, 6} & set(fleet[i].configuration.members)
+    assert sum(fleet[i].counters["classic_rounds_started"] for i in range(1, 5)) == 1
+
+
+def test_a_cut_that_still_allows_a_fast_quorum_starts_no_classic_round_early():
+    fleet = Fleet(6, params=P)
+    fleet.run_until(3.0)
+    fleet.down.add(6)
+    for i in range(1, 6):
+        fleet[i].report_exited(fleet.now, 6)
+    fleet.run_until(3.0 + P.classic_timeout_s + P.classic_spread_s)
+    assert _first_sent(fleet, Prepare) == []
+    assert [[d.round for d in _decisions(fleet, i)] for i in range(1, 6)] == [[0]] * 5
 
 
 def test_last_ack_at_moves_only_with_answers_to_open_probes_not_with_a_stall():

@@ -42,6 +42,7 @@ from .agreement import (
     Consensus,
     Tally,
     classic_quorum,
+    fast_quorum,
     progress_messages,
 )
 from .configuration import Configuration
@@ -247,21 +248,39 @@ class Reconfiguration:
             return  # cut off ourselves: our view of the others is not evidence
         if self.consensus.vote_fast(proposal.cut, self.last_committed_step):
             m._counts["votes_cast"] += 1
+            if self._leads_classic_now(proposal.cut):
+                self._classic_at = now
             self._after_consensus_input(now)
 
+    def _leads_classic_now(self, cut: Cut) -> bool:
+        """Whether we start a classic round as soon as we have voted for ``cut``, instead of
+        after ``classic_timeout_s``: the cut removes so many members that the rest cannot
+        make a fast quorum (Rapid section 5: round 0 needs ``N - floor((N - 1) / 4)`` votes;
+        two of six, say), so waiting for the fast round only costs time. Only the first member
+        of the configuration that the cut keeps leads (every voter of ``cut`` computes the same
+        one), so coordinators do not collide; the others keep their timeout in case it is
+        dead too."""
+        config = self._member._config
+        removed = set(cut.removed)
+        kept = [member for member in config.members if member not in removed]
+        return (len(kept) < fast_quorum(len(config)) and bool(kept)
+                and kept[0] == self._member.id)
+
     def _ripe_at(self, now: float, cut: Cut) -> float:
-        """When we may vote for ``cut``: it settled for ``cut_settle_s``, and every member it
-        removes that did not leave on its own had ``refutation_window_s`` since we first heard
-        it accused (DESIGN section 4: a stalled member must get to refute first)."""
+        """When we may vote for ``cut``: it settled for ``cut_settle_s`` (``exit_settle_s`` if
+        it only removes members that left or exited), and every member it removes that did not
+        leave had ``refutation_window_s`` since we first heard it accused (DESIGN section 4: a
+        stalled member must get to refute first)."""
         m = self._member
-        ripe = now + m.params.cut_settle_s
         window = m.params.refutation_window_s
-        for member in cut.removed:
-            if m._view.get(member, (ALIVE, 0))[0] == LEFT or member == m.id:
-                continue
-            accused = m._accused_at.setdefault(member, now)
-            if accused + window > ripe:
-                ripe = accused + window
+        accused = [member for member in cut.removed
+                   if m._view.get(member, (ALIVE, 0))[0] != LEFT and member != m.id]
+        certain = not accused and not cut.joined
+        ripe = now + (m.params.exit_settle_s if certain else m.params.cut_settle_s)
+        for member in accused:
+            since = m._accused_at.setdefault(member, now)
+            if since + window > ripe:
+                ripe = since + window
         return ripe
 
     def receive(self, now: float, sender: MemberId, msg: AgreementMessage) -> None:
