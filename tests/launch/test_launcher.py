@@ -254,6 +254,37 @@ def test_a_stopped_member_is_not_given_the_grace_and_is_continued_to_terminate(
     assert "grace period over" not in log and "killing rank 2" not in log, log
 
 
+PAUSED_WHILE_ANOTHER_FINISHES = '''
+import signal, time
+out = Path(sys.argv[1])
+dump(out)
+rank = os.environ["RANK"]
+if rank == "1":
+    sys.exit(1)  # a failure first: roles are unknown from here on
+if rank == "2":
+    os.kill(os.getpid(), signal.SIGSTOP)  # paused, as a member past its lease
+    time.sleep(60)
+time.sleep(1.5 if rank == "0" else 3.0)  # rank 0 completes the job; rank 3 is still finishing
+'''
+
+
+def test_the_grace_ends_when_only_stopped_members_are_left(tmp_path: Path) -> None:
+    # The job completes while rank 3 is still finishing and rank 2 is stopped: the launcher
+    # waits for rank 3, then stops rank 2 at once instead of after the rest of the 20 s grace
+    # (the main job's faulty run spent up to its 3 s grace there).
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", PAUSED_WHILE_ANOTHER_FINISHES)
+    launcher = start_launcher(["--nproc", "4", "--grace", "20", str(script), str(out)])
+    code, log = finish(launcher)
+    assert code == 0, log
+    finishing = log.index("job complete; 2 process(es) may still be finishing; waiting up to 20.0 s")
+    rank_3 = log.index("rank 3 ", finishing)
+    assert log.index("all stopped by a signal, stopping them now", rank_3) > rank_3, log
+    assert "exited with signal SIGTERM" in log[rank_3:], log
+    assert "grace period over" not in log and "killing rank 2" not in log, log
+
+
 STUBBORN = '''
 import signal, subprocess, time
 out = Path(sys.argv[1])

@@ -14,8 +14,8 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    :func:`.outcome.decide` says when the job is over.
 4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group,
    followed by SIGCONT so that a stopped child acts on it; after ``grace_s`` seconds the rest
-   get SIGKILL. When the job completes while every remaining child is stopped by a signal (a
-   member paused past its lease, already removed), there is no grace: a stopped process
+   get SIGKILL. Once the job has completed and every remaining child is stopped by a signal (a
+   member paused past its lease, already removed), the grace ends: a stopped process
    finishes nothing. A child's process group is killed as soon as the
    child itself is reaped, so its orphans never outlive it.
 5. *Cleanup.* The run directory is removed; the exit code comes from :func:`.outcome.exit_code`.
@@ -362,16 +362,17 @@ class _Supervisor:
                 log.info("%s", reason)
                 await self._stop(signal.SIGTERM)
                 return
-            if verdict is Verdict.FINISH and finish_at is None:
-                running = self._running()
-                if all(c.stopped for c in running):
-                    # A stopped process finishes nothing (a member paused past its lease and
-                    # removed, which would otherwise hold the launcher for the whole grace).
+            if verdict is Verdict.FINISH:
+                # Checked again at every exit in the grace: once the last process still
+                # finishing is done, a stopped one (a member paused past its lease and removed)
+                # would otherwise hold the launcher for the rest of the grace, finishing nothing.
+                if all(c.stopped for c in self._running()):
                     log.info("%s; all stopped by a signal, stopping them now", reason)
                     await self._stop(signal.SIGTERM)
                     return
-                log.info("%s; waiting up to %.1f s", reason, self.options.grace_s)
-                finish_at = loop.time() + self.options.grace_s
+                if finish_at is None:
+                    log.info("%s; waiting up to %.1f s", reason, self.options.grace_s)
+                    finish_at = loop.time() + self.options.grace_s
 
     def _running(self) -> list[Child]:
         return [c for c in self.children if c.running]
