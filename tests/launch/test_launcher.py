@@ -278,7 +278,8 @@ def test_the_grace_ends_when_only_stopped_members_are_left(tmp_path: Path) -> No
     launcher = start_launcher(["--nproc", "4", "--grace", "20", str(script), str(out)])
     code, log = finish(launcher)
     assert code == 0, log
-    finishing = log.index("job complete; 2 process(es) may still be finishing; waiting up to 20.0 s")
+    finishing = log.index("job complete; 2 process(es) may still be finishing; "
+                          "waiting up to 20.0 s")
     rank_3 = log.index("rank 3 ", finishing)
     assert log.index("all stopped by a signal, stopping them now", rank_3) > rank_3, log
     assert "exited with signal SIGTERM" in log[rank_3:], log
