@@ -53,4 +53,8 @@ def test_short_comparison() -> None:
     mean_time_between_faults = young["mtbf_s"]
     assert young["k_steps"] >= 1 and mean_time_between_faults > 0
     assert out["speedup_vs_torchrun"] > 0
+    (kill,) = out["recovery_by_fault"]
+    assert kill["kind"] == "kill" and kill["step"] == 7
+    assert kill["torchpass_p2p_s"] == tp["faults"][0]["resumed_s"]
+    assert kill["torchrun_s"] == tr["faults"][0]["back_at_fault_step_s"]
     assert ft["ran"] is False and ft["reason"] or ft["completed"]
