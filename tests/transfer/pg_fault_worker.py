@@ -40,8 +40,17 @@ class Victim(PgTransport):
 
     def chunk_sent(self, index: int) -> None:
         self.sent += 1
-        if self.sent == 2:
-            os.kill(os.getpid(), signal.SIGKILL if self.fault == "kill" else signal.SIGSTOP)
+        if self.sent != 2:
+            return
+        if self.fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        # Hung for good: a SIGCONT from elsewhere (in one local run of the suite something
+        # resumed the stopped victim within 2 s, which then sent its whole stripe) stops it
+        # again at once, and says so.
+        while True:
+            os.kill(os.getpid(), signal.SIGSTOP)
+            print("victim: continued by a stray SIGCONT; stopping again", file=sys.stderr,
+                  flush=True)
 
 
 async def main(rank: int, world: int, out: str, fault: str) -> None:
