@@ -22,6 +22,13 @@ runs of:
 * ``torch_save_gb_per_s``: ``torch.save`` into memory, send, receive, ``torch.load``;
 
 with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (and the same for the others).
+
+The sources above share the loopback and the receiver's cores: once one source runs at the
+loopback's speed, a second one only adds CPU contention. ``--link-gbit G`` (root, iproute2) also
+runs each source in its own network namespace behind a veth link limited to ``G`` Gbit/s
+(:mod:`benchmarks.links`), as if on another host, and reports under ``links`` the medians of
+``one_source_gb_per_s`` and ``two_sources_gb_per_s`` over those links (servers pass pages by
+reference there, as to any receiver on another host).
 GB = 1e9 bytes. A source's one-time costs per published snapshot, paid before the timed runs
 (wall seconds, 1 GiB): ``source_digest_s`` (xxh3 chunk digests, for the fingerprint) and
 ``source_chunk_mac_s`` (the inner chunk MACs). ``receiver_cpu_s_per_gb`` and
@@ -42,12 +49,14 @@ import platform
 import socket
 import statistics
 import struct
+import subprocess
 import sys
 import threading
 import time
 
 import torch
 
+from benchmarks import links
 from torchpass_p2p.transfer import Snapshot, TransferKeys, TransferServer, fetch
 from torchpass_p2p.transfer.client import RECV_PIECE_BYTES
 from torchpass_p2p.transfer.frames import set_buffers
@@ -97,7 +106,7 @@ def _save_server(lsock: socket.socket, state: dict[str, torch.Tensor]) -> None:
             c.sendall(data)
 
 
-def _source_main(pipe, total_bytes: int, key: bytes) -> None:
+def _source_main(pipe, total_bytes: int, key: bytes, host: str = "127.0.0.1") -> None:
     state = _state(total_bytes, fill=True)
     snap = Snapshot.capture({"model": state}, step=1)
     views = [byte_view(t) for t in snap.tensors]
@@ -113,8 +122,8 @@ def _source_main(pipe, total_bytes: int, key: bytes) -> None:
         t1 = time.perf_counter()
         snap.chunk_macs()
         t2 = time.perf_counter()
-        async with TransferServer(TransferKeys(key), lambda: 1) as server, \
-                TransferServer(TransferKeys(key), lambda: 1, zero_copy=True) as by_ref:
+        async with TransferServer(TransferKeys(key), lambda: 1, host=host) as server, \
+                TransferServer(TransferKeys(key), lambda: 1, host=host, zero_copy=True) as by_ref:
             server.publish(snap)
             by_ref.publish(snap)
             pipe.send({"transfer": server.port, "by_reference": by_ref.port,
@@ -125,6 +134,66 @@ def _source_main(pipe, total_bytes: int, key: bytes) -> None:
             await loop.run_in_executor(None, pipe.recv)  # any message: stop
 
     asyncio.run(serve())
+
+
+KEY_VARIABLE = "TORCHPASS_BENCH_KEY"
+"""Environment variable carrying the hex key to a source started with ``--serve``."""
+
+
+class _StdioPipe:
+    """``_source_main``'s pipe over stdout (one JSON line) and stdin (EOF: stop), for a source
+    started as a command (in a network namespace)."""
+
+    def send(self, obj: object) -> None:
+        print(json.dumps(obj), flush=True)
+
+    def recv(self) -> str:
+        sys.stdin.read()
+        return "stop"
+
+
+def _linked(gib: float, total: int, key: bytes, keys: TransferKeys, into: Snapshot,
+            gbit: float, repeats: int) -> dict[str, object]:
+    """Two sources, each behind its own ``gbit`` Gbit/s link: one source, then both."""
+    why = links.unavailable()
+    if why:
+        return {"ran": False, "reason": why}
+    with links.source_links(2, gbit) as made:
+        env = {**os.environ, KEY_VARIABLE: key.hex()}
+        procs = [subprocess.Popen(
+            link.argv([sys.executable, "-m", "benchmarks.transfer", "--serve", "--gib",
+                       str(gib)]), stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+            for link in made]
+        try:
+            ports = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
+            src = [(link.address, port["transfer"]) for link, port in zip(made, ports,
+                                                                           strict=True)]
+            cases = {"one_source_gb_per_s": src[:1], "two_sources_gb_per_s": src}
+            rates: dict[str, list[float]] = {k: [] for k in cases}
+            for sources in cases.values():  # warm-up
+                asyncio.run(fetch(sources, keys, 1, into=into))
+            for _ in range(repeats):
+                for k, sources in cases.items():
+                    t0 = time.perf_counter()
+                    res = asyncio.run(fetch(sources, keys, 1, into=into))
+                    rates[k].append(total / (time.perf_counter() - t0) / 1e9)
+                    assert res.allocated_bytes == 0 and not res.failures
+        finally:
+            for p in procs:
+                p.stdin.close()  # type: ignore[union-attr]
+            for p in procs:
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    out: dict[str, object] = {"gbit_per_source": gbit, "zero_copy": ports[0]["zero_copy"]}
+    for k, rs in rates.items():
+        out[k] = round(statistics.median(rs), 3)
+    out["two_sources_vs_one"] = round(
+        out["two_sources_gb_per_s"] / out["one_source_gb_per_s"], 3)  # type: ignore[operator]
+    out["all_gb_per_s"] = {k: [round(r, 3) for r in rs] for k, rs in rates.items()}
+    return out
 
 
 def _cpu_s(source_pids: list[int]) -> tuple[float, float]:
@@ -174,8 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--link-gbit", type=float, default=None,
+                    help="also run sources behind links of this many Gbit/s (root)")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     total = int(args.gib * (1 << 30)) // (4 * N_TENSORS) * 4 * N_TENSORS
+    if args.serve:  # a source started by _linked, inside its namespace
+        _source_main(_StdioPipe(), total, bytes.fromhex(os.environ[KEY_VARIABLE]), "0.0.0.0")
+        return 0
     key = os.urandom(32)
     keys = TransferKeys(key)
     ctx = mp.get_context("spawn")
@@ -247,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                                   for k, cs in cpu.items()}
     out["source_digest_s"] = round(ports[0]["digest_s"], 3)
     out["source_chunk_mac_s"] = round(ports[0]["chunk_mac_s"], 3)
+    if args.link_gbit:
+        out["links"] = _linked(args.gib, total, key, keys, into, args.link_gbit, args.repeats)
     out["loadavg_1min_after"] = round(os.getloadavg()[0], 2)
     out["python"] = platform.python_version()
     out["torch"] = torch.__version__
