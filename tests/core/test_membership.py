@@ -1275,6 +1275,22 @@ def test_a_cut_leaving_no_fast_quorum_is_led_into_a_classic_round_by_its_first_k
     assert sum(fleet[i].counters["classic_rounds_started"] for i in range(1, 5)) == 1
 
 
+def test_a_cut_with_an_accusation_waits_classic_timeout_s_though_no_fast_quorum_is_left():
+    # 5 and 6 go silent: the cut {5, 6} leaves four voters of six, but both are only accused
+    # (they may yet refute), so the first classic round comes classic_timeout_s after the
+    # first vote, not at once.
+    fleet = Fleet(6, params=P)
+    fleet.run_until(3.0)
+    fleet.down |= {5, 6}
+    fleet.run_until(20.0)
+    votes, prepares = _first_sent(fleet, Vote), _first_sent(fleet, Prepare)
+    assert votes and prepares
+    assert prepares[0][0] >= votes[0][0] + P.classic_timeout_s
+    for i in range(1, 5):
+        (decided,) = _decisions(fleet, i)
+        assert decided.round >= 1 and not {5, 6} & set(fleet[i].configuration.members)
+
+
 def test_a_cut_that_still_allows_a_fast_quorum_starts_no_classic_round_early():
     fleet = Fleet(6, params=P)
     fleet.run_until(3.0)

@@ -252,14 +252,25 @@ class Reconfiguration:
                 self._classic_at = now
             self._after_consensus_input(now)
 
+    def _accused(self, cut: Cut) -> list[MemberId]:
+        """The members ``cut`` removes that neither left nor exited (nor are we): only an
+        accusation, which a stalled member may still refute."""
+        m = self._member
+        return [member for member in cut.removed
+                if m._view.get(member, (ALIVE, 0))[0] != LEFT and member != m.id]
+
     def _leads_classic_now(self, cut: Cut) -> bool:
         """Whether we start a classic round as soon as we have voted for ``cut``, instead of
-        after ``classic_timeout_s``: the cut removes so many members that the rest cannot
-        make a fast quorum (Rapid section 5: round 0 needs ``N - floor((N - 1) / 4)`` votes;
-        two of six, say), so waiting for the fast round only costs time. Only the first member
-        of the configuration that the cut keeps leads (every voter of ``cut`` computes the same
-        one), so coordinators do not collide; the others keep their timeout in case it is
-        dead too."""
+        after ``classic_timeout_s``: the cut only removes members that left or exited (nothing
+        to refute, so nothing to wait for) and so many that the rest cannot make a fast quorum
+        (Rapid section 5: round 0 needs ``N - floor((N - 1) / 4)`` votes; two exits of six,
+        say), so waiting for the fast round only costs time. Only the first member of the
+        configuration that the cut keeps leads (every voter of ``cut`` computes the same one),
+        so coordinators do not collide; the others keep their timeout in case it is dead too.
+        A cut with an accusation keeps the timeout: the safety fuzz removed members that had
+        refuted after a short partition healed, when it started at once."""
+        if cut.joined or self._accused(cut):
+            return False
         config = self._member._config
         removed = set(cut.removed)
         kept = [member for member in config.members if member not in removed]
@@ -273,8 +284,7 @@ class Reconfiguration:
         stalled member must get to refute first)."""
         m = self._member
         window = m.params.refutation_window_s
-        accused = [member for member in cut.removed
-                   if m._view.get(member, (ALIVE, 0))[0] != LEFT and member != m.id]
+        accused = self._accused(cut)
         certain = not accused and not cut.joined
         ripe = now + (m.params.exit_settle_s if certain else m.params.cut_settle_s)
         for member in accused:
