@@ -21,7 +21,9 @@ runs of:
   ``MSG_WAITALL`` (this benchmark's raw loop before: ~0.75 of the one above here);
 * ``torch_save_gb_per_s``: ``torch.save`` into memory, send, receive, ``torch.load``;
 
-with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (and the same for the others).
+with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (and the same for the others;
+``two_sources_vs_one_paired``: the median over rounds of that round's two-source rate over its
+one-source rate).
 
 The sources above share the loopback and the receiver's cores: once one source runs at the
 loopback's speed, a second one only adds CPU contention. ``--link-gbit G`` (root, iproute2) also
@@ -313,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     raw = out["raw_socket_gb_per_s"]
     out["ratio_vs_raw"] = round(out["gb_per_s"] / raw, 3)  # type: ignore[operator]
     out["two_sources_vs_one"] = round(out["two_sources_gb_per_s"] / out["gb_per_s"], 3)  # type: ignore
+    # The same ratio within each round (one source and two run back to back), then the median:
+    # less exposed to the machine's load changing between rounds.
+    out["two_sources_vs_one_paired"] = round(statistics.median(
+        one / two for one, two in zip(times["gb_per_s"], times["two_sources_gb_per_s"],
+                                      strict=True)), 3)
     out["zero_copy"] = ports[0]["zero_copy"]
     out["all_gb_per_s"] = {k: [round(total / t / 1e9, 3) for t in ts] for k, ts in times.items()}
     gb = total / 1e9
