@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from torchpass_p2p.collective import flatten, sum_in_rank_order, unflatten_into
+from torchpass_p2p.launch.children import children_of
 from torchpass_p2p.trainer import (
     Fault,
     FaultInjector,
@@ -156,3 +162,37 @@ async def test_the_transfer_server_reports_each_chunk_served() -> None:
             got = await fetch([server.address], keys, 3, step=9, window=1)
             assert got.fingerprint == snap.fingerprint()
     assert calls == [(9, n, 12000) for n in (4096, 8192, 12000)] * 2
+
+
+STOPPED_RANK = """
+from torchpass_p2p.trainer.faults import Fault, FaultInjector
+FaultInjector([Fault("stop", 1, "grad", 0, 20.0)], started_as_rank=True).at(1, "grad", 0)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux setpriv")
+def test_the_continue_helper_of_a_stop_fault_dies_with_its_rank() -> None:
+    # A helper outliving its killed rank would SIGCONT whatever process gets the pid next (a
+    # stopped test worker of a later test, say).
+    rank = subprocess.Popen([sys.executable, "-c", STOPPED_RANK])
+    try:
+        deadline = time.monotonic() + 60
+        while _state(rank.pid) != "T":
+            assert time.monotonic() < deadline and rank.poll() is None
+            time.sleep(0.05)
+        (helper,) = children_of(rank.pid)
+        assert b"kill -CONT" in Path(f"/proc/{helper}/cmdline").read_bytes()
+    finally:
+        rank.kill()
+        rank.wait()
+    deadline = time.monotonic() + 10
+    while _state(helper) not in ("", "Z"):  # gone, or a zombie until init reaps it
+        assert time.monotonic() < deadline, "the helper outlived its rank"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""

@@ -43,6 +43,7 @@ connection) and ``total_bytes``.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import stat
@@ -54,7 +55,8 @@ from typing import Any
 
 from torchpass_p2p.collective import CollectiveError
 
-__all__ = ["Fault", "FaultInjector", "InjectedReset", "parse_faults", "start_orphan"]
+__all__ = ["Fault", "FaultInjector", "InjectedReset", "continue_later", "parse_faults",
+           "start_orphan"]
 
 POINTS = ("compute", "grad", "commit", "serve")
 KINDS = ("kill", "stop", "orphan", "reset")
@@ -170,8 +172,18 @@ class FaultInjector:
         if f.kind in ("kill", "orphan"):
             os.kill(os.getpid(), signal.SIGKILL)
         else:
-            subprocess.Popen(["sh", "-c", f"sleep {f.seconds}; kill -CONT {os.getpid()}"])
+            continue_later(f.seconds)
             os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def continue_later(seconds: float) -> subprocess.Popen[bytes]:
+    """Start the helper that sends this process SIGCONT after ``seconds`` (a ``stop`` fault).
+    It dies with this process (``setpriv --pdeathsig KILL``, util-linux, where installed): a
+    helper outliving a killed rank would send SIGCONT to whatever process gets the pid next."""
+    command = ["sh", "-c", f"sleep {seconds}; kill -CONT {os.getpid()}"]
+    if shutil.which("setpriv"):
+        command = ["setpriv", "--pdeathsig", "KILL", "--", *command]
+    return subprocess.Popen(command)
 
 
 def start_orphan() -> tuple[subprocess.Popen[bytes], list[int]]:
