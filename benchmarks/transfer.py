@@ -154,6 +154,16 @@ class _StdioPipe:
         return "stop"
 
 
+def _fetch_s(sources: list[tuple[str, int]], keys: TransferKeys, into: Snapshot) -> float:
+    """Seconds of one :func:`fetch` from ``sources`` into ``into``, which must need no
+    allocation and see no failure."""
+    t0 = time.perf_counter()
+    res = asyncio.run(fetch(sources, keys, 1, into=into))
+    dt = time.perf_counter() - t0
+    assert res.allocated_bytes == 0 and not res.failures
+    return dt
+
+
 def _linked(gib: float, total: int, key: bytes, keys: TransferKeys, into: Snapshot,
             gbit: float, repeats: int) -> dict[str, object]:
     """Two sources, each behind its own ``gbit`` Gbit/s link: one source, then both."""
@@ -173,13 +183,10 @@ def _linked(gib: float, total: int, key: bytes, keys: TransferKeys, into: Snapsh
             cases = {"one_source_gb_per_s": src[:1], "two_sources_gb_per_s": src}
             rates: dict[str, list[float]] = {k: [] for k in cases}
             for sources in cases.values():  # warm-up
-                asyncio.run(fetch(sources, keys, 1, into=into))
+                _fetch_s(sources, keys, into)
             for _ in range(repeats):
                 for k, sources in cases.items():
-                    t0 = time.perf_counter()
-                    res = asyncio.run(fetch(sources, keys, 1, into=into))
-                    rates[k].append(total / (time.perf_counter() - t0) / 1e9)
-                    assert res.allocated_bytes == 0 and not res.failures
+                    rates[k].append(total / _fetch_s(sources, keys, into) / 1e9)
         finally:
             for p in procs:
                 p.stdin.close()  # type: ignore[union-attr]
@@ -273,11 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     src = [("127.0.0.1", p["transfer"]) for p in ports]
 
     def run_fetch(sources):
-        t0 = time.perf_counter()
-        res = asyncio.run(fetch(sources, keys, 1, into=into))
-        dt = time.perf_counter() - t0
-        assert res.allocated_bytes == 0 and not res.failures
-        return dt
+        return _fetch_s(sources, keys, into)
 
     def run_raw(piece: int = RECV_PIECE_BYTES, flags: int = socket.MSG_WAITALL):
         t0 = time.perf_counter()

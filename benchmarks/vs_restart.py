@@ -478,15 +478,16 @@ def _by_fault(tp: dict[str, Any], tr: dict[str, Any], ft: dict[str, Any]) -> lis
     group reached that step again, recomputation included) and until torchft committed the
     next step; ``torchrun_vs_torchpass_p2p`` is their ratio. The wall-clock figures above
     remain the basis of the targets: these say which fault costs what."""
+    def nth(method: dict[str, Any], i: int) -> dict[str, Any]:
+        faults = method.get("faults", [])  # absent where a method did not run
+        return faults[i] if i < len(faults) else {}
+
     out = []
     for i, ours in enumerate(tp.get("faults", [])):
-        theirs = tr["faults"][i] if i < len(tr.get("faults", [])) else {}
-        ft_faults = ft.get("faults", []) if isinstance(ft, dict) else []
         row = {"kind": ours["kind"], "step": ours["step"],
                "torchpass_p2p_s": ours.get("resumed_s"),
-               "torchrun_s": theirs.get("back_at_fault_step_s"),
-               "torchft_next_commit_s": (ft_faults[i].get("next_step_committed_s")
-                                         if i < len(ft_faults) else None)}
+               "torchrun_s": nth(tr, i).get("back_at_fault_step_s"),
+               "torchft_next_commit_s": nth(ft, i).get("next_step_committed_s")}
         if row["torchpass_p2p_s"] and row["torchrun_s"] is not None:
             row["torchrun_vs_torchpass_p2p"] = row["torchrun_s"] / row["torchpass_p2p_s"]
         out.append(row)

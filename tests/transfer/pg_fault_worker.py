@@ -43,7 +43,8 @@ class Victim(PgTransport):
         if self.sent != 2:
             return
         if self.fault == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)  # never returns
+            return
         # Hung for good: a SIGCONT from elsewhere (in one local run of the suite something
         # resumed the stopped victim within 2 s, which then sent its whole stripe) stops it
         # again at once, and says so.

@@ -23,9 +23,9 @@ WAIT_S = 240.0
 def run(fault: str, world: int) -> tuple[dict, list[int]]:
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
-        # Each in its own session: the stopped victim is alone in its process group, so the
-        # exit of another process of the test run's group can never make the kernel send that
-        # group SIGHUP and SIGCONT (POSIX orphaned process groups).
+        # Each in its own session: the stopped victim is alone in its process group, so a
+        # signal meant for the test run's group never reaches it (one local run saw the victim
+        # continued by a SIGCONT whose sender was not found; the worker also re-stops itself).
         procs = [subprocess.Popen([sys.executable, "-m", "tests.transfer.pg_fault_worker",
                                    str(r), str(world), store, out, fault], cwd=REPO,
                                   start_new_session=True)
