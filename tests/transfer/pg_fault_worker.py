@@ -4,8 +4,10 @@
 Ranks 0..WORLD-2 are sources of a deterministic 16 MiB state in 1 MiB chunks; the last rank
 receives. Rank 0, the victim, injects ``FAULT`` right after the second chunk of its stripe has
 left: ``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself: a hung source; the test kills it
-afterwards). The receiver writes its outcome as JSON and every rank leaves with ``os._exit``
-(a group with a dead or stopped peer is not torn down: destroying it can block)."""
+afterwards); or ``kill_at_manifest``: SIGKILL itself once its manifest has left, while the
+receiver waits ``LATE_POST_S`` before posting its receives (the post itself then fails). The
+receiver writes its outcome as JSON and every rank leaves with ``os._exit`` (a group with a
+dead or stopped peer is not torn down: destroying it can block)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 
 import torch.distributed as dist
@@ -28,6 +31,9 @@ from .source_proc import state
 SIZE_MIB = 16
 CHUNK_BYTES = 1 << 20
 PROGRESS_TIMEOUT_S = 2.0
+LATE_POST_S = 1.5
+"""``kill_at_manifest``: how long the receiver waits before posting the stripes' receives, so
+that gloo has seen the victim's connection reset first."""
 GROUP_TIMEOUT_S = 600.0
 """Far above the transfer's own deadline: only ``progress_timeout_s`` may end a wait."""
 
@@ -54,6 +60,19 @@ class Victim(PgTransport):
                   flush=True)
 
 
+    def manifest_sent(self) -> None:
+        if self.fault == "kill_at_manifest":
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class LateReceiver(PgTransport):
+    """Posts its first receives only after the victim is surely dead (its pair closed)."""
+
+    def posting(self, round_: int) -> None:
+        if round_ == 0:
+            time.sleep(LATE_POST_S)
+
+
 async def main(rank: int, world: int, out: str, fault: str) -> None:
     sources = tuple(range(world - 1))
     receiver = world - 1
@@ -68,7 +87,8 @@ async def main(rank: int, world: int, out: str, fault: str) -> None:
                             step=0, chunk_bytes=CHUNK_BYTES)
     report: dict = {}
     try:
-        res = await PgTransport().receive(plan, into=into)
+        receiver = LateReceiver() if fault == "kill_at_manifest" else PgTransport()
+        res = await receiver.receive(plan, into=into)
     except TransferFailed as e:
         report = {"error": type(e).__name__, "reason": e.reason, "failures": dict(e.failures)}
         print(f"receiver: {e!r}", file=sys.stderr, flush=True)

@@ -52,7 +52,7 @@ import asyncio
 import datetime
 import time
 from collections import Counter, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -88,6 +88,15 @@ class _Lost(Exception):
         self.detail = detail
 
 
+def _post(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Post one ``dist.isend`` / ``dist.irecv``; a pair gloo already closed (the peer died)
+    can fail the post itself, not only the wait: raises :class:`_Lost` ``source_failed``."""
+    try:
+        return op(*args, **kwargs)
+    except RuntimeError as e:
+        raise _Lost("source_failed", str(e)[:300]) from None
+
+
 def _wait(work: Any, timeout_s: float) -> None:
     """Wait for one send/recv; a closed peer or ``timeout_s`` without completion raises
     :class:`_Lost` (``source_failed`` / ``no_progress``)."""
@@ -115,6 +124,13 @@ class PgTransport(Transport):
     def chunk_sent(self, index: int) -> None:
         """Called on a source after chunk ``index`` has left (its sends completed)."""
 
+    def manifest_sent(self) -> None:
+        """Called on a source after its manifest has left."""
+
+    def posting(self, round_: int) -> None:
+        """Called on the receiver before it posts the receives of ``round_`` (0: the
+        stripes)."""
+
     # -- source side -----------------------------------------------------------------------
     async def provide(self, snapshot: Snapshot, plan: TransferPlan) -> None:
         """Send this rank's manifest and stripe to ``plan.receiver``, then serve the repair
@@ -129,7 +145,7 @@ class PgTransport(Transport):
         pending: deque[tuple[int, list[Any]]] = deque()
         for i in (*chunks, None):
             if i is not None:
-                pending.append((i, [dist.isend(seg, dst, self.group, tag=tag)
+                pending.append((i, [_post(dist.isend, seg, dst, self.group, tag=tag)
                                     for seg in snap.segment_tensors(i)]))
             while pending and (i is None or len(pending) >= SEND_WINDOW_CHUNKS):
                 done, works = pending.popleft()
@@ -143,15 +159,16 @@ class PgTransport(Transport):
         dst, g, t = plan.receiver, self.group, plan.progress_timeout_s
         body = encode_manifest(snap, self.algo)
         try:
-            _wait(dist.isend(torch.tensor([len(body)], dtype=torch.int64), dst, g,
-                             tag=_TAG_MANIFEST), t)
-            _wait(dist.isend(torch.frombuffer(bytearray(body), dtype=torch.uint8), dst, g,
-                             tag=_TAG_MANIFEST), t)
+            _wait(_post(dist.isend, torch.tensor([len(body)], dtype=torch.int64), dst, g,
+                        tag=_TAG_MANIFEST), t)
+            _wait(_post(dist.isend, torch.frombuffer(bytearray(body), dtype=torch.uint8), dst,
+                        g, tag=_TAG_MANIFEST), t)
+            self.manifest_sent()
             self._send_chunks(snap, range(j, snap.num_chunks, n), dst, _TAG_DATA, t)
             for rnd in range(snap.num_chunks + 1):
                 count = torch.zeros(1, dtype=torch.int64)
                 try:
-                    _wait(dist.irecv(count, dst, g, tag=_TAG_STATUS), STATUS_WAIT_FACTOR * t)
+                    _wait(_post(dist.irecv, count, dst, g, tag=_TAG_STATUS), STATUS_WAIT_FACTOR * t)
                 except _Lost as e:
                     raise TransferFailed("receiver_lost", e.reason) from None
                 c = int(count)
@@ -162,7 +179,7 @@ class PgTransport(Transport):
                 if c > snap.num_chunks:
                     raise TransferFailed("bad_request", f"{c} chunks asked")
                 idx = torch.empty(c, dtype=torch.int64)
-                _wait(dist.irecv(idx, dst, g, tag=_TAG_STATUS), t)
+                _wait(_post(dist.irecv, idx, dst, g, tag=_TAG_STATUS), t)
                 chunks = idx.tolist()
                 if any(not 0 <= i < snap.num_chunks for i in chunks):
                     raise TransferFailed("bad_request", "chunk index out of range")
@@ -184,11 +201,11 @@ class PgTransport(Transport):
 
     def _recv_manifest(self, src: int, timeout_s: float) -> Manifest:
         size = torch.zeros(1, dtype=torch.int64)
-        _wait(dist.irecv(size, src, self.group, tag=_TAG_MANIFEST), timeout_s)
+        _wait(_post(dist.irecv, size, src, self.group, tag=_TAG_MANIFEST), timeout_s)
         if not 0 < int(size) <= self.max_manifest_bytes:
             raise TransferFailed("bad_manifest", f"size {int(size)}")
         buf = torch.empty(int(size), dtype=torch.uint8)
-        _wait(dist.irecv(buf, src, self.group, tag=_TAG_MANIFEST), timeout_s)
+        _wait(_post(dist.irecv, buf, src, self.group, tag=_TAG_MANIFEST), timeout_s)
         try:
             return decode_manifest(buf.numpy().tobytes(), self.max_state_bytes)
         except TransferError as e:
@@ -199,10 +216,10 @@ class PgTransport(Transport):
         """Tell ``src`` which chunks to send next (none: it is done), or that the receiver
         gave up (``abort``)."""
         count = -1 if abort else len(chunks)
-        _wait(dist.isend(torch.tensor([count], dtype=torch.int64), src, self.group,
+        _wait(_post(dist.isend, torch.tensor([count], dtype=torch.int64), src, self.group,
                          tag=_TAG_STATUS), timeout_s)
         if count > 0:
-            _wait(dist.isend(torch.tensor(list(chunks), dtype=torch.int64), src, self.group,
+            _wait(_post(dist.isend, torch.tensor(list(chunks), dtype=torch.int64), src, self.group,
                              tag=_TAG_STATUS), timeout_s)
 
     def _release(self, sources: Sequence[int], timeout_s: float, *, abort: bool) -> None:
@@ -267,9 +284,16 @@ class PgTransport(Transport):
         per_src: dict[Any, int] = {s: 0 for s in plan.sources}
         with ThreadPoolExecutor(max_workers=2) as pool:
             for rnd in range(m.num_chunks + 1):
-                works = [(i, src, [dist.irecv(seg, src, g, tag=tag)
-                                   for seg in target.segment_tensors(i)])
-                         for i, src in assign.items() if src in alive]
+                self.posting(rnd)
+                works = []
+                for i, src in assign.items():
+                    if src not in alive:
+                        continue
+                    try:
+                        works.append((i, src, [_post(dist.irecv, seg, src, g, tag=tag)
+                                               for seg in target.segment_tensors(i)]))
+                    except _Lost as e:  # its chunks fail their digests: the next round
+                        drop(src, e.reason, e.detail)
                 for _i, src, ws in works:
                     if src not in alive:
                         continue  # dropped meanwhile: its chunks go to the next round
