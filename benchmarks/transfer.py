@@ -20,10 +20,16 @@ runs of:
 * ``raw_socket_4mib_gb_per_s``: the same loop receiving in 4 MiB pieces without
   ``MSG_WAITALL`` (this benchmark's raw loop before: ~0.75 of the one above here);
 * ``torch_save_gb_per_s``: ``torch.save`` into memory, send, receive, ``torch.load``;
+* ``pg_gb_per_s``, ``pg_two_sources_gb_per_s``: the process-group transport
+  (:class:`~torchpass_p2p.transfer.pg_transport.PgTransport`) over a gloo group of the two
+  sources and this process, from one source and from both (xxh3 chunk digests, no MACs: the
+  group's data plane is not authenticated); ``pg_staged_gb_per_s``: from one source with every
+  chunk staged through buffers (``device="cpu"``), the path NCCL takes with CUDA buffers: here
+  it only adds two host copies;
 
-with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (and the same for the others;
-``two_sources_vs_one_paired``: the median over rounds of that round's two-source rate over its
-one-source rate).
+with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (``pg_ratio_vs_raw`` the same for
+``pg_gb_per_s``; ``two_sources_vs_one_paired``: the median over rounds of that round's
+two-source rate over its one-source rate).
 
 The sources above share the loopback and the receiver's cores: once one source runs at the
 loopback's speed, a second one only adds CPU contention. ``--link-gbit G`` (root, iproute2) also
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import io
 import json
 import multiprocessing as mp
@@ -57,15 +64,21 @@ import threading
 import time
 
 import torch
+import torch.distributed as dist
 
 from benchmarks import links
 from torchpass_p2p.transfer import Snapshot, TransferKeys, TransferServer, fetch
 from torchpass_p2p.transfer.client import RECV_PIECE_BYTES
 from torchpass_p2p.transfer.frames import set_buffers
+from torchpass_p2p.transfer.pg_transport import PgTransport
 from torchpass_p2p.transfer.snapshot import byte_view
+from torchpass_p2p.transfer.transport import TransferPlan
 
 N_TENSORS = 16
 PIECE = 4 << 20
+PG_RECEIVER = 2
+"""The receiver's rank in the gloo group (sources are ranks 0 and 1)."""
+PG_TIMEOUT_S = 120.0
 
 
 def _state(total_bytes: int, fill: bool) -> dict[str, torch.Tensor]:
@@ -108,7 +121,15 @@ def _save_server(lsock: socket.socket, state: dict[str, torch.Tensor]) -> None:
             c.sendall(data)
 
 
-def _source_main(pipe, total_bytes: int, key: bytes, host: str = "127.0.0.1") -> None:
+def _pg_plan(sources: list[int]) -> TransferPlan:
+    return TransferPlan(sources=tuple(sources), config_id=1, receiver=PG_RECEIVER,
+                        progress_timeout_s=PG_TIMEOUT_S)
+
+
+def _source_main(pipe, total_bytes: int, key: bytes, host: str = "127.0.0.1",
+                 pg: tuple[int, int] | None = None) -> None:
+    """Serve a ``total_bytes`` state over TCP; with ``pg`` (rank, store port) also join the
+    gloo group and provide over it whenever the receiver sends ``(sources, device)``."""
     state = _state(total_bytes, fill=True)
     snap = Snapshot.capture({"model": state}, step=1)
     views = [byte_view(t) for t in snap.tensors]
@@ -133,9 +154,21 @@ def _source_main(pipe, total_bytes: int, key: bytes, host: str = "127.0.0.1") ->
                        "save": socks[1].getsockname()[1], "digest_s": t1 - t0,
                        "chunk_mac_s": t2 - t1, "pid": os.getpid()})
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, pipe.recv)  # any message: stop
+            if pg is not None:
+                _join_pg(*pg)
+            while (msg := await loop.run_in_executor(None, pipe.recv)) != "stop":
+                sources, device = msg
+                if pg is not None and pg[0] in sources:
+                    await PgTransport(device=device).provide(snap, _pg_plan(sources))
 
     asyncio.run(serve())
+
+
+def _join_pg(rank: int, store_port: int) -> None:
+    store = dist.TCPStore("127.0.0.1", store_port, PG_RECEIVER + 1, is_master=False,
+                          timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=PG_RECEIVER + 1,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
 
 
 KEY_VARIABLE = "TORCHPASS_BENCH_KEY"
@@ -263,10 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     key = os.urandom(32)
     keys = TransferKeys(key)
     ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, PG_RECEIVER + 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+                          wait_for_workers=False)
     procs, pipes, ports = [], [], []
-    for _ in range(2):
+    for rank in range(2):
         a, b = ctx.Pipe()
-        p = ctx.Process(target=_source_main, args=(b, total, key), daemon=True)
+        p = ctx.Process(target=_source_main,
+                        args=(b, total, key, "127.0.0.1", (rank, store.port)), daemon=True)
         p.start()
         procs.append(p)
         pipes.append(a)
@@ -274,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         if not a.poll(300):
             raise SystemExit("source did not start")
         ports.append(a.recv())
+    dist.init_process_group("gloo", store=store, rank=PG_RECEIVER, world_size=PG_RECEIVER + 1,
+                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     target = _state(total, fill=False)
     into = Snapshot.capture({"model": target}, step=0)
     views = [byte_view(t) for t in into.tensors]
@@ -286,6 +325,15 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         _raw_recv(ports[0]["raw"], views, piece, flags)
         return time.perf_counter() - t0
+
+    def run_pg(sources: list[int], device: str | None = None) -> float:
+        for a in pipes:
+            a.send((sources, device))
+        t0 = time.perf_counter()
+        res = asyncio.run(PgTransport(device=device).receive(_pg_plan(sources), into=into))
+        dt = time.perf_counter() - t0
+        assert res.allocated_bytes == 0 and not res.failures
+        return dt
 
     def run_save():
         t0 = time.perf_counter()
@@ -300,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         "zero_copy_source_gb_per_s": lambda: run_fetch([("127.0.0.1",
                                                           ports[0]["by_reference"])]),
         "torch_save_gb_per_s": run_save,
+        "pg_gb_per_s": lambda: run_pg([0]),
+        "pg_two_sources_gb_per_s": lambda: run_pg([0, 1]),
+        "pg_staged_gb_per_s": lambda: run_pg([0], "cpu"),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
@@ -317,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         out[k] = round(total / statistics.median(ts) / 1e9, 3)
     raw = out["raw_socket_gb_per_s"]
     out["ratio_vs_raw"] = round(out["gb_per_s"] / raw, 3)  # type: ignore[operator]
+    out["pg_ratio_vs_raw"] = round(out["pg_gb_per_s"] / raw, 3)  # type: ignore[operator]
     out["two_sources_vs_one"] = round(out["two_sources_gb_per_s"] / out["gb_per_s"], 3)  # type: ignore
     # The same ratio within each round (one source and two run back to back), then the median:
     # less exposed to the machine's load changing between rounds.
@@ -340,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     out["cpus"] = os.cpu_count()
     for a in pipes:
         a.send("stop")
+    dist.destroy_process_group()
     for p in procs:
         p.join(10)
         if p.is_alive():

@@ -39,13 +39,15 @@ def run_tcp() -> dict[str, dict[str, Any]]:
     return {case: asyncio.run(_tcp_case(case)) for case in CASES}
 
 
-def run_pg(timeout_s: float = 120.0) -> dict[str, dict[str, Any]]:
+def run_pg(device: str | None = None, timeout_s: float = 120.0) -> dict[str, dict[str, Any]]:
     """Three processes over gloo (ranks 0 and 1 are sources, 2 receives), FileStore rendezvous.
-    Each runs every case in one group; the receiver writes its reports as JSON."""
+    Each runs every case in one group; the receiver writes its reports as JSON. ``device``:
+    stage every message through buffers there (``PgTransport(device=...)``)."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
         procs = [subprocess.Popen([sys.executable, "-m", "tests.transfer.pg_worker", str(r),
-                                   "3", store, out], cwd=REPO)
+                                   "3", store, out, *([device] if device else [])],
+                                  cwd=REPO)
                  for r in range(3)]
         try:
             for p in procs:

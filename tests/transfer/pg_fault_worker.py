@@ -1,5 +1,6 @@
 """One rank of a process-group transfer with a source that fails halfway:
-``python -m tests.transfer.pg_fault_worker RANK WORLD STORE_PATH OUT_JSON FAULT``.
+``python -m tests.transfer.pg_fault_worker RANK WORLD STORE_PATH OUT_JSON FAULT [DEVICE]``
+(``DEVICE``: every rank stages its messages through buffers there, NCCL's path).
 
 Ranks 0..WORLD-2 are sources of a deterministic 16 MiB state in 1 MiB chunks; the last rank
 receives. Rank 0, the victim, injects ``FAULT`` right after the second chunk of its stripe has
@@ -39,8 +40,8 @@ GROUP_TIMEOUT_S = 600.0
 
 
 class Victim(PgTransport):
-    def __init__(self, fault: str) -> None:
-        super().__init__()
+    def __init__(self, fault: str, device: str | None) -> None:
+        super().__init__(device=device)
         self.fault = fault
         self.sent = 0
 
@@ -73,21 +74,22 @@ class LateReceiver(PgTransport):
             time.sleep(LATE_POST_S)
 
 
-async def main(rank: int, world: int, out: str, fault: str) -> None:
+async def main(rank: int, world: int, out: str, fault: str, device: str | None) -> None:
     sources = tuple(range(world - 1))
     receiver = world - 1
     plan = TransferPlan(sources=sources, config_id=1, receiver=receiver,
                         progress_timeout_s=PROGRESS_TIMEOUT_S)
     snap = Snapshot.capture({"model": state(SIZE_MIB)}, step=5, chunk_bytes=CHUNK_BYTES)
     if rank != receiver:
-        transport = Victim(fault) if rank == 0 else PgTransport()
+        transport = Victim(fault, device) if rank == 0 else PgTransport(device=device)
         await transport.provide(snap, plan)
         return
     into = Snapshot.capture({"model": {k: t.zero_() for k, t in state(SIZE_MIB).items()}},
                             step=0, chunk_bytes=CHUNK_BYTES)
     report: dict = {}
     try:
-        receiver = LateReceiver() if fault == "kill_at_manifest" else PgTransport()
+        cls = LateReceiver if fault == "kill_at_manifest" else PgTransport
+        receiver = cls(device=device)
         res = await receiver.receive(plan, into=into)
     except TransferFailed as e:
         report = {"error": type(e).__name__, "reason": e.reason, "failures": dict(e.failures)}
@@ -114,12 +116,13 @@ async def main(rank: int, world: int, out: str, fault: str) -> None:
 if __name__ == "__main__":
     r, w, store_path, out_path, fault = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                          sys.argv[4], sys.argv[5])
+    device = sys.argv[6] if len(sys.argv) > 6 else None
     store = dist.FileStore(store_path, w)
     dist.init_process_group("gloo", store=store, rank=r, world_size=w,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     code = 0
     try:
-        asyncio.run(main(r, w, out_path, fault))
+        asyncio.run(main(r, w, out_path, fault, device))
     except TransferFailed as e:
         print(f"rank {r}: {e!r}", file=sys.stderr, flush=True)
         code = 3

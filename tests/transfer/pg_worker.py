@@ -1,5 +1,6 @@
 """One rank of the process-group conformance run: ``python -m tests.transfer.pg_worker RANK
-WORLD STORE_PATH OUT_JSON``. Ranks 0..WORLD-2 are sources, the last rank receives."""
+WORLD STORE_PATH OUT_JSON [DEVICE]``. Ranks 0..WORLD-2 are sources, the last rank receives.
+``DEVICE``: stage every message through buffers there (``cpu`` here: the path NCCL takes)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from torchpass_p2p.transfer.transport import TransferPlan
 from .states import CASES, build, capture, report
 
 
-async def main(rank: int, world: int, out: str) -> None:
+async def main(rank: int, world: int, out: str, device: str | None) -> None:
     sources = tuple(range(world - 1))
     receiver = world - 1
-    transport = PgTransport()
+    transport = PgTransport(device=device)
     reports = {}
     for case in CASES:
         plan = TransferPlan(sources=sources, config_id=1, receiver=receiver,
@@ -41,10 +42,11 @@ async def main(rank: int, world: int, out: str) -> None:
 
 if __name__ == "__main__":
     r, w, store_path, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    device = sys.argv[5] if len(sys.argv) > 5 else None
     store = dist.FileStore(store_path, w)
     dist.init_process_group("gloo", store=store, rank=r, world_size=w,
                             timeout=datetime.timedelta(seconds=60))
     try:
-        asyncio.run(main(r, w, out_path))
+        asyncio.run(main(r, w, out_path, device))
     finally:
         dist.destroy_process_group()

@@ -1,4 +1,5 @@
-"""The shared transport suite, run against TCP and the gloo process group."""
+"""The shared transport suite, run against TCP and the gloo process group, the latter both
+sending snapshot memory and staging every message through buffers (NCCL's path)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ import pytest
 from .conformance import run_pg, run_tcp
 from .states import CASES
 
-_RUNNERS = {"tcp": run_tcp, "pg": run_pg}
+_RUNNERS = {"tcp": run_tcp, "pg": run_pg, "pg_staged": lambda: run_pg(device="cpu")}
 
 
-# The gloo run starts three interpreters that import torch: 15-40 s on a shared 2-core host.
-@pytest.fixture(scope="module", params=[pytest.param("pg", marks=pytest.mark.slow), "tcp"])
+# A gloo run starts three interpreters that import torch: 15-40 s on a shared 2-core host.
+@pytest.fixture(scope="module", params=[pytest.param("pg", marks=pytest.mark.slow),
+                                        pytest.param("pg_staged", marks=pytest.mark.slow),
+                                        "tcp"])
 def reports(request):
     return _RUNNERS[request.param]()
 

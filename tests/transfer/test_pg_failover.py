@@ -1,7 +1,8 @@
 """The process-group transport when a source fails halfway (real gloo processes, real signals):
 its chunks move to the other source, or, with none left, the receiver raises the typed
 ``TransferFailed("no_sources_left")`` after "no progress for T" instead of waiting for the
-group's timeout (set far above T in the workers)."""
+group's timeout (set far above T in the workers). Each test runs twice: sending snapshot memory,
+and staging every message through buffers (``device="cpu"``: NCCL's path, over gloo)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,20 @@ WAIT_S = 240.0
 """Backstop for a broken deadline (the workers' group timeout is 600 s), not a speed check."""
 
 
-def run(fault: str, world: int) -> tuple[dict, list[int]]:
+@pytest.fixture(params=[None, "cpu"], ids=["direct", "staged"])
+def device(request):
+    return request.param
+
+
+def run(fault: str, world: int, device: str | None) -> tuple[dict, list[int]]:
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
         # Each in its own session: the stopped victim is alone in its process group, so a
         # signal meant for the test run's group never reaches it (one local run saw the victim
         # continued by a SIGCONT whose sender was not found; the worker also re-stops itself).
         procs = [subprocess.Popen([sys.executable, "-m", "tests.transfer.pg_fault_worker",
-                                   str(r), str(world), store, out, fault], cwd=REPO,
+                                   str(r), str(world), store, out, fault,
+                                   *([device] if device else [])], cwd=REPO,
                                   start_new_session=True)
                  for r in range(world)]
         try:
@@ -48,8 +55,8 @@ the transfer this way instead of being repaired around."""
 
 
 @pytest.mark.slow  # three interpreters importing torch: 10-30 s on a shared 2-core host
-def test_stripe_of_a_killed_source_moves_to_the_other():
-    report, codes = run("kill", 3)
+def test_stripe_of_a_killed_source_moves_to_the_other(device):
+    report, codes = run("kill", 3, device)
     if report.get("error"):
         assert report == STALLED and codes == [-signal.SIGKILL, 3, 0]
         pytest.xfail("gloo reported the dead source only as a timeout (see STALLED)")
@@ -66,19 +73,19 @@ def test_stripe_of_a_killed_source_moves_to_the_other():
 
 
 @pytest.mark.slow
-def test_a_stalled_source_is_a_typed_error_not_a_hang():
+def test_a_stalled_source_is_a_typed_error_not_a_hang(device):
     # gloo closes the whole group on a timed-out wait: the receiver says so (no_progress) and
     # the healthy source's provide() fails too (exit 3: TransferFailed) instead of waiting.
-    report, codes = run("stop", 3)
+    report, codes = run("stop", 3, device)
     assert report == STALLED
     assert codes == [-signal.SIGKILL, 3, 0]
 
 
 @pytest.mark.slow
-def test_a_source_dead_before_the_receives_are_posted_is_repaired_around():
+def test_a_source_dead_before_the_receives_are_posted_is_repaired_around(device):
     # gloo can fail the post of a receive from a peer whose connection already reset (seen in
     # CI: the receiver crashed with the RuntimeError); the source is dropped like any other.
-    report, codes = run("kill_at_manifest", 3)
+    report, codes = run("kill_at_manifest", 3, device)
     assert codes == [-signal.SIGKILL, 0, 0], report
     assert report["failures"] == {"source_failed": 1}
     assert report["tensors_equal"] and report["fingerprint_equal"] and report["in_place"]
@@ -87,8 +94,8 @@ def test_a_source_dead_before_the_receives_are_posted_is_repaired_around():
 
 
 @pytest.mark.slow
-def test_no_source_left_is_a_typed_error():
-    report, codes = run("kill", 2)
+def test_no_source_left_is_a_typed_error(device):
+    report, codes = run("kill", 2, device)
     assert report in (STALLED, {"error": "TransferFailed", "reason": "no_sources_left",
                                 "failures": {"source_failed": 1}})
     assert codes == [-signal.SIGKILL, 0]

@@ -42,8 +42,20 @@ Limits: gloo operations cannot be aborted (DESIGN section 13). A receive given u
 posted: should its source resume, its bytes can still land in the target; they are the same
 bytes (the same agreed state) that a repair round or the TCP fallback writes there. To be rid
 of them, drop the group (every reference) before receiving into the same memory by other means.
-Snapshot tensors are host memory, so with NCCL they would first need device staging: only gloo
-is exercised here.
+Wire memory: gloo sends snapshot memory as it is. NCCL sends only CUDA memory, and snapshots are
+host memory (``Snapshot.capture`` stages accelerator tensors to the host), so with ``device``
+set (by default for an NCCL group: the current CUDA device) every message passes through
+device buffers: a source copies each chunk into one of ``SEND_WINDOW_CHUNKS`` chunk-sized
+buffers and sends it as one message; the receiver keeps ``SEND_WINDOW_CHUNKS`` receives per
+live source posted, each into a buffer of its own, and copies every completed one out into
+target memory before its digest is checked. Device memory used: ``SEND_WINDOW_CHUNKS *
+chunk_bytes`` on a source, that times the number of sources on the receiver (64 MiB and 128 MiB
+with 16 MiB chunks and two sources). A buffer whose receive was given up on is never reused:
+its source's late bytes cannot land in another chunk. The staged path runs here over gloo with
+``device="cpu"`` (the shared suite and the failover tests); over NCCL it needs one GPU per rank
+(NCCL refuses two ranks on one device) and has not yet been run: NCCL matches send/recv in
+posting order per peer and ignores tags, which this protocol's per-peer order already
+satisfies.
 """
 
 from __future__ import annotations
@@ -107,18 +119,81 @@ def _wait(work: Any, timeout_s: float) -> None:
         raise _Lost(reason, str(e)[:300]) from None
 
 
+class _Staging:
+    """Chunk-sized ``uint8`` buffers on ``device`` that chunks pass through (NCCL sends only
+    CUDA memory). A buffer is handed out again only after it is given back: once its message
+    completed and its bytes were copied out."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int) -> None:
+        self.device = device
+        self.chunk_bytes = chunk_bytes
+        self._free: list[torch.Tensor] = []
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A buffer and its first ``nbytes`` (the view a message uses)."""
+        buf = (self._free.pop() if self._free
+               else torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device))
+        return buf, buf[:nbytes]
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+
+    @staticmethod
+    def pack(view: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+        """Copy ``parts`` (host ``uint8`` segments) one after another into ``view``."""
+        pos = 0
+        for part in parts:
+            view[pos:pos + part.numel()].copy_(part)
+            pos += part.numel()
+
+    @staticmethod
+    def unpack(view: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
+        """Copy ``view`` out into ``parts`` (target memory), in order."""
+        pos = 0
+        for part in parts:
+            part.copy_(view[pos:pos + part.numel()])
+            pos += part.numel()
+
+
+def _send(dev: torch.device | None, t: torch.Tensor, dst: int, group: Any, tag: int,
+          timeout_s: float) -> None:
+    """Send one small control tensor (host memory), through ``dev`` when staging."""
+    _wait(_post(dist.isend, t if dev is None else t.to(dev), dst, group, tag=tag), timeout_s)
+
+
+def _recv(dev: torch.device | None, buf: torch.Tensor, src: int, group: Any, tag: int,
+          timeout_s: float) -> torch.Tensor:
+    """Receive one small control tensor shaped like ``buf``; returns it in host memory."""
+    wire = buf if dev is None else torch.empty_like(buf, device=dev)
+    _wait(_post(dist.irecv, wire, src, group, tag=tag), timeout_s)
+    return wire if dev is None else wire.cpu()
+
+
 class PgTransport(Transport):
     """Transfer over ``group`` (``None``: the default group). ``algo``: chunk digest."""
 
     name = "pg"
 
     def __init__(self, group: Any = None, *, algo: str = "xxh3",
+                 device: torch.device | str | None = None,
                  max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES,
                  max_state_bytes: int = 1 << 40) -> None:
+        """``device``: stage every message through buffers on this device (see the module's
+        "Wire memory"); ``None``: the group's backend decides when the transfer starts (NCCL:
+        the current CUDA device; gloo: no staging). Both ends must stage or both not: a staged
+        chunk is one message, an unstaged one a message per tensor segment."""
         self.group = group
         self.algo = algo
+        self.device = None if device is None else torch.device(device)
         self.max_manifest_bytes = max_manifest_bytes
         self.max_state_bytes = max_state_bytes
+
+    def _staging_device(self) -> torch.device | None:
+        if self.device is not None:
+            return self.device
+        if dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return None
 
     # -- hook (tests inject faults here) ---------------------------------------------------
     def chunk_sent(self, index: int) -> None:
@@ -140,50 +215,58 @@ class PgTransport(Transport):
         await asyncio.to_thread(self._provide, snapshot, plan)
 
     def _send_chunks(self, snap: Snapshot, chunks: Sequence[int], dst: int, tag: int,
-                     timeout_s: float) -> None:
-        """Send ``chunks`` in order, ``SEND_WINDOW_CHUNKS`` outstanding at a time."""
-        pending: deque[tuple[int, list[Any]]] = deque()
+                     timeout_s: float, staging: _Staging | None) -> None:
+        """Send ``chunks`` in order, ``SEND_WINDOW_CHUNKS`` outstanding at a time: each as its
+        segments (snapshot memory), or as one staged message."""
+        pending: deque[tuple[int, torch.Tensor | None, list[Any]]] = deque()
         for i in (*chunks, None):
             if i is not None:
-                pending.append((i, [_post(dist.isend, seg, dst, self.group, tag=tag)
-                                    for seg in snap.segment_tensors(i)]))
+                parts, buf = snap.segment_tensors(i), None
+                if staging is not None:
+                    buf, view = staging.take(snap.chunk_range(i)[1])
+                    staging.pack(view, parts)
+                    parts = [view]
+                pending.append((i, buf, [_post(dist.isend, x, dst, self.group, tag=tag)
+                                         for x in parts]))
             while pending and (i is None or len(pending) >= SEND_WINDOW_CHUNKS):
-                done, works = pending.popleft()
+                done, buf, works = pending.popleft()
                 for w in works:
                     _wait(w, timeout_s)
+                if buf is not None and staging is not None:
+                    staging.give(buf)
                 self.chunk_sent(done)
 
     def _provide(self, snap: Snapshot, plan: TransferPlan) -> None:
         me = dist.get_rank(self.group)
         j, n = plan.sources.index(me), len(plan.sources)
         dst, g, t = plan.receiver, self.group, plan.progress_timeout_s
+        dev = self._staging_device()
+        staging = (None if dev is None
+                   else _Staging(dev, min(snap.chunk_bytes, snap.total_bytes)))
         body = encode_manifest(snap, self.algo)
         try:
-            _wait(_post(dist.isend, torch.tensor([len(body)], dtype=torch.int64), dst, g,
-                        tag=_TAG_MANIFEST), t)
-            _wait(_post(dist.isend, torch.frombuffer(bytearray(body), dtype=torch.uint8), dst,
-                        g, tag=_TAG_MANIFEST), t)
+            _send(dev, torch.tensor([len(body)], dtype=torch.int64), dst, g, _TAG_MANIFEST, t)
+            _send(dev, torch.frombuffer(bytearray(body), dtype=torch.uint8), dst, g,
+                  _TAG_MANIFEST, t)
             self.manifest_sent()
-            self._send_chunks(snap, range(j, snap.num_chunks, n), dst, _TAG_DATA, t)
+            self._send_chunks(snap, range(j, snap.num_chunks, n), dst, _TAG_DATA, t, staging)
             for rnd in range(snap.num_chunks + 1):
-                count = torch.zeros(1, dtype=torch.int64)
                 try:
-                    _wait(_post(dist.irecv, count, dst, g, tag=_TAG_STATUS), STATUS_WAIT_FACTOR * t)
+                    c = int(_recv(dev, torch.zeros(1, dtype=torch.int64), dst, g, _TAG_STATUS,
+                                  STATUS_WAIT_FACTOR * t))
                 except _Lost as e:
                     raise TransferFailed("receiver_lost", e.reason) from None
-                c = int(count)
                 if c == 0:
                     return
                 if c < 0:
                     raise TransferFailed("receiver_aborted")
                 if c > snap.num_chunks:
                     raise TransferFailed("bad_request", f"{c} chunks asked")
-                idx = torch.empty(c, dtype=torch.int64)
-                _wait(_post(dist.irecv, idx, dst, g, tag=_TAG_STATUS), t)
-                chunks = idx.tolist()
+                chunks = _recv(dev, torch.empty(c, dtype=torch.int64), dst, g, _TAG_STATUS,
+                               t).tolist()
                 if any(not 0 <= i < snap.num_chunks for i in chunks):
                     raise TransferFailed("bad_request", "chunk index out of range")
-                self._send_chunks(snap, chunks, dst, _TAG_REPAIR + rnd, t)
+                self._send_chunks(snap, chunks, dst, _TAG_REPAIR + rnd, t, staging)
             raise TransferFailed("bad_request", "more repair rounds than chunks")
         except _Lost as e:
             raise TransferFailed("send_failed" if e.reason == "source_failed" else e.reason,
@@ -199,40 +282,98 @@ class PgTransport(Transport):
         ``sources_disagree``, ``fingerprint_mismatch``, ``bad_manifest``."""
         return await asyncio.to_thread(self._receive, plan, into)
 
-    def _recv_manifest(self, src: int, timeout_s: float) -> Manifest:
-        size = torch.zeros(1, dtype=torch.int64)
-        _wait(_post(dist.irecv, size, src, self.group, tag=_TAG_MANIFEST), timeout_s)
-        if not 0 < int(size) <= self.max_manifest_bytes:
-            raise TransferFailed("bad_manifest", f"size {int(size)}")
-        buf = torch.empty(int(size), dtype=torch.uint8)
-        _wait(_post(dist.irecv, buf, src, self.group, tag=_TAG_MANIFEST), timeout_s)
+    def _recv_manifest(self, dev: torch.device | None, src: int, timeout_s: float) -> Manifest:
+        size = int(_recv(dev, torch.zeros(1, dtype=torch.int64), src, self.group,
+                         _TAG_MANIFEST, timeout_s))
+        if not 0 < size <= self.max_manifest_bytes:
+            raise TransferFailed("bad_manifest", f"size {size}")
+        buf = _recv(dev, torch.empty(size, dtype=torch.uint8), src, self.group, _TAG_MANIFEST,
+                    timeout_s)
         try:
             return decode_manifest(buf.numpy().tobytes(), self.max_state_bytes)
         except TransferError as e:
             raise TransferFailed(e.reason, e.detail) from None
 
-    def _status(self, src: int, chunks: Sequence[int], timeout_s: float, *,
-                abort: bool = False) -> None:
+    def _status(self, dev: torch.device | None, src: int, chunks: Sequence[int],
+                timeout_s: float, *, abort: bool = False) -> None:
         """Tell ``src`` which chunks to send next (none: it is done), or that the receiver
         gave up (``abort``)."""
         count = -1 if abort else len(chunks)
-        _wait(_post(dist.isend, torch.tensor([count], dtype=torch.int64), src, self.group,
-                         tag=_TAG_STATUS), timeout_s)
+        _send(dev, torch.tensor([count], dtype=torch.int64), src, self.group, _TAG_STATUS,
+              timeout_s)
         if count > 0:
-            _wait(_post(dist.isend, torch.tensor(list(chunks), dtype=torch.int64), src, self.group,
-                             tag=_TAG_STATUS), timeout_s)
+            _send(dev, torch.tensor(list(chunks), dtype=torch.int64), src, self.group,
+                  _TAG_STATUS, timeout_s)
 
-    def _release(self, sources: Sequence[int], timeout_s: float, *, abort: bool) -> None:
+    def _release(self, dev: torch.device | None, sources: Sequence[int], timeout_s: float, *,
+                 abort: bool) -> None:
         """Best effort: tell ``sources`` the transfer is over for them."""
         for src in sources:
             try:
-                self._status(src, [], timeout_s, abort=abort)
+                self._status(dev, src, [], timeout_s, abort=abort)
             except _Lost:
                 pass
 
+    def _recv_direct(self, assign: Mapping[int, int], alive: list[int], target: Snapshot,
+                     tag: int, timeout_s: float, drop: Callable[..., None]) -> None:
+        """One round into target memory: every receive posted at once, so every source
+        streams concurrently, then waited on in order."""
+        works = []
+        for i, src in assign.items():
+            if src not in alive:
+                continue
+            try:
+                works.append((src, [_post(dist.irecv, seg, src, self.group, tag=tag)
+                                    for seg in target.segment_tensors(i)]))
+            except _Lost as e:  # its chunks fail their digests: the next round
+                drop(src, e.reason, e.detail)
+        for src, ws in works:
+            if src not in alive:
+                continue  # dropped meanwhile: its chunks go to the next round
+            try:
+                for w in ws:
+                    _wait(w, timeout_s)
+            except _Lost as e:
+                drop(src, e.reason, e.detail)
+
+    def _recv_staged(self, staging: _Staging, assign: Mapping[int, int], alive: list[int],
+                     target: Snapshot, tag: int, timeout_s: float,
+                     drop: Callable[..., None]) -> None:
+        """One round through ``staging``: ``SEND_WINDOW_CHUNKS`` receives per live source
+        posted (as many as the sources keep in flight), waited on in order, each copied out
+        into target memory; then its buffer takes the next chunk."""
+        queue = deque(assign.items())
+        pending: deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]] = deque()
+        while queue or pending:
+            while queue and len(pending) < SEND_WINDOW_CHUNKS * max(1, len(alive)):
+                i, src = queue.popleft()
+                if src not in alive:
+                    continue
+                buf, view = staging.take(target.chunk_range(i)[1])
+                try:
+                    work = _post(dist.irecv, view, src, self.group, tag=tag)
+                except _Lost as e:
+                    staging.give(buf)  # nothing was posted into it
+                    drop(src, e.reason, e.detail)
+                    continue
+                pending.append((i, src, buf, view, work))
+            if not pending:
+                return
+            i, src, buf, view, work = pending.popleft()
+            if src not in alive:
+                continue  # given up on: the buffer stays out of use (late bytes may land)
+            try:
+                _wait(work, timeout_s)
+            except _Lost as e:
+                drop(src, e.reason, e.detail)
+                continue
+            staging.unpack(view, target.segment_tensors(i))
+            staging.give(buf)
+
     def _receive(self, plan: TransferPlan, into: Any) -> FetchResult:
         t0 = time.monotonic()
-        g, t = self.group, plan.progress_timeout_s
+        t = plan.progress_timeout_s
+        dev = self._staging_device()
         failures: Counter[str] = Counter()
         alive: list[int] = []  # sources still in the transfer, plan order
 
@@ -249,13 +390,13 @@ class PgTransport(Transport):
         manifests: dict[int, Manifest] = {}
         for src in plan.sources:
             try:
-                manifests[src] = self._recv_manifest(src, t)
+                manifests[src] = self._recv_manifest(dev, src, t)
                 alive.append(src)
             except _Lost as e:
                 drop(src, e.reason, e.detail)
             except TransferFailed as e:  # a bad manifest: drop that source only
                 failures[e.reason] += 1
-                self._release([src], t, abort=True)
+                self._release(dev, [src], t, abort=True)
         try:
             if not alive:
                 raise TransferFailed("no_sources_left", f"failures {dict(failures)}", failures)
@@ -275,33 +416,21 @@ class PgTransport(Transport):
                    else Snapshot.capture(into, 0))
             target, allocated = m.allocate(own, self.max_state_bytes)
         except BaseException:
-            self._release(alive, t, abort=True)
+            self._release(dev, alive, t, abort=True)
             raise
 
         n = len(plan.sources)
         assign = {i: plan.sources[i % n] for i in range(m.num_chunks)}
         tag, refetched = _TAG_DATA, 0
         per_src: dict[Any, int] = {s: 0 for s in plan.sources}
+        staging = None if dev is None else _Staging(dev, min(m.chunk_bytes, m.total_bytes))
         with ThreadPoolExecutor(max_workers=2) as pool:
             for rnd in range(m.num_chunks + 1):
                 self.posting(rnd)
-                works = []
-                for i, src in assign.items():
-                    if src not in alive:
-                        continue
-                    try:
-                        works.append((i, src, [_post(dist.irecv, seg, src, g, tag=tag)
-                                               for seg in target.segment_tensors(i)]))
-                    except _Lost as e:  # its chunks fail their digests: the next round
-                        drop(src, e.reason, e.detail)
-                for _i, src, ws in works:
-                    if src not in alive:
-                        continue  # dropped meanwhile: its chunks go to the next round
-                    try:
-                        for w in ws:
-                            _wait(w, t)
-                    except _Lost as e:
-                        drop(src, e.reason, e.detail)
+                if staging is None:
+                    self._recv_direct(assign, alive, target, tag, t, drop)
+                else:
+                    self._recv_staged(staging, assign, alive, target, tag, t, drop)
                 todo = sorted(assign)
                 digests = pool.map(lambda i: fp.digest_buffers(m.algo, target.segments(i)),
                                    todo)
@@ -325,7 +454,7 @@ class PgTransport(Transport):
                 for src in list(alive):
                     chunks = [i for i in missing if assign[i] == src]
                     try:
-                        self._status(src, chunks, t)
+                        self._status(dev, src, chunks, t)
                     except _Lost as e:
                         drop(src, e.reason)
                         continue
@@ -333,7 +462,7 @@ class PgTransport(Transport):
                         alive.remove(src)
             else:
                 raise TransferFailed("no_sources_left", "repair rounds exhausted", failures)
-        self._release(alive, t, abort=False)  # every chunk verified: the sources are done
+        self._release(dev, alive, t, abort=False)  # every chunk verified: the sources are done
         target.set_digests(m.algo, m.digests)
         return FetchResult(target, m.fingerprint, failures, per_src, refetched, allocated,
                            time.monotonic() - t0)
