@@ -1,6 +1,7 @@
 """One rank of the process-group conformance run: ``python -m tests.transfer.pg_worker RANK
 WORLD STORE_PATH OUT_JSON [DEVICE]``. Ranks 0..WORLD-2 are sources, the last rank receives.
-``DEVICE``: stage every message through buffers there (``cpu`` here: the path NCCL takes)."""
+``DEVICE``: stage every message through buffers there (``cpu`` here: the path NCCL takes);
+``nccl``: an NCCL group, rank ``r`` on CUDA device ``r``, staging inferred from the backend."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import datetime
 import json
 import sys
 
+import torch
 import torch.distributed as dist
 
 from torchpass_p2p.transfer.pg_transport import PgTransport
@@ -43,8 +45,12 @@ async def main(rank: int, world: int, out: str, device: str | None) -> None:
 if __name__ == "__main__":
     r, w, store_path, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     device = sys.argv[5] if len(sys.argv) > 5 else None
+    backend = "gloo"
+    if device == "nccl":
+        backend, device = "nccl", None
+        torch.cuda.set_device(r)
     store = dist.FileStore(store_path, w)
-    dist.init_process_group("gloo", store=store, rank=r, world_size=w,
+    dist.init_process_group(backend, store=store, rank=r, world_size=w,
                             timeout=datetime.timedelta(seconds=60))
     try:
         asyncio.run(main(r, w, out_path, device))

@@ -1,19 +1,25 @@
 """The shared transport suite, run against TCP and the gloo process group, the latter both
-sending snapshot memory and staging every message through buffers (NCCL's path)."""
+sending snapshot memory and staging every message through buffers (NCCL's path); and against an
+NCCL group where three CUDA devices are present (NCCL refuses two ranks on one device)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from .conformance import run_pg, run_tcp
 from .states import CASES
 
-_RUNNERS = {"tcp": run_tcp, "pg": run_pg, "pg_staged": lambda: run_pg(device="cpu")}
+_RUNNERS = {"tcp": run_tcp, "pg": run_pg, "pg_staged": lambda: run_pg(device="cpu"),
+            "pg_nccl": lambda: run_pg(device="nccl")}
+_NO_NCCL = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 3,
+                              reason="needs 3 CUDA devices")
 
 
 # A gloo run starts three interpreters that import torch: 15-40 s on a shared 2-core host.
 @pytest.fixture(scope="module", params=[pytest.param("pg", marks=pytest.mark.slow),
                                         pytest.param("pg_staged", marks=pytest.mark.slow),
+                                        pytest.param("pg_nccl", marks=[pytest.mark.slow, _NO_NCCL]),
                                         "tcp"])
 def reports(request):
     return _RUNNERS[request.param]()
