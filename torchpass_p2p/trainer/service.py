@@ -1,8 +1,9 @@
 """This member's state service: a transfer server on its own event loop thread, and the client.
 
-The training thread publishes a snapshot after each committed step (:meth:`StateService.publish`)
-and, as a promoted spare, fetches one (:meth:`StateService.fetch`); both hand work to the
-service's loop, so the agent's loop and the training thread never wait on transfers.
+The training thread publishes its state when it enters a configuration or regroups, and
+withdraws it once the group has formed (:meth:`StateService.publish`); as a promoted spare it
+fetches one (:meth:`StateService.fetch`). Both hand work to the service's loop, so the agent's
+loop and the training thread never wait on transfers.
 """
 
 from __future__ import annotations

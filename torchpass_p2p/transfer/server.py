@@ -1,7 +1,9 @@
 """The transfer server: every member serves the snapshot of its last committed step.
 
 Lifecycle: ``server = TransferServer(keys, current_config_id)``, ``await server.start()``,
-``server.publish(snapshot)`` after each committed step, ``await server.close()`` (bounded).
+``server.publish(snapshot)`` (the trainer: when it enters a configuration, where it waits for
+the members that fetch; ``None`` once they have all joined), ``await server.close()``
+(bounded).
 ``async with TransferServer(...) as server`` does start and close.
 
 Per connection: handshake (``auth``) within ``handshake_timeout_s``, then requests: one

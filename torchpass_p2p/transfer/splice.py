@@ -8,8 +8,8 @@ the socket; the receiver's read is then the only copy. On a real link the saving
 the training process that serves the state.
 
 Safety: the pages travel by reference until the receiver reads them, so a byte written in that
-time would arrive changed. A served snapshot is not written (the trainer publishes a copy per
-committed step, and a connection keeps its snapshot alive), and every chunk's MAC
+time would arrive changed. A served snapshot is not written (the trainer serves its state only
+while it waits for the fetching members to join its group), and every chunk's MAC
 (:mod:`.chunkmac`) was computed from the snapshot when it was first served: a changed byte fails
 the receiver's check and the chunk is fetched again, never accepted.
 
