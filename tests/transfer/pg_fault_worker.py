@@ -6,7 +6,8 @@ Ranks 0..WORLD-2 are sources of a deterministic 16 MiB state in 1 MiB chunks; th
 receives. Rank 0, the victim, injects ``FAULT`` right after the second chunk of its stripe has
 left: ``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself: a hung source; the test kills it
 afterwards); or ``kill_at_manifest``: SIGKILL itself once its manifest has left, while the
-receiver waits ``LATE_POST_S`` before posting its receives (the post itself then fails). The
+receiver waits ``LATE_POST_S`` before posting its receives (the post itself then fails); or
+``kill_one_shot``: as ``kill``, with a receiver that follows NCCL's rule (no repair round). The
 receiver writes its outcome as JSON and every rank leaves with ``os._exit`` (a group with a
 dead or stopped peer is not torn down: destroying it can block)."""
 
@@ -49,7 +50,7 @@ class Victim(PgTransport):
         self.sent += 1
         if self.sent != 2:
             return
-        if self.fault == "kill":
+        if self.fault in ("kill", "kill_one_shot"):
             os.kill(os.getpid(), signal.SIGKILL)  # never returns
             return
         # Hung for good: a SIGCONT from elsewhere (in one local run of the suite something
@@ -64,6 +65,13 @@ class Victim(PgTransport):
     def manifest_sent(self) -> None:
         if self.fault == "kill_at_manifest":
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class OneShotReceiver(PgTransport):
+    """Ends the transfer at the first lost source, as over NCCL."""
+
+    def routes_around_failures(self) -> bool:
+        return False
 
 
 class LateReceiver(PgTransport):
@@ -88,7 +96,8 @@ async def main(rank: int, world: int, out: str, fault: str, device: str | None) 
                             step=0, chunk_bytes=CHUNK_BYTES)
     report: dict = {}
     try:
-        cls = LateReceiver if fault == "kill_at_manifest" else PgTransport
+        cls = {"kill_at_manifest": LateReceiver,
+               "kill_one_shot": OneShotReceiver}.get(fault, PgTransport)
         receiver = cls(device=device)
         res = await receiver.receive(plan, into=into)
     except TransferFailed as e:

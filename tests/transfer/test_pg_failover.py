@@ -99,3 +99,14 @@ def test_no_source_left_is_a_typed_error(device):
     assert report in (STALLED, {"error": "TransferFailed", "reason": "no_sources_left",
                                 "failures": {"source_failed": 1}})
     assert codes == [-signal.SIGKILL, 0]
+
+
+@pytest.mark.slow
+def test_over_nccl_the_first_lost_source_ends_the_transfer():
+    # NCCL aborts the communicator on a failed operation and cannot withdraw posted ones: the
+    # receiver names the lost source instead of running a repair round over a dead group, and
+    # releases nobody (a status would not match), so the healthy source gives up on its own.
+    report, codes = run("kill_one_shot", 3, "cpu")
+    assert report in (STALLED, {"error": "TransferFailed", "reason": "source_failed",
+                                "failures": {"source_failed": 1}})
+    assert codes == [-signal.SIGKILL, 3, 0]

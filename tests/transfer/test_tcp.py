@@ -304,6 +304,33 @@ async def test_a_second_manifest_request_is_refused(snap, keys):
         await server.close()
 
 
+async def test_a_withdrawn_snapshot_is_not_served_to_a_connection_that_began_on_it(snap,
+                                                                                   keys):
+    # The trainer serves live memory while it waits for the fetching members, then withdraws
+    # it and trains on: a connection still open must not read the memory that training changes.
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        c = Conn(socket.create_connection(server.address), asyncio.get_running_loop())
+        await client_handshake(c, keys, CONFIG, os.urandom(16))
+        await c.send(encode_frame("manifest?", algo="xxh3", step=None))
+        msg = await c.read_frame()
+        await c.recv_exact(msg["size"])
+        await c.send(encode_frame("get", i=0))
+        assert (await c.read_frame())["op"] == "chunk"
+        await c.recv_exact(snap.chunk_range(0)[1])
+        server.publish(None)
+        await c.send(encode_frame("get", i=1))
+        assert await c.read_frame() == {"op": "error", "reason": "withdrawn"}
+        c.close()
+        await asyncio.sleep(0.05)
+        assert server.refused == {"withdrawn": 1} and server.stats["chunks"] == 1
+        with pytest.raises(TransferFailed) as e:  # and a new transfer finds nothing
+            await fetch([server.address], keys, CONFIG)
+        assert e.value.failures == {"no_snapshot": 1}
+    finally:
+        await server.close()
+
+
 async def test_only_bad_sources_fail_cleanly(snap, keys):
     servers = await serving(snap, keys, CorruptServer)
     try:

@@ -309,10 +309,14 @@ class Trainer:
         self.step = k + 1
         self._reduced = None
 
+    def _fingerprint(self) -> bytes:
+        """The fingerprint of the state at ``self.step`` (32 bytes)."""
+        return Snapshot.capture(self.objects, self.step, self._metadata()).fingerprint()
+
     def _publish(self) -> Snapshot:
         """Serve the state at ``self.step``, as it is in memory (no copy: a snapshot per
         step cost 30 ms per 300 MB here, and a GPU's whole state copied to the host). Only
-        at a configuration's entry or a regroup, where this member waits for the group: every
+        at a configuration's entry, where this member waits for the group: every
         member that needs the state fetches before it joins, so nothing is trained on while
         it is served; :meth:`_withdraw` once the group has formed."""
         snap = Snapshot.capture(self.objects, self.step, self._metadata())
@@ -484,10 +488,8 @@ class Trainer:
             self._reduced = None
         else:  # regroup_resume checked every rank can reach resume
             raise AssertionError(reason)
-        snap = self._publish()
-        mine_print = snap.fingerprint()
+        mine_print = self._fingerprint()  # nobody fetches in a regroup: nothing to serve
         self._check_fingerprints(group, mine_print, f"configuration {c}, regroup {a}", resume)
-        self._withdraw()
         self.log("regroup_done", config_id=c, group_id=spec.config_id, attempt=a,
                  rank=spec.rank, step=resume, resume_step=resume, action=action,
                  fingerprint=mine_print.hex())
@@ -614,7 +616,7 @@ class Trainer:
         got_step, metadata = result.snapshot.restore(self.objects)
         self.step = got_step
         self._reduced = None
-        own = Snapshot.capture(self.objects, self.step, self._metadata()).fingerprint()
+        own = self._fingerprint()
         self.log("state_fetched", config_id=config_id, step=got_step, seconds=result.seconds,
                  bytes=result.snapshot.total_bytes, sources=len(addresses),
                  fingerprint=result.fingerprint.hex(), restored_fingerprint=own.hex(),
@@ -651,10 +653,9 @@ class Trainer:
         assert group is not None
         # Everyone holds the final state before anyone leaves (no late promotion of a spare).
         group.allgather(torch.zeros(1), watch=self._watch)
-        snap = Snapshot.capture(self.objects, self.step, self._metadata())
         self.result.steps = self.step
         self.result.rank = group.spec.rank
-        self.result.fingerprint = snap.fingerprint()
+        self.result.fingerprint = self._fingerprint()
         self.log("finished", step=self.step, config_id=self.config_id,
                  fingerprint=self.result.fingerprint.hex())
 

@@ -1,7 +1,7 @@
 """This member's state service: a transfer server on its own event loop thread, and the client.
 
-The training thread publishes its state when it enters a configuration or regroups, and
-withdraws it once the group has formed (:meth:`StateService.publish`); as a promoted spare it
+The training thread publishes its state when it enters a configuration, and withdraws it once
+the group has formed (:meth:`StateService.publish`); as a promoted spare it
 fetches one (:meth:`StateService.fetch`). Both hand work to the service's loop, so the agent's
 loop and the training thread never wait on transfers.
 """

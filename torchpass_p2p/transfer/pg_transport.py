@@ -42,20 +42,26 @@ Limits: gloo operations cannot be aborted (DESIGN section 13). A receive given u
 posted: should its source resume, its bytes can still land in the target; they are the same
 bytes (the same agreed state) that a repair round or the TCP fallback writes there. To be rid
 of them, drop the group (every reference) before receiving into the same memory by other means.
+
 Wire memory: gloo sends snapshot memory as it is. NCCL sends only CUDA memory, and snapshots are
 host memory (``Snapshot.capture`` stages accelerator tensors to the host), so with ``device``
-set (by default for an NCCL group: the current CUDA device) every message passes through
+set (by default for an NCCL group: the caller's current CUDA device, read when ``provide`` or
+``receive`` is called and made current in the worker thread) every message passes through
 device buffers: a source copies each chunk into one of ``SEND_WINDOW_CHUNKS`` chunk-sized
-buffers and sends it as one message; the receiver keeps ``SEND_WINDOW_CHUNKS`` receives per
-live source posted, each into a buffer of its own, and copies every completed one out into
-target memory before its digest is checked. Device memory used: ``SEND_WINDOW_CHUNKS *
-chunk_bytes`` on a source, that times the number of sources on the receiver (64 MiB and 128 MiB
-with 16 MiB chunks and two sources). A buffer whose receive was given up on is never reused:
-its source's late bytes cannot land in another chunk. The staged path runs here over gloo with
-``device="cpu"`` (the shared suite and the failover tests); over NCCL it needs one GPU per rank
-(NCCL refuses two ranks on one device) and has not yet been run: NCCL matches send/recv in
-posting order per peer and ignores tags, which this protocol's per-peer order already
-satisfies.
+buffers and sends it as one message; the receiver keeps up to ``SEND_WINDOW_CHUNKS`` times the
+number of live sources receives posted, each into a buffer of its own, and copies every
+completed one out into target memory before its digest is checked. Device memory: that many
+chunk-sized buffers (64 MiB on a source and 128 MiB on a receiver of two sources, with 16 MiB
+chunks), plus up to ``SEND_WINDOW_CHUNKS`` per dropped source: a buffer whose receive was given
+up on is never reused, so its source's late bytes cannot land in another chunk.
+
+NCCL: it matches send/recv in posting order per peer and ignores tags (this protocol's per-peer
+order is the same on both ends); a failed or timed-out operation aborts the communicator, and
+posted operations cannot be withdrawn. So over NCCL there is no repair round: the first lost
+source (any reason) ends the transfer with ``TransferFailed`` naming it, and the caller falls
+back to TCP and rebuilds the group. The staged path runs here over gloo with ``device="cpu"``
+(the shared suite and the failover tests); over NCCL it needs one GPU per rank (NCCL refuses two
+ranks on one device) and has not yet been run.
 """
 
 from __future__ import annotations
@@ -115,7 +121,8 @@ def _wait(work: Any, timeout_s: float) -> None:
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        reason = "no_progress" if "Timed out" in str(e) else "source_failed"
+        text = str(e).lower()  # gloo: "Timed out ..."; NCCL: "... before timing out"
+        reason = "no_progress" if "timed out" in text or "timing out" in text else "source_failed"
         raise _Lost(reason, str(e)[:300]) from None
 
 
@@ -169,6 +176,14 @@ def _recv(dev: torch.device | None, buf: torch.Tensor, src: int, group: Any, tag
     return wire if dev is None else wire.cpu()
 
 
+def _on(dev: torch.device | None, fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` with ``dev`` as the thread's current CUDA device, if it is one."""
+    if dev is None or dev.type != "cuda":
+        return fn(*args)
+    with torch.cuda.device(dev):
+        return fn(*args)
+
+
 class PgTransport(Transport):
     """Transfer over ``group`` (``None``: the default group). ``algo``: chunk digest."""
 
@@ -187,6 +202,11 @@ class PgTransport(Transport):
         self.device = None if device is None else torch.device(device)
         self.max_manifest_bytes = max_manifest_bytes
         self.max_state_bytes = max_state_bytes
+
+    def routes_around_failures(self) -> bool:
+        """Whether the receiver moves a lost source's chunks to the others (gloo) or ends the
+        transfer at the first lost source (NCCL: see the module)."""
+        return dist.get_backend(self.group) != "nccl"
 
     def _staging_device(self) -> torch.device | None:
         if self.device is not None:
@@ -212,7 +232,8 @@ class PgTransport(Transport):
         rounds; returns when the receiver says it is done. Raises ``TransferFailed``:
         ``send_failed`` / ``no_progress`` (the receiver died or stalled), ``receiver_lost``
         (no status in time), ``receiver_aborted``, ``bad_request``."""
-        await asyncio.to_thread(self._provide, snapshot, plan)
+        dev = self._staging_device()  # the caller's CUDA device: a new thread's is 0
+        await asyncio.to_thread(_on, dev, self._provide, snapshot, plan, dev)
 
     def _send_chunks(self, snap: Snapshot, chunks: Sequence[int], dst: int, tag: int,
                      timeout_s: float, staging: _Staging | None) -> None:
@@ -236,11 +257,10 @@ class PgTransport(Transport):
                     staging.give(buf)
                 self.chunk_sent(done)
 
-    def _provide(self, snap: Snapshot, plan: TransferPlan) -> None:
+    def _provide(self, snap: Snapshot, plan: TransferPlan, dev: torch.device | None) -> None:
         me = dist.get_rank(self.group)
         j, n = plan.sources.index(me), len(plan.sources)
         dst, g, t = plan.receiver, self.group, plan.progress_timeout_s
-        dev = self._staging_device()
         staging = (None if dev is None
                    else _Staging(dev, min(snap.chunk_bytes, snap.total_bytes)))
         body = encode_manifest(snap, self.algo)
@@ -280,7 +300,9 @@ class PgTransport(Transport):
         moved nothing for ``plan.progress_timeout_s``: the group is unusable, fall back to
         TCP), ``no_sources_left`` (``failures`` says why each source was dropped),
         ``sources_disagree``, ``fingerprint_mismatch``, ``bad_manifest``."""
-        return await asyncio.to_thread(self._receive, plan, into)
+        dev = self._staging_device()
+        one_shot = not self.routes_around_failures()
+        return await asyncio.to_thread(_on, dev, self._receive, plan, into, dev, one_shot)
 
     def _recv_manifest(self, dev: torch.device | None, src: int, timeout_s: float) -> Manifest:
         size = int(_recv(dev, torch.zeros(1, dtype=torch.int64), src, self.group,
@@ -370,10 +392,11 @@ class PgTransport(Transport):
             staging.unpack(view, target.segment_tensors(i))
             staging.give(buf)
 
-    def _receive(self, plan: TransferPlan, into: Any) -> FetchResult:
+    def _receive(self, plan: TransferPlan, into: Any, dev: torch.device | None,
+                 one_shot: bool) -> FetchResult:
+        """``one_shot``: the first lost source ends the transfer (NCCL: see the module)."""
         t0 = time.monotonic()
         t = plan.progress_timeout_s
-        dev = self._staging_device()
         failures: Counter[str] = Counter()
         alive: list[int] = []  # sources still in the transfer, plan order
 
@@ -386,6 +409,10 @@ class PgTransport(Transport):
                     "no_progress", f"source {src} moved nothing for {t} s; gloo closed every "
                     "connection of the group on the timed-out wait: fall back to TCP and "
                     f"rebuild the group ({detail})", failures)
+            if one_shot:
+                raise TransferFailed(
+                    reason, f"source {src}: {reason}; over NCCL a failed operation cannot be "
+                    "routed around: fall back to TCP and rebuild the group", failures)
 
         manifests: dict[int, Manifest] = {}
         for src in plan.sources:
@@ -396,6 +423,8 @@ class PgTransport(Transport):
                 drop(src, e.reason, e.detail)
             except TransferFailed as e:  # a bad manifest: drop that source only
                 failures[e.reason] += 1
+                if one_shot:  # its stripe is already posted: a status would never match
+                    raise TransferFailed(e.reason, e.detail, failures) from None
                 self._release(dev, [src], t, abort=True)
         try:
             if not alive:

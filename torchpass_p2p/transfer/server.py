@@ -14,13 +14,15 @@ of chunk bytes: a published snapshot's chunk digests (for its fingerprint) and i
 
 Consistency: a connection serves the snapshot that was published when its manifest was asked
 for, for its whole life, even if a newer one is published meanwhile (the old one stays alive
-until the connection ends: see ``snapshot`` for the memory cost). A receiver that asks for a
-``step`` the server does not hold is refused ``step_mismatch``.
+until the connection ends: see ``snapshot`` for the memory cost), until ``publish(None)``
+withdraws everything: from then on every chunk request is refused ``withdrawn``, so a snapshot
+of live memory (``capture(copy=False)``, the trainer's) is never read once its owner trains on.
+A receiver that asks for a ``step`` the server does not hold is refused ``step_mismatch``.
 
 Bad input never crashes the server: each refused or dropped connection is counted in
 ``refused`` by reason (``bad_frame``, ``frame_too_large``, ``bad_version``, ``unknown_key``,
 ``auth_failed``, ``stale_config``, ``bad_request``, ``no_snapshot``, ``step_mismatch``,
-``handshake_timeout``, ``too_many_connections``, ``closed``).
+``withdrawn``, ``handshake_timeout``, ``too_many_connections``, ``closed``).
 
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
 event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
@@ -96,6 +98,7 @@ class TransferServer:
         self.stats: Counter[str] = Counter()
         """``connections``, ``transfers`` (manifests served), ``chunks``, ``bytes``."""
         self._snapshot: Snapshot | None = None
+        self._withdrawals = 0  # publish(None) calls: a connection older than the last is cut
         self._lsock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
@@ -135,9 +138,12 @@ class TransferServer:
         await self.close()
 
     def publish(self, snapshot: Snapshot | None) -> None:
-        """Serve ``snapshot`` from now on (``None``: serve nothing). Transfers already reading
-        an older snapshot finish on it."""
+        """Serve ``snapshot`` from now on; transfers already reading an older snapshot finish
+        on it. ``None`` withdraws every snapshot: nothing is served any more, and transfers in
+        progress are refused their next chunk (``withdrawn``)."""
         self._snapshot = snapshot
+        if snapshot is None:
+            self._withdrawals += 1
 
     # -- hooks (tests override these to inject faults) -------------------------------------
     def chunk_buffers(self, snapshot: Snapshot, index: int) -> list[memoryview]:
@@ -210,6 +216,7 @@ class TransferServer:
         snap: Snapshot | None = None
         inner = b""
         served = 0  # chunk bytes of ``snap`` sent on this connection
+        withdrawals = self._withdrawals  # as when ``snap`` was taken
         while True:
             try:
                 async with asyncio.timeout(self.idle_timeout_s):
@@ -221,6 +228,9 @@ class TransferServer:
             if op == "get":
                 if snap is None:
                     raise PeerError("bad_request", "get before manifest")
+                if withdrawals != self._withdrawals:
+                    await conn.send(encode_frame("error", reason="withdrawn"))
+                    raise PeerError("withdrawn")
                 i = field(msg, "i", int)
                 if i >= snap.num_chunks:
                     raise PeerError("bad_request", f"chunk {i} out of range")
@@ -242,7 +252,7 @@ class TransferServer:
                 step = msg.get("step")
                 if algo not in fp.ALGORITHMS or (step is not None and type(step) is not int):
                     raise PeerError("bad_request", "manifest request")
-                snap, served = self._snapshot, 0
+                snap, served, withdrawals = self._snapshot, 0, self._withdrawals
                 if snap is None:
                     await conn.send(encode_frame("error", reason="no_snapshot"))
                     raise PeerError("no_snapshot")
