@@ -107,7 +107,7 @@ class _Lost(Exception):
 
 
 def _post(op: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Post one ``dist.isend`` / ``dist.irecv``; a pair gloo already closed (the peer died)
+    """Post one ``send`` / ``recv`` of a process group; a pair gloo already closed (the peer died)
     can fail the post itself, not only the wait: raises :class:`_Lost` ``source_failed``."""
     try:
         return op(*args, **kwargs)
@@ -165,14 +165,14 @@ class _Staging:
 def _send(dev: torch.device | None, t: torch.Tensor, dst: int, group: Any, tag: int,
           timeout_s: float) -> None:
     """Send one small control tensor (host memory), through ``dev`` when staging."""
-    _wait(_post(dist.isend, t if dev is None else t.to(dev), dst, group, tag=tag), timeout_s)
+    _wait(_post(group.send, [t if dev is None else t.to(dev)], dst, tag), timeout_s)
 
 
 def _recv(dev: torch.device | None, buf: torch.Tensor, src: int, group: Any, tag: int,
           timeout_s: float) -> torch.Tensor:
     """Receive one small control tensor shaped like ``buf``; returns it in host memory."""
     wire = buf if dev is None else torch.empty_like(buf, device=dev)
-    _wait(_post(dist.irecv, wire, src, group, tag=tag), timeout_s)
+    _wait(_post(group.recv, [wire], src, tag), timeout_s)
     return wire if dev is None else wire.cpu()
 
 
@@ -185,7 +185,9 @@ def _on(dev: torch.device | None, fn: Callable[..., Any], *args: Any) -> Any:
 
 
 class PgTransport(Transport):
-    """Transfer over ``group`` (``None``: the default group). ``algo``: chunk digest."""
+    """Transfer over ``group``: a ``ProcessGroup`` object, registered or not (a
+    :class:`~torchpass_p2p.collective.group.ManagedGroup`'s), or ``None`` for the default
+    group. Plan ranks are the group's own. ``algo``: chunk digest."""
 
     name = "pg"
 
@@ -203,15 +205,18 @@ class PgTransport(Transport):
         self.max_manifest_bytes = max_manifest_bytes
         self.max_state_bytes = max_state_bytes
 
+    def _pg(self) -> Any:
+        return self.group if self.group is not None else dist.distributed_c10d._get_default_group()
+
     def routes_around_failures(self) -> bool:
         """Whether the receiver moves a lost source's chunks to the others (gloo) or ends the
         transfer at the first lost source (NCCL: see the module)."""
-        return dist.get_backend(self.group) != "nccl"
+        return self._pg().name() != "nccl"
 
     def _staging_device(self) -> torch.device | None:
         if self.device is not None:
             return self.device
-        if dist.get_backend(self.group) == "nccl":
+        if self._pg().name() == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return None
 
@@ -239,6 +244,7 @@ class PgTransport(Transport):
                      timeout_s: float, staging: _Staging | None) -> None:
         """Send ``chunks`` in order, ``SEND_WINDOW_CHUNKS`` outstanding at a time: each as its
         segments (snapshot memory), or as one staged message."""
+        pg = self._pg()
         pending: deque[tuple[int, torch.Tensor | None, list[Any]]] = deque()
         for i in (*chunks, None):
             if i is not None:
@@ -247,7 +253,7 @@ class PgTransport(Transport):
                     buf, view = staging.take(snap.chunk_range(i)[1])
                     staging.pack(view, parts)
                     parts = [view]
-                pending.append((i, buf, [_post(dist.isend, x, dst, self.group, tag=tag)
+                pending.append((i, buf, [_post(pg.send, [x], dst, tag)
                                          for x in parts]))
             while pending and (i is None or len(pending) >= SEND_WINDOW_CHUNKS):
                 done, buf, works = pending.popleft()
@@ -258,9 +264,10 @@ class PgTransport(Transport):
                 self.chunk_sent(done)
 
     def _provide(self, snap: Snapshot, plan: TransferPlan, dev: torch.device | None) -> None:
-        me = dist.get_rank(self.group)
+        pg = self._pg()
+        me = pg.rank()
         j, n = plan.sources.index(me), len(plan.sources)
-        dst, g, t = plan.receiver, self.group, plan.progress_timeout_s
+        dst, g, t = plan.receiver, pg, plan.progress_timeout_s
         staging = (None if dev is None
                    else _Staging(dev, min(snap.chunk_bytes, snap.total_bytes)))
         body = encode_manifest(snap, self.algo)
@@ -305,11 +312,11 @@ class PgTransport(Transport):
         return await asyncio.to_thread(_on, dev, self._receive, plan, into, dev, one_shot)
 
     def _recv_manifest(self, dev: torch.device | None, src: int, timeout_s: float) -> Manifest:
-        size = int(_recv(dev, torch.zeros(1, dtype=torch.int64), src, self.group,
+        size = int(_recv(dev, torch.zeros(1, dtype=torch.int64), src, self._pg(),
                          _TAG_MANIFEST, timeout_s))
         if not 0 < size <= self.max_manifest_bytes:
             raise TransferFailed("bad_manifest", f"size {size}")
-        buf = _recv(dev, torch.empty(size, dtype=torch.uint8), src, self.group, _TAG_MANIFEST,
+        buf = _recv(dev, torch.empty(size, dtype=torch.uint8), src, self._pg(), _TAG_MANIFEST,
                     timeout_s)
         try:
             return decode_manifest(buf.numpy().tobytes(), self.max_state_bytes)
@@ -321,10 +328,10 @@ class PgTransport(Transport):
         """Tell ``src`` which chunks to send next (none: it is done), or that the receiver
         gave up (``abort``)."""
         count = -1 if abort else len(chunks)
-        _send(dev, torch.tensor([count], dtype=torch.int64), src, self.group, _TAG_STATUS,
+        _send(dev, torch.tensor([count], dtype=torch.int64), src, self._pg(), _TAG_STATUS,
               timeout_s)
         if count > 0:
-            _send(dev, torch.tensor(list(chunks), dtype=torch.int64), src, self.group,
+            _send(dev, torch.tensor(list(chunks), dtype=torch.int64), src, self._pg(),
                   _TAG_STATUS, timeout_s)
 
     def _release(self, dev: torch.device | None, sources: Sequence[int], timeout_s: float, *,
@@ -340,12 +347,13 @@ class PgTransport(Transport):
                      tag: int, timeout_s: float, drop: Callable[..., None]) -> None:
         """One round into target memory: every receive posted at once, so every source
         streams concurrently, then waited on in order."""
+        pg = self._pg()
         works = []
         for i, src in assign.items():
             if src not in alive:
                 continue
             try:
-                works.append((src, [_post(dist.irecv, seg, src, self.group, tag=tag)
+                works.append((src, [_post(pg.recv, [seg], src, tag)
                                     for seg in target.segment_tensors(i)]))
             except _Lost as e:  # its chunks fail their digests: the next round
                 drop(src, e.reason, e.detail)
@@ -364,6 +372,7 @@ class PgTransport(Transport):
         """One round through ``staging``: ``SEND_WINDOW_CHUNKS`` receives per live source
         posted (as many as the sources keep in flight), waited on in order, each copied out
         into target memory; then its buffer takes the next chunk."""
+        pg = self._pg()
         queue = deque(assign.items())
         pending: deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]] = deque()
         while queue or pending:
@@ -373,7 +382,7 @@ class PgTransport(Transport):
                     continue
                 buf, view = staging.take(target.chunk_range(i)[1])
                 try:
-                    work = _post(dist.irecv, view, src, self.group, tag=tag)
+                    work = _post(pg.recv, [view], src, tag)
                 except _Lost as e:
                     staging.give(buf)  # nothing was posted into it
                     drop(src, e.reason, e.detail)
