@@ -164,7 +164,7 @@ def build_group(spec: GroupSpec, directory: ServiceDirectory, keeper: StoreKeepe
         again = f" (attempt {spec.attempt})" if spec.attempt else ""
         raise CollectiveError(f"rendezvous of configuration {spec.config_id}{again} failed: "
                               f"{box['error']}", spec.config_id)
-    return ManagedGroup(box["pg"], spec, backend, time.monotonic() - started)
+    return ManagedGroup(box["pg"], spec, backend, time.monotonic() - started, device=device)
 
 
 def _make_pg(backend: str, store: dist.Store, spec: GroupSpec,
@@ -191,14 +191,26 @@ class ManagedGroup:
         backend: ``"gloo"`` or ``"nccl"``.
         formed_s: seconds the rendezvous and connection setup took here.
         state: ``ready``, ``failed``, ``stuck`` or ``closed``.
+        device: where operations run: NCCL's CUDA device (a tensor elsewhere, such as the
+            trainer's small CPU votes, is copied there and its result back), else None.
     """
 
-    def __init__(self, pg: Any, spec: GroupSpec, backend: str, formed_s: float = 0.0) -> None:
+    def __init__(self, pg: Any, spec: GroupSpec, backend: str, formed_s: float = 0.0, *,
+                 device: torch.device | None = None) -> None:
         self._pg: Any = pg
         self.spec = spec
         self.backend = backend
         self.formed_s = formed_s
         self.state = "ready"
+        self.device = device
+        if backend == "nccl" and device is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+
+    @property
+    def process_group(self) -> Any:
+        """The backend's ``ProcessGroup`` (for point-to-point use, e.g. the state transfer's
+        :class:`~torchpass_p2p.transfer.pg_transport.PgTransport`); None unless ``ready``."""
+        return self._pg if self.state == "ready" else None
 
     @property
     def config_id(self) -> int:
@@ -216,18 +228,18 @@ class ManagedGroup:
             Superseded: ``watch()`` was true first; the group is stuck.
             RuntimeError: the group is not ``ready`` (local misuse).
         """
-        src = tensor.detach().clone()
+        src = self._wire(tensor)
         out = [torch.empty_like(src) for _ in range(self.spec.world_size)]
         self._run(lambda pg: pg.allgather([out], [src]), watch, slice_s)
-        return out
+        return [o.to(tensor.device) for o in out]
 
     def allreduce_sum(self, tensor: torch.Tensor, *, watch: Watch | None = None,
                       slice_s: float = SLICE_S) -> torch.Tensor:
         """The backend's sum of every rank's ``tensor``, in a new tensor (order of the sum is
         the backend's). Errors as :meth:`allgather`."""
-        buf = tensor.detach().clone()
+        buf = self._wire(tensor)
         self._run(lambda pg: pg.allreduce([buf]), watch, slice_s)
-        return buf
+        return buf.to(tensor.device)
 
     def mean_in_rank_order(self, tensor: torch.Tensor, *, watch: Watch | None = None,
                            slice_s: float = SLICE_S) -> torch.Tensor:
@@ -238,6 +250,12 @@ class ManagedGroup:
         total = sum_in_rank_order(parts)
         del parts
         return total.div_(self.spec.world_size)
+
+    def _wire(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A fresh copy of ``tensor`` on the group's device (its own if the group has none)."""
+        if self.device is None or tensor.device == self.device:
+            return tensor.detach().clone()
+        return tensor.detach().to(self.device, copy=True)
 
     def _run(self, start: Callable[[Any], Any], watch: Watch | None, slice_s: float) -> None:
         if self.state != "ready":
