@@ -130,6 +130,9 @@ def main() -> int:
     ap.add_argument("--corpus-kib", type=int, default=4096)
     ap.add_argument("--extra-state-mb", type=int, default=0,
                     help="MiB of ballast in the training state (module docstring)")
+    ap.add_argument("--state-transport", choices=("auto", "tcp", "pg"), default="auto",
+                    help="how a spare gets the state: TCP before the group forms, or over "
+                         "the new process group (auto: pg over NCCL, tcp over gloo)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -151,7 +154,7 @@ def main() -> int:
     log_path = os.path.join(args.log_dir, f"{me}.jsonl") if args.log_dir else None
     extra = {"ballast": Ballast(args.extra_state_mb, args.seed)} if args.extra_state_mb else {}
     trainer = Trainer(model, optimizer, agent=agent, scheduler=scheduler, seed=args.seed,
-                      extra=extra, log_path=log_path)
+                      extra=extra, state_transport=args.state_transport, log_path=log_path)
 
     def loss_fn(step: int, rank: int) -> torch.Tensor:
         g = step_generator(args.seed, rank, step, salt=1)

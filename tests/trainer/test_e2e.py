@@ -83,3 +83,32 @@ def test_s12_two_ranks_at_once_including_the_rendezvous_host(tmp_path: Path,
     assert {r["rank"] for r in faulty.finals} == {0, 1, 2, 3}
     assert {r["fingerprint"] for r in faulty.finals} == {clean.finals[0]["fingerprint"]}
     assert {r["weights_sha256"] for r in faulty.finals} == {clean.finals[0]["weights_sha256"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_s12_with_the_state_sent_over_the_new_group(tmp_path: Path, clean: Run) -> None:
+    # The path NCCL jobs take (state_transport "auto" there), run over gloo: the two spares
+    # join the group of the new configuration without the state, say so in an all-gather, and
+    # receive it one after the other over the group from the plan's sources; then the same
+    # checks as over TCP, and the same final state as the fault-free run.
+    faulty = run_job(tmp_path / "faults", nproc=4, spares=2, steps=STEPS,
+                     faults="kill@37:grad:rank=0,kill@37:grad:rank=2",
+                     script_args=(*ARGS, "--state-transport", "pg"), timeout_s=200)
+    assert faulty.code == 0, faulty.diagnosis()
+    faults = recoveries(faulty.events)
+    assert sorted(f.rank for f in faults) == [0, 2]
+    assert all(f.resume_step == 37 and f.steps_lost == 0 and f.resumed_s is not None
+               for f in faults)
+    fetched = [r for r in faulty.events if r["event"] == "state_fetched"]
+    assert len(fetched) >= 2 and all(r["over_group"] for r in fetched)
+    assert all(r["restored_fingerprint"] == r["fingerprint"] and r["step"] == 37
+               for r in fetched)
+    # Over the group, after it formed: the spare's fetch comes after its group_formed.
+    for r in fetched:
+        formed = [e["t"] for e in faulty.events if e["event"] == "group_formed"
+                  and e["member"] == r["member"] and e["config_id"] == r["config_id"]]
+        assert formed and max(formed) < r["t"]
+    prints = {r["fingerprint"] for r in clean.finals + faulty.finals}
+    weights = {r["weights_sha256"] for r in clean.finals + faulty.finals}
+    assert len(faulty.finals) == 4 and len(prints) == 1 and len(weights) == 1

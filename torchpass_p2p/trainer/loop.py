@@ -12,8 +12,7 @@ Theory of operation (DESIGN sections 6 and 8).
 * *Step k* (a rank): seed every generator from ``(seed, rank, k)``; forward and backward
   (``loss_fn``); the flattened gradient is averaged over the configuration's group, summed in
   rank order (bitwise independent of the backend's algorithm); a tiny commit all-reduce; the
-  agent accepts ``k`` as committed; the optimizer (and scheduler) step; a copy of the state
-  after ``k + 1`` steps is published to this member's transfer server. The agent refuses the
+  agent accepts ``k`` as committed; the optimizer (and scheduler) step. The agent refuses the
   commit once a decided change gave the ranks to others (this member's progress for that plan
   is fixed already; a group whose drained member is leaving can still commit): the step is
   not applied, and the commit rule settles it.
@@ -23,9 +22,13 @@ Theory of operation (DESIGN sections 6 and 8).
 * *Recovery* takes the newest such configuration ``c``: the commit rule
   (:func:`~.commit.resolve`) brings a survivor to ``resume_step`` (roll forward or redo; no
   step any member committed is ever lost); a promoted spare fetches the state of
-  ``resume_step`` from the plan's sources. Every member publishes that state, announces its
-  transfer server for ``c``, builds the group of ``c`` (:mod:`torchpass_p2p.collective`) and
-  all-gathers the 32-byte state fingerprints: training goes on only when they are all equal.
+  ``resume_step`` from the plan's sources. Every member that holds that state publishes it (no
+  copy: it waits now) and announces its transfer server for ``c``; all build the group of ``c``
+  (:mod:`torchpass_p2p.collective`) and all-gather the 32-byte state fingerprints: training
+  goes on only when they are all equal, and the state is withdrawn from the servers. The
+  spare fetches over TCP before the group forms, or, with ``state_transport="pg"`` (the
+  default over NCCL), over the new group itself once it has formed
+  (:class:`~torchpass_p2p.transfer.pg_transport.PgTransport`: NVLink or RDMA on GPUs).
   A newer configuration during recovery restarts it.
 * *A regroup* (:mod:`.regroup`, issue #7) repairs a collective that failed while no member
   did (a connection reset by a network blip): no configuration change comes then. After a
@@ -57,6 +60,7 @@ are a function of ``(seed, rank, step)``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -81,7 +85,9 @@ from torchpass_p2p.collective import (
 from torchpass_p2p.collective.rendezvous import store_service
 from torchpass_p2p.core.params import Params
 from torchpass_p2p.launch.plan import format_address
-from torchpass_p2p.transfer import Snapshot, TransferError, TransferKeys
+from torchpass_p2p.transfer import FetchResult, Snapshot, TransferError, TransferKeys
+from torchpass_p2p.transfer.pg_transport import PgTransport
+from torchpass_p2p.transfer.transport import TransferPlan
 
 from .commit import resolve
 from .events import EventLog
@@ -150,6 +156,11 @@ class Trainer:
         seed: the job's seed; step ``k`` of rank ``r`` draws from ``(seed, r, k)``.
         extra: more state to transfer, ``{name: Stateful}`` (rank-independent).
         backend: ``"gloo"`` or ``"nccl"``.
+        state_transport: how a member that lacks the resume state gets it: ``"tcp"`` (the
+            transfer servers, before the group forms), ``"pg"`` (the configuration's own group,
+            once formed) or ``"auto"``: ``"pg"`` over NCCL, ``"tcp"`` over gloo (faster here:
+            a MAC on every byte and a stalled source routed around; gloo closes the whole
+            group on a timed-out wait).
         log_path: JSON-lines timeline (:mod:`.events`); None: no log.
         faults: fault injector (default: from ``TORCHPASS_FAULTS``).
         regroup_wait_s: after a collective failure, how long to wait for a configuration
@@ -160,6 +171,7 @@ class Trainer:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
                  agent: Any, scheduler: Any = None, seed: int = 0,
                  extra: Mapping[str, Any] | None = None, backend: str = "gloo",
+                 state_transport: str = "auto",
                  log_path: str | os.PathLike[str] | None = None,
                  faults: FaultInjector | None = None,
                  regroup_wait_s: float | None = None) -> None:
@@ -167,6 +179,10 @@ class Trainer:
         self.agent = agent
         self.seed = seed
         self.backend = backend
+        if state_transport not in ("auto", "tcp", "pg"):
+            raise ValueError(f"state_transport {state_transport!r}: 'auto', 'tcp' or 'pg'")
+        self.state_over_group = (state_transport == "pg"
+                                 or (state_transport == "auto" and backend == "nccl"))
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.objects: dict[str, Any] = {"model": model, "optimizer": optimizer}
         if scheduler is not None:
@@ -536,12 +552,13 @@ class Trainer:
                 fetch_from = tuple(m for r, m in enumerate(configuration.ranks)
                                    if m != self.me and r not in dict(plan.assignments))
         self._enter_configuration(configuration, group_id=change.group_id, resume=resume,
-                                  fetch_from=fetch_from)
+                                  fetch_from=fetch_from, plan=plan)
 
     def _enter_configuration(self, configuration: Any, *, group_id: int, resume: int,
-                             fetch_from: tuple[int, ...] | None) -> None:
-        """Reach ``resume`` (fetching from ``fetch_from`` if given), then build the group of
-        configuration ``group_id`` (the first with this rank map, the same for every member:
+                             fetch_from: tuple[int, ...] | None, plan: Any = None) -> None:
+        """Reach ``resume`` (fetching from ``fetch_from`` if given: over TCP first, or over
+        the group once formed), then build the group of configuration ``group_id`` (the first
+        with this rank map, the same for every member:
         :class:`~torchpass_p2p.agent.runtime.Change`) and check the fingerprints."""
         c = configuration.config_id
         spec = replace(GroupSpec.of(configuration, self.me), config_id=group_id)
@@ -550,23 +567,70 @@ class Trainer:
         if spec.rank == 0:  # host the store first: the others can connect while we fetch
             self.agent.register_service(store_service(), group_id,
                                         self.keeper.host_store(group_id).port)
-        if fetch_from is not None:
+        lacking = fetch_from is not None
+        if lacking and not self.state_over_group:
             self._fetch(fetch_from, c, resume)
-        if self.step != resume:
-            raise RuntimeError(f"state after {self.step} steps, resume step {resume}")
-        snap = self._publish()
+            lacking = False
+        if not lacking:
+            if self.step != resume:
+                raise RuntimeError(f"state after {self.step} steps, resume step {resume}")
+            self._publish()
+            self._announce(c)
         self.config_id = c
-        self._announce(c)
-        mine = snap.fingerprint()
-        self.log("state_ready", config_id=c, step=resume, fingerprint=mine.hex(),
-                 fetched=fetch_from is not None)
+        self.log("state_ready", config_id=c, step=resume, fetched=fetch_from is not None,
+                 over_group=lacking)
         self.group = build_group(spec, self.agent, self.keeper, backend=self.backend,
                                  watch=self._watch)
         self.log("group_formed", config_id=c, group_id=group_id, rank=spec.rank,
                  world_size=spec.world_size, seconds=self.group.formed_s)
+        if self.state_over_group:
+            self._transfer_over_group(self.group, configuration, plan, resume, lacking)
+        mine = self._fingerprint()
         self._check_fingerprints(self.group, mine, f"configuration {c}", resume)
         self._withdraw()
         self.log("joined", config_id=c, rank=spec.rank, step=resume, fingerprint=mine.hex())
+
+    def _transfer_over_group(self, group: ManagedGroup, configuration: Any, plan: Any,
+                             resume: int, lacking: bool) -> None:
+        """Every member of the new group says whether it lacks the state of ``resume``; each
+        that does receives it over the group (in rank order, one at a time) from the plan's
+        sources for its rank that hold it, or from every member that holds it.
+
+        Raises:
+            CollectiveError, Superseded: the all-gather failed or a newer configuration came.
+            TransferFailed: a transfer this member took part in failed (the group is then
+                unusable: a new configuration follows the failure that caused it).
+            RuntimeError: a member that claims the state is not at ``resume`` (a bug).
+        """
+        c, me = configuration.config_id, group.spec.rank
+        said = group.allgather(torch.tensor([int(lacking), self.step], dtype=torch.int64),
+                               watch=self._watch)
+        receivers = [r for r, x in enumerate(said) if x[0].item()]
+        holders = [r for r, x in enumerate(said) if not x[0].item()]
+        if any(said[r][1].item() != resume for r in holders):
+            raise RuntimeError(f"configuration {c}: a member claims the state at a step other "
+                               f"than {resume}: {[x.tolist() for x in said]}")
+        if not receivers:
+            return
+        ranks = list(configuration.ranks)
+        planned = dict(plan.sources) if plan is not None else {}
+        transport = PgTransport(group.process_group)
+        snap = None if lacking else Snapshot.capture(self.objects, self.step, self._metadata())
+        for r in receivers:
+            sources = [s for s in (ranks.index(m) for m in planned.get(r, ()) if m in ranks)
+                       if s in holders] or holders
+            tp = TransferPlan(sources=tuple(sources), config_id=c, receiver=r, step=resume)
+            if r == me:
+                t0 = time.monotonic()
+                self.log("fetch_started", config_id=c, step=resume, sources=len(sources),
+                         over_group=True)
+                result = asyncio.run(transport.receive(tp, into=self.objects))
+                self._restored(result, c, time.monotonic() - t0,
+                               {f"rank {s}": n for s, n in result.bytes_by_source.items()},
+                               over_group=True)
+            elif me in sources:
+                assert snap is not None
+                asyncio.run(transport.provide(snap, tp))
 
     def _check_fingerprints(self, group: ManagedGroup, mine: bytes, what: str,
                             resume: int) -> None:
@@ -613,19 +677,24 @@ class Trainer:
         else:
             assert last is not None
             raise last
-        got_step, metadata = result.snapshot.restore(self.objects)
+        self._restored(result, config_id, time.monotonic() - t0,
+                       {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
+
+    def _restored(self, result: FetchResult, config_id: int, total_s: float,
+                  served_by: dict[str, int], **details: Any) -> None:
+        """Load a fetched state into the live objects and check its fingerprint. Raises
+        ``RuntimeError`` if the restored state's differs from the sources'."""
+        got_step, _metadata = result.snapshot.restore(self.objects)
         self.step = got_step
         self._reduced = None
         own = self._fingerprint()
         self.log("state_fetched", config_id=config_id, step=got_step, seconds=result.seconds,
-                 bytes=result.snapshot.total_bytes, sources=len(addresses),
+                 bytes=result.snapshot.total_bytes, sources=len(served_by),
                  fingerprint=result.fingerprint.hex(), restored_fingerprint=own.hex(),
-                 failures=dict(result.failures), total_s=time.monotonic() - t0,
-                 served_by={f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()},
-                 refetched_chunks=result.refetched_chunks)
+                 failures=dict(result.failures), total_s=total_s, served_by=served_by,
+                 refetched_chunks=result.refetched_chunks, **details)
         if own != result.fingerprint:
             raise RuntimeError("the restored state's fingerprint differs from the sources'")
-        del metadata
 
     def _log_change(self, change: Any, *, same_ranks: bool = False) -> None:
         """The ``change`` event: the plan this member follows, with its hash (every member of
