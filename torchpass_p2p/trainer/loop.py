@@ -144,6 +144,24 @@ class TrainResult:
     regroups: int = 0
 
 
+class _GroupTransport(PgTransport):
+    """The state transfer over a configuration's group; a source reports each chunk it sent
+    to ``on_served(step, served_bytes, total_bytes)`` (the ``serve`` faults), as the TCP
+    server does."""
+
+    def __init__(self, group: Any, snapshot: Snapshot | None,
+                 on_served: Callable[[int, int, int], None] | None) -> None:
+        super().__init__(group)
+        self._snapshot = snapshot
+        self._on_served = on_served
+        self._sent = 0
+
+    def chunk_sent(self, index: int) -> None:
+        if self._on_served is not None and self._snapshot is not None:
+            self._sent += self._snapshot.chunk_range(index)[1]
+            self._on_served(self._snapshot.step, self._sent, self._snapshot.total_bytes)
+
+
 class Trainer:
     """Data-parallel training that survives losing ranks (module docstring).
 
@@ -614,8 +632,9 @@ class Trainer:
             return
         ranks = list(configuration.ranks)
         planned = dict(plan.sources) if plan is not None else {}
-        transport = PgTransport(group.process_group)
         snap = None if lacking else Snapshot.capture(self.objects, self.step, self._metadata())
+        transport = _GroupTransport(group.process_group, snap, self._served
+                                    if self.faults.serving and snap is not None else None)
         for r in receivers:
             sources = [s for s in (ranks.index(m) for m in planned.get(r, ()) if m in ranks)
                        if s in holders] or holders
