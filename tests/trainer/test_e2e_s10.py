@@ -31,6 +31,7 @@ import pytest
 from examples.main_job import Run, run_job
 from tests.trainer.settings import ARGS
 from torchpass_p2p.trainer.timeline import recoveries
+from torchpass_p2p.transfer.pg_transport import SEND_WINDOW_CHUNKS
 from torchpass_p2p.transfer.snapshot import DEFAULT_CHUNK_BYTES
 
 STEPS = 8
@@ -154,7 +155,10 @@ def test_s10_over_the_new_group(tmp_path: Path, clean: Run) -> None:
     first = fetched[0]
     if first["config_id"] == 1:  # repaired around the dead source within configuration 1
         assert first["failures"] == {"source_failed": 1}
-        assert 0 < first["served_by"]["rank 2"] <= second["served_bytes"]
+        # Its sends complete in order, up to SEND_WINDOW_CHUNKS in flight: chunks posted
+        # after the one that fired the fault may have reached A before it died.
+        window = (SEND_WINDOW_CHUNKS - 1) * DEFAULT_CHUNK_BYTES
+        assert 0 < first["served_by"]["rank 2"] <= second["served_bytes"] + window
         assert first["refetched_chunks"] >= 1
     after = members_of(events, 2)
     assert {after[0], after[3]} == {before[0], before[3]}

@@ -109,6 +109,9 @@ LOOKUP_TIMEOUT_S = 30.0
 configuration (a survivor announces it once it holds the resume state: milliseconds after the
 decision, plus any roll-forward)."""
 FETCH_ATTEMPTS = 5
+GROUP_SOURCES = 4
+"""Most sources a member receives from over the group: each keeps a window of chunks in flight
+(4 x 16 MiB, in staging buffers over NCCL), and striping over more adds little."""
 
 
 class Removed(RuntimeError):
@@ -145,9 +148,9 @@ class TrainResult:
 
 
 class _GroupTransport(PgTransport):
-    """The state transfer over a configuration's group; a source reports each chunk it sent
-    to ``on_served(step, served_bytes, total_bytes)`` (the ``serve`` faults), as the TCP
-    server does."""
+    """One transfer over a configuration's group, seen from a source: each chunk it sent is
+    reported to ``on_served(step, served_bytes, total_bytes)`` (the ``serve`` faults), bytes
+    counted per receiver as the TCP server counts them per connection."""
 
     def __init__(self, group: Any, snapshot: Snapshot | None,
                  on_served: Callable[[int, int, int], None] | None) -> None:
@@ -589,67 +592,78 @@ class Trainer:
         if lacking and not self.state_over_group:
             self._fetch(fetch_from, c, resume)
             lacking = False
+        snap = None
         if not lacking:
             if self.step != resume:
                 raise RuntimeError(f"state after {self.step} steps, resume step {resume}")
-            self._publish()
+            snap = self._publish()
             self._announce(c)
         self.config_id = c
-        self.log("state_ready", config_id=c, step=resume, fetched=fetch_from is not None,
-                 over_group=lacking)
+        self.log("state_ready" if snap is not None else "state_lacking", config_id=c,
+                 step=resume, fetched=fetch_from is not None)
         self.group = build_group(spec, self.agent, self.keeper, backend=self.backend,
                                  watch=self._watch)
         self.log("group_formed", config_id=c, group_id=group_id, rank=spec.rank,
                  world_size=spec.world_size, seconds=self.group.formed_s)
         if self.state_over_group:
-            self._transfer_over_group(self.group, configuration, plan, resume, lacking)
-        mine = self._fingerprint()
+            self._transfer_over_group(self.group, configuration, plan, resume, snap)
+        mine = snap.fingerprint() if snap is not None else self._fingerprint()
         self._check_fingerprints(self.group, mine, f"configuration {c}", resume)
         self._withdraw()
         self.log("joined", config_id=c, rank=spec.rank, step=resume, fingerprint=mine.hex())
 
     def _transfer_over_group(self, group: ManagedGroup, configuration: Any, plan: Any,
-                             resume: int, lacking: bool) -> None:
-        """Every member of the new group says whether it lacks the state of ``resume``; each
-        that does receives it over the group (in rank order, one at a time) from the plan's
-        sources for its rank that hold it, or from every member that holds it.
+                             resume: int, snap: Snapshot | None) -> None:
+        """Every member of the new group says whether it lacks the state of ``resume`` (no
+        ``snap``) and, if so, the sources it wants (up to :data:`GROUP_SOURCES` ranks: its
+        plan's for its rank, by affinity); every member then runs the same transfers, one
+        receiver at a time in rank order, each from the sources it asked for that hold the
+        state (or the first :data:`GROUP_SOURCES` holders). A watch-bounded all-gather
+        before each transfer keeps a receiver from waiting for sources still busy with the
+        one before (the transfer's own waits end after ``progress_timeout_s``, and gloo then
+        closes the group). Every member must use the same ``state_transport``.
 
         Raises:
-            CollectiveError, Superseded: the all-gather failed or a newer configuration came.
-            TransferFailed: a transfer this member took part in failed (the group is then
-                unusable: a new configuration follows the failure that caused it).
+            CollectiveError, Superseded: an all-gather failed or a newer configuration came.
+            TransferFailed: a transfer this member took part in failed; the group is then
+                unusable (gloo closes it on a timed-out wait). A death, or a stall past the
+                lease, brings the next configuration; anything else (every source sending bad
+                bytes) is a bug that TCP would not survive either.
             RuntimeError: a member that claims the state is not at ``resume`` (a bug).
         """
         c, me = configuration.config_id, group.spec.rank
-        said = group.allgather(torch.tensor([int(lacking), self.step], dtype=torch.int64),
-                               watch=self._watch)
-        receivers = [r for r, x in enumerate(said) if x[0].item()]
-        holders = [r for r, x in enumerate(said) if not x[0].item()]
-        if any(said[r][1].item() != resume for r in holders):
-            raise RuntimeError(f"configuration {c}: a member claims the state at a step other "
-                               f"than {resume}: {[x.tolist() for x in said]}")
-        if not receivers:
-            return
         ranks = list(configuration.ranks)
-        planned = dict(plan.sources) if plan is not None else {}
-        snap = None if lacking else Snapshot.capture(self.objects, self.step, self._metadata())
-        transport = _GroupTransport(group.process_group, snap, self._served
-                                    if self.faults.serving and snap is not None else None)
+        wanted = [-1] * GROUP_SOURCES
+        if snap is None and plan is not None:
+            top = [ranks.index(m) for m in dict(plan.sources).get(me, ())
+                   if m in ranks][:GROUP_SOURCES]
+            wanted[:len(top)] = top
+        said = [x.tolist() for x in group.allgather(
+            torch.tensor([int(snap is None), self.step, *wanted], dtype=torch.int64),
+            watch=self._watch)]
+        receivers = [r for r, x in enumerate(said) if x[0]]
+        holders = [r for r, x in enumerate(said) if not x[0]]
+        if any(said[r][1] != resume for r in holders):
+            raise RuntimeError(f"configuration {c}: a member claims the state at a step other "
+                               f"than {resume}: {said}")
         for r in receivers:
-            sources = [s for s in (ranks.index(m) for m in planned.get(r, ()) if m in ranks)
-                       if s in holders] or holders
+            group.allgather(torch.zeros(1), watch=self._watch)  # the one before is done
+            sources = [s for s in said[r][2:] if s in holders] or holders[:GROUP_SOURCES]
             tp = TransferPlan(sources=tuple(sources), config_id=c, receiver=r, step=resume)
             if r == me:
                 t0 = time.monotonic()
                 self.log("fetch_started", config_id=c, step=resume, sources=len(sources),
                          over_group=True)
-                result = asyncio.run(transport.receive(tp, into=self.objects))
-                self._restored(result, c, time.monotonic() - t0,
+                result = asyncio.run(PgTransport(group.process_group).receive(
+                    tp, into=self.objects))
+                self._restored(result, c, time.monotonic() - t0, len(sources),
                                {f"rank {s}": n for s, n in result.bytes_by_source.items()},
                                over_group=True)
             elif me in sources:
                 assert snap is not None
-                asyncio.run(transport.provide(snap, tp))
+                on_served = self._served if self.faults.serving else None
+                asyncio.run(_GroupTransport(group.process_group, snap, on_served).provide(
+                    snap, tp))
 
     def _check_fingerprints(self, group: ManagedGroup, mine: bytes, what: str,
                             resume: int) -> None:
@@ -696,10 +710,10 @@ class Trainer:
         else:
             assert last is not None
             raise last
-        self._restored(result, config_id, time.monotonic() - t0,
+        self._restored(result, config_id, time.monotonic() - t0, len(addresses),
                        {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
 
-    def _restored(self, result: FetchResult, config_id: int, total_s: float,
+    def _restored(self, result: FetchResult, config_id: int, total_s: float, sources: int,
                   served_by: dict[str, int], **details: Any) -> None:
         """Load a fetched state into the live objects and check its fingerprint. Raises
         ``RuntimeError`` if the restored state's differs from the sources'."""
@@ -708,7 +722,7 @@ class Trainer:
         self._reduced = None
         own = self._fingerprint()
         self.log("state_fetched", config_id=config_id, step=got_step, seconds=result.seconds,
-                 bytes=result.snapshot.total_bytes, sources=len(served_by),
+                 bytes=result.snapshot.total_bytes, sources=sources,
                  fingerprint=result.fingerprint.hex(), restored_fingerprint=own.hex(),
                  failures=dict(result.failures), total_s=total_s, served_by=served_by,
                  refetched_chunks=result.refetched_chunks, **details)
