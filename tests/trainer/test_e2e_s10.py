@@ -31,7 +31,6 @@ import pytest
 from examples.main_job import Run, run_job
 from tests.trainer.settings import ARGS
 from torchpass_p2p.trainer.timeline import recoveries
-from torchpass_p2p.transfer.pg_transport import SEND_WINDOW_CHUNKS
 from torchpass_p2p.transfer.snapshot import DEFAULT_CHUNK_BYTES
 
 STEPS = 8
@@ -128,15 +127,23 @@ def test_s10_source_killed_mid_transfer_is_replaced_exactly(tmp_path: Path, clea
         assert sorted(map(int, faulty.finals[r]["losses"])) == list(range(FAULT_STEP, STEPS))
 
 
+PG_SERVED_FRACTION = 0.02
+"""Over the group the victim dies after its first chunk: a source keeps 4 chunks in flight
+(``SEND_WINDOW_CHUNKS``), so dying at 17 % (its third chunk) would still let its whole stripe
+of 5-6 chunks through."""
+PG_FAULTS = (f"kill@{FAULT_STEP}:grad:rank=1,"
+             f"kill@{FAULT_STEP}:serve:rank=2:{PG_SERVED_FRACTION}")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_s10_over_the_new_group(tmp_path: Path, clean: Run) -> None:
-    # The same faults with the state sent over the configuration's group (PgTransport, the
-    # NCCL jobs' path): rank 2 dies after sending 17 % of the state to spare A. gloo either
-    # reports the dead source (its chunks go to ranks 0 and 3 in a repair round) or only lets
-    # the receive time out (the group is then unusable: A gets the state in the next
+    # The same scenario with the state sent over the configuration's group (PgTransport, the
+    # NCCL jobs' path): rank 2 dies after its first chunk to spare A. gloo either reports the
+    # dead source (its missing chunks go to ranks 0 and 3 in a repair round) or only lets the
+    # receive time out (the group is then unusable: A gets the state in the next
     # configuration instead). Either way no step is lost and the end state is exact.
-    faulty = run_job(tmp_path / "faults", nproc=4, spares=2, steps=STEPS, faults=FAULTS,
+    faulty = run_job(tmp_path / "faults", nproc=4, spares=2, steps=STEPS, faults=PG_FAULTS,
                      script_args=(*S10_ARGS, "--state-transport", "pg"),
                      timeout_s=RUN_LIMIT_S)
     assert faulty.code == 0, faulty.diagnosis()
@@ -144,7 +151,7 @@ def test_s10_over_the_new_group(tmp_path: Path, clean: Run) -> None:
     before = members_of(events, 0)
     second = [r for r in events if r["event"] == "fault"][1]
     assert (second["kind"], second["point"], second["rank"]) == ("kill", "serve", 2)
-    assert SERVED_FRACTION * second["total_bytes"] <= second["served_bytes"]
+    assert second["served_bytes"] == DEFAULT_CHUNK_BYTES
     faults = recoveries(events)
     assert [(f.kind, f.point, f.rank) for f in faults] == [
         ("kill", "grad", 1), ("kill", "serve", 2)]
@@ -153,13 +160,14 @@ def test_s10_over_the_new_group(tmp_path: Path, clean: Run) -> None:
     assert all(r["over_group"] and r["step"] == FAULT_STEP
                and r["restored_fingerprint"] == r["fingerprint"] for r in fetched)
     first = fetched[0]
-    if first["config_id"] == 1:  # repaired around the dead source within configuration 1
+    if first["config_id"] == 1:  # completed around the dead source within configuration 1
+        # Every chunk verified by its digest. Those whose receive failed are refetched from
+        # the others, unless the spare already held their bytes: the ballast is the same
+        # deterministic tensor in every process, so its chunks verify in place, and the
+        # victim is credited with them (tests/transfer/test_pg_failover.py checks the repair
+        # round into zeroed memory).
         assert first["failures"] == {"source_failed": 1}
-        # Its sends complete in order, up to SEND_WINDOW_CHUNKS in flight: chunks posted
-        # after the one that fired the fault may have reached A before it died.
-        window = (SEND_WINDOW_CHUNKS - 1) * DEFAULT_CHUNK_BYTES
-        assert 0 < first["served_by"]["rank 2"] <= second["served_bytes"] + window
-        assert first["refetched_chunks"] >= 1
+        assert sum(first["served_by"].values()) == first["bytes"]
     after = members_of(events, 2)
     assert {after[0], after[3]} == {before[0], before[3]}
     assert {r["rank"]: r["member"] for r in faulty.finals} == after
