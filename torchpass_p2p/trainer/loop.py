@@ -22,13 +22,13 @@ Theory of operation (DESIGN sections 6 and 8).
 * *Recovery* takes the newest such configuration ``c``: the commit rule
   (:func:`~.commit.resolve`) brings a survivor to ``resume_step`` (roll forward or redo; no
   step any member committed is ever lost); a promoted spare fetches the state of
-  ``resume_step`` from the plan's sources. Every member that holds that state publishes it (no
-  copy: it waits now) and announces its transfer server for ``c``; all build the group of ``c``
-  (:mod:`torchpass_p2p.collective`) and all-gather the 32-byte state fingerprints: training
-  goes on only when they are all equal, and the state is withdrawn from the servers. The
-  spare fetches over TCP before the group forms, or, with ``state_transport="pg"`` (the
-  default over NCCL), over the new group itself once it has formed
-  (:class:`~torchpass_p2p.transfer.pg_transport.PgTransport`: NVLink or RDMA on GPUs).
+  ``resume_step`` from the plan's sources. Every member that holds that state publishes it
+  (host memory is not copied: it waits now) and announces its transfer server for ``c``; all
+  build the group of ``c`` (:mod:`torchpass_p2p.collective`) and all-gather the 32-byte state
+  fingerprints: training goes on only when they are all equal, and the state is withdrawn
+  from the servers. The spare fetches over TCP before the group forms, or, with
+  ``state_transport="pg"`` (the default over NCCL), over the new group itself once it has
+  formed (:class:`~torchpass_p2p.transfer.pg_transport.PgTransport`: NVLink or RDMA on GPUs).
   A newer configuration during recovery restarts it.
 * *A regroup* (:mod:`.regroup`, issue #7) repairs a collective that failed while no member
   did (a connection reset by a network blip): no configuration change comes then. After a
@@ -152,7 +152,7 @@ class _GroupTransport(PgTransport):
     reported to ``on_served(step, served_bytes, total_bytes)`` (the ``serve`` faults), bytes
     counted per receiver as the TCP server counts them per connection."""
 
-    def __init__(self, group: Any, snapshot: Snapshot | None,
+    def __init__(self, group: Any, snapshot: Snapshot,
                  on_served: Callable[[int, int, int], None] | None) -> None:
         super().__init__(group)
         self._snapshot = snapshot
@@ -160,7 +160,7 @@ class _GroupTransport(PgTransport):
         self._sent = 0
 
     def chunk_sent(self, index: int) -> None:
-        if self._on_served is not None and self._snapshot is not None:
+        if self._on_served is not None:
             self._sent += self._snapshot.chunk_range(index)[1]
             self._on_served(self._snapshot.step, self._sent, self._snapshot.total_bytes)
 
@@ -351,11 +351,11 @@ class Trainer:
         return Snapshot.capture(self.objects, self.step, self._metadata()).fingerprint()
 
     def _publish(self) -> Snapshot:
-        """Serve the state at ``self.step``, as it is in memory (no copy: a snapshot per
-        step cost 30 ms per 300 MB here, and a GPU's whole state copied to the host). Only
-        at a configuration's entry, where this member waits for the group: every
-        member that needs the state fetches before it joins, so nothing is trained on while
-        it is served; :meth:`_withdraw` once the group has formed."""
+        """Serve the state at ``self.step``: host tensors as they are in memory, GPU tensors
+        copied to the host (a copy after every step cost 30 ms per 300 MB here, and on a GPU
+        the whole state). Only at a configuration's entry, where this member waits for the
+        group: every member that needs the state fetches before it joins, so nothing is
+        trained on while it is served; :meth:`_withdraw` once everyone has joined."""
         snap = Snapshot.capture(self.objects, self.step, self._metadata())
         self.service.publish(snap)
         return snap

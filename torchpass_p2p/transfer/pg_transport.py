@@ -58,8 +58,9 @@ up on is never reused, so its source's late bytes cannot land in another chunk.
 NCCL: it matches send/recv in posting order per peer and ignores tags (this protocol's per-peer
 order is the same on both ends); a failed or timed-out operation aborts the communicator, and
 posted operations cannot be withdrawn. So over NCCL there is no repair round: the first lost
-source (any reason) ends the transfer with ``TransferFailed`` naming it, and the caller falls
-back to TCP and rebuilds the group. The staged path runs here over gloo with ``device="cpu"``
+source (any reason) ends the transfer with ``TransferFailed`` naming it, and the caller must
+build a new group (the trainer: that of the configuration that the lost source's removal
+brings). The staged path runs here over gloo with ``device="cpu"``
 (the shared suite and the failover tests); over NCCL it needs one GPU per rank (NCCL refuses two
 ranks on one device) and has not yet been run.
 """
