@@ -728,6 +728,11 @@ class Trainer:
                  refetched_chunks=result.refetched_chunks, **details)
         if own != result.fingerprint:
             raise RuntimeError("the restored state's fingerprint differs from the sources'")
+        if got_step > 0:
+            # It holds every step up to got_step - 1 as committed: its vote must say so, or a
+            # plan made after the last other holder died would resume at step 0 (a replaced
+            # spare has committed nothing itself), below the only state left.
+            self.agent.report_progress(got_step - 1)
 
     def _log_change(self, change: Any, *, same_ranks: bool = False) -> None:
         """The ``change`` event: the plan this member follows, with its hash (every member of
