@@ -70,8 +70,10 @@ class Run:
 
 
 def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = "",
-            script_args: tuple[str, ...] = (), timeout_s: float = 600.0) -> Run:
-    """Launch ``char_lm.py`` in ``work`` (``out/`` and ``logs/`` are created there). A launch
+            script_args: tuple[str, ...] = (), timeout_s: float = 600.0,
+            launch_args: tuple[str, ...] = ()) -> Run:
+    """Launch ``char_lm.py`` in ``work`` (``out/`` and ``logs/`` are created there;
+    ``launch_args``: more launcher options, e.g. ``--respawn``). A launch
     still running after ``timeout_s`` seconds is killed (code -9) after its children printed
     their stacks into ``output`` (:meth:`Run.diagnosis`)."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -81,7 +83,8 @@ def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = ""
     if faults:
         env["TORCHPASS_FAULTS"] = faults
     cmd = [sys.executable, "-m", "torchpass_p2p.cli.main", "launch", "--nproc", str(nproc),
-           "--spares", str(spares), "--grace", "3", str(SCRIPT), "--out", str(work / "out"),
+           "--spares", str(spares), "--grace", "3", *launch_args, str(SCRIPT),
+           "--out", str(work / "out"),
            "--log-dir", str(work / "logs"), "--steps", str(steps), *script_args]
     t0 = time.monotonic()
     chunks: list[bytes] = []

@@ -112,3 +112,28 @@ def test_s12_with_the_state_sent_over_the_new_group(tmp_path: Path, clean: Run) 
     prints = {r["fingerprint"] for r in clean.finals + faulty.finals}
     weights = {r["weights_sha256"] for r in clean.finals + faulty.finals}
     assert len(faulty.finals) == 4 and len(prints) == 1 and len(weights) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_more_deaths_than_spares_wait_for_a_respawned_spare(tmp_path: Path, clean: Run) -> None:
+    # Ranks 1 and 2 die in one step with one spare left: the configuration that promotes it
+    # keeps rank 2 vacant (policy "wait"). Nobody trains in it (before, every member crashed
+    # in GroupSpec.of); the launcher respawns the dead processes as new spares (--respawn),
+    # one fills the vacancy, and training resumes at the same step, exact.
+    faulty = run_job(tmp_path / "faults", nproc=4, spares=1, steps=STEPS,
+                     faults="kill@37:grad:rank=1,kill@37:grad:rank=2", script_args=ARGS,
+                     launch_args=("--respawn",), timeout_s=200)
+    assert faulty.code == 0, faulty.diagnosis()
+    waited = [r for r in faulty.events if r["event"] == "waiting_for_spare"]
+    assert waited and all(r["vacant"] for r in waited)
+    joined = {}
+    for r in faulty.events:
+        if r["event"] == "joined":
+            joined.setdefault(r["config_id"], []).append(r)
+    last = max(joined)
+    assert len(joined[last]) == 4 and {r["step"] for r in joined[last]} == {37}
+    assert all(f.steps_lost == 0 for f in recoveries(faulty.events))
+    assert len(faulty.finals) == 4 and all(r["steps"] == STEPS for r in faulty.finals)
+    assert {r["fingerprint"] for r in faulty.finals} == {clean.finals[0]["fingerprint"]}
+    assert {r["weights_sha256"] for r in faulty.finals} == {clean.finals[0]["weights_sha256"]}

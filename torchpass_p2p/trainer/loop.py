@@ -119,6 +119,12 @@ class Removed(RuntimeError):
     stop at once and never touch a process group again. Scripts exit with code 3."""
 
 
+class Incomplete(RuntimeError):
+    """The configuration has vacant ranks (more ranks died than spares were left, under the
+    ``wait`` policy): nobody trains in it; the members wait for the change that fills them
+    (a spare joins, e.g. a process the launcher respawned with ``--respawn``)."""
+
+
 class Drained(Removed):
     """This member was removed because it asked to leave (a drain): its rank went to a spare as
     planned. A clean end, not a failure; scripts exit as for :class:`Removed`, which the
@@ -539,7 +545,7 @@ class Trainer:
             try:
                 self._enter(change)
                 return
-            except (CollectiveError, Superseded, TransferError) as again:
+            except (CollectiveError, Superseded, TransferError, Incomplete) as again:
                 self.log("recovery_restarted", config_id=change.configuration.config_id,
                          error=f"{type(again).__name__}: {again}"[:160])
                 if self.group is not None:
@@ -555,6 +561,11 @@ class Trainer:
         rank = configuration.rank_of(self.me)
         if rank is None:
             raise self._out(f"no rank in configuration {configuration.config_id}")
+        if configuration.vacant_ranks:
+            self.log("waiting_for_spare", config_id=configuration.config_id,
+                     vacant=list(configuration.vacant_ranks))
+            raise Incomplete(f"configuration {configuration.config_id} has vacant ranks "
+                             f"{list(configuration.vacant_ranks)}")
         assigned = dict(plan.assignments).get(rank) == self.me
         fetch_from = None
         if assigned:
