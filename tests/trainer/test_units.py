@@ -124,6 +124,27 @@ def test_recovery_timeline_from_logs(tmp_path) -> None:
                                   f.resumed_s)] == [0.1, 1.4, 1.8, 2.0, 2.5]
 
 
+def test_a_recovery_superseded_before_it_trained_resumes_in_the_next(tmp_path) -> None:
+    # Configuration 1 never trained (a source died while serving the spare): the fault's
+    # training resumed at its resume step in configuration 2.
+    recs = [
+        {"t": 10.0, "event": "fault", "member": "b", "kind": "kill", "step": 37,
+         "point": "grad", "rank": 1, "seconds": 0.0},
+        {"t": 10.2, "event": "change", "member": "a", "config_id": 1, "decided_at": 10.2,
+         "ready_at": 10.2, "resume_step": 37, "removed": ["b"], "assignments": [[1, "s"]],
+         "alerts_at": [10.1]},
+        {"t": 10.4, "event": "change", "member": "a", "config_id": 2, "decided_at": 10.4,
+         "ready_at": 10.4, "resume_step": 37, "removed": ["c"], "assignments": [[2, "u"]],
+         "alerts_at": [10.3]},
+        {"t": 11.0, "event": "step", "member": "a", "step": 37, "config_id": 2},
+        {"t": 11.5, "event": "step", "member": "a", "step": 38, "config_id": 2},
+    ]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    [f] = recoveries(read_events(tmp_path))
+    assert (f.config_id, f.resume_step, f.steps_lost) == (1, 37, 0)
+    assert f.resumed_s == 1.0
+
+
 def test_a_serve_fault_fires_once_past_its_fraction(monkeypatch: pytest.MonkeyPatch) -> None:
     """``kill@S:serve:rank=R:F`` fires on rank R serving a snapshot of step S or later, once one
     connection was sent F of it; not for another rank, an earlier step or fewer bytes."""

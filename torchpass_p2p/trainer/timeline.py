@@ -37,7 +37,8 @@ class FaultTimeline:
         decided_s: first member learning the decision.
         transferred_s: the replacement holding the verified state.
         rebuilt_s: the last member's group of ``config_id`` formed.
-        resumed_s: the last member committing the resume step in ``config_id``.
+        resumed_s: the last member committing the resume step in ``config_id``, or in a later
+            configuration when ``config_id`` was superseded before it trained.
         resume_step: where training went on.
         last_committed: highest step any member committed before ``config_id``.
         steps_lost: committed steps not kept (``last_committed + 1 - resume_step``, at least 0).
@@ -79,7 +80,10 @@ def recoveries(events: list[dict[str, Any]]) -> list[FaultTimeline]:
         fetched = [r["t"] for r in events if r["event"] == "state_fetched"
                    and r["config_id"] == c]
         resume = mine[0]["resume_step"] if mine else None
-        resumed = [r["t"] for r in events if r["event"] == "step" and r["config_id"] == c
+        # Training resumed at the resume step in configuration c, or in a later one when c
+        # was superseded before it trained (another fault during the recovery).
+        resumed = [r["t"] for r in events if r["event"] == "step" and c is not None
+                   and r["config_id"] is not None and r["config_id"] >= c
                    and r["step"] == resume]
         before = [r["step"] for r in events if r["event"] == "step"
                   and r["config_id"] is not None and c is not None and r["config_id"] < c]
