@@ -286,6 +286,14 @@ class ManagedGroup:
         if self.state == "ready":
             self._retire("failed", None)
 
+    def interrupt(self) -> None:
+        """Give the group up while the caller's own operation on :attr:`process_group` (a
+        point-to-point state transfer) is in flight in another thread: NCCL aborts in place,
+        which fails that operation at once; gloo cannot be aborted, so its operation ends by
+        itself (a closed peer, or its own timeout). The group is kept referenced (stuck)."""
+        if self.state == "ready":
+            self._retire("stuck", None)
+
     def _retire(self, state: str, work: Any) -> None:
         if state == "stuck":
             if self.backend == "nccl":

@@ -63,8 +63,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -158,9 +159,10 @@ class _GroupTransport(PgTransport):
     reported to ``on_served(step, served_bytes, total_bytes)`` (the ``serve`` faults), bytes
     counted per receiver as the TCP server counts them per connection."""
 
-    def __init__(self, group: Any, snapshot: Snapshot,
+    def __init__(self, group: ManagedGroup, snapshot: Snapshot,
                  on_served: Callable[[int, int, int], None] | None) -> None:
-        super().__init__(group)
+        # The group's device, not the current one: the transfer runs in a helper thread.
+        super().__init__(group.process_group, device=group.device)
         self._snapshot = snapshot
         self._on_served = on_served
         self._sent = 0
@@ -665,16 +667,43 @@ class Trainer:
                 t0 = time.monotonic()
                 self.log("fetch_started", config_id=c, step=resume, sources=len(sources),
                          over_group=True)
-                result = asyncio.run(PgTransport(group.process_group).receive(
-                    tp, into=self.objects))
+                receiver = PgTransport(group.process_group, device=group.device)
+                result = self._over_group(group, receiver.receive(tp, into=self.objects))
                 self._restored(result, c, time.monotonic() - t0, len(sources),
                                {f"rank {s}": n for s, n in result.bytes_by_source.items()},
                                over_group=True)
             elif me in sources:
                 assert snap is not None
                 on_served = self._served if self.faults.serving else None
-                asyncio.run(_GroupTransport(group.process_group, snap, on_served).provide(
-                    snap, tp))
+                source = _GroupTransport(group, snap, on_served)
+                self._over_group(group, source.provide(snap, tp))
+
+    def _over_group(self, group: ManagedGroup, transfer: Coroutine[Any, Any, Any]) -> Any:
+        """Run ``transfer`` (one transfer over ``group``) in a helper thread while
+        this thread watches for a newer configuration, as every wait on a group does. Over
+        NCCL a newer one interrupts the group, which fails the transfer's waits at once (its
+        progress timeout would take 10 s); gloo cannot be interrupted, so there the transfer
+        ends by itself (done, a closed peer, or that timeout). Returns what it returned and
+        raises what it raised; :class:`Superseded` once interrupted."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def body() -> None:
+            try:
+                box["result"] = asyncio.run(transfer)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = exc
+            finally:
+                done.set()
+
+        threading.Thread(target=body, name=f"transfer-{group.config_id}", daemon=True).start()
+        while not done.wait(SLICE_S):
+            if group.backend == "nccl" and self._watch():
+                group.interrupt()
+                raise Superseded
+        if "error" in box:
+            raise box["error"]
+        return box.get("result")
 
     def _check_fingerprints(self, group: ManagedGroup, mine: bytes, what: str,
                             resume: int) -> None:
