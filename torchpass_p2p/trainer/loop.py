@@ -354,17 +354,22 @@ class Trainer:
         self.step = k + 1
         self._reduced = None
 
+    def _capture(self) -> Snapshot:
+        """The state at ``self.step`` (no copy of host memory)."""
+        return Snapshot.capture(self.objects, self.step, self._metadata())
+
     def _fingerprint(self) -> bytes:
         """The fingerprint of the state at ``self.step`` (32 bytes)."""
-        return Snapshot.capture(self.objects, self.step, self._metadata()).fingerprint()
+        return self._capture().fingerprint()
 
-    def _publish(self) -> Snapshot:
+    def _publish(self, snap: Snapshot | None = None) -> Snapshot:
         """Serve the state at ``self.step``: host tensors as they are in memory, GPU tensors
         copied to the host (a copy after every step cost 30 ms per 300 MB here, and on a GPU
         the whole state). Only at a configuration's entry, where this member waits for the
         group: every member that needs the state fetches before it joins, so nothing is
-        trained on while it is served; :meth:`_withdraw` once everyone has joined."""
-        snap = Snapshot.capture(self.objects, self.step, self._metadata())
+        trained on while it is served; :meth:`_withdraw` once everyone has joined. ``snap``:
+        that state, already captured (a fetch's check captured it)."""
+        snap = snap if snap is not None else self._capture()
         self.service.publish(snap)
         return snap
 
@@ -602,14 +607,15 @@ class Trainer:
             self.agent.register_service(store_service(), group_id,
                                         self.keeper.host_store(group_id).port)
         lacking = fetch_from is not None
+        restored = None
         if lacking and not self.state_over_group:
-            self._fetch(fetch_from, c, resume)
+            restored = self._fetch(fetch_from, c, resume)
             lacking = False
         snap = None
         if not lacking:
             if self.step != resume:
                 raise RuntimeError(f"state after {self.step} steps, resume step {resume}")
-            snap = self._publish()
+            snap = self._publish(restored)
             self._announce(c)
         self.config_id = c
         self.log("state_ready" if snap is not None else "state_lacking", config_id=c,
@@ -619,14 +625,16 @@ class Trainer:
         self.log("group_formed", config_id=c, group_id=group_id, rank=spec.rank,
                  world_size=spec.world_size, seconds=self.group.formed_s)
         if self.state_over_group:
-            self._transfer_over_group(self.group, configuration, plan, resume, snap)
-        mine = snap.fingerprint() if snap is not None else self._fingerprint()
+            received = self._transfer_over_group(self.group, configuration, plan, resume, snap)
+            snap = snap if snap is not None else received
+        assert snap is not None  # a member lacking the state received it over the group
+        mine = snap.fingerprint()
         self._check_fingerprints(self.group, mine, f"configuration {c}", resume)
         self._withdraw()
         self.log("joined", config_id=c, rank=spec.rank, step=resume, fingerprint=mine.hex())
 
     def _transfer_over_group(self, group: ManagedGroup, configuration: Any, plan: Any,
-                             resume: int, snap: Snapshot | None) -> None:
+                             resume: int, snap: Snapshot | None) -> Snapshot | None:
         """Every member of the new group says whether it lacks the state of ``resume`` (no
         ``snap``) and, if so, the sources it wants (up to :data:`GROUP_SOURCES` ranks: its
         plan's for its rank, by affinity); every member then runs the same transfers, one
@@ -634,7 +642,8 @@ class Trainer:
         state (or the first :data:`GROUP_SOURCES` holders). A watch-bounded all-gather
         before each transfer keeps a receiver from waiting for sources still busy with the
         one before (the transfer's own waits end after ``progress_timeout_s``, and gloo then
-        closes the group). Every member must use the same ``state_transport``.
+        closes the group). Every member must use the same ``state_transport``. Returns the
+        state this member received (captured after the restore), else None.
 
         Raises:
             CollectiveError, Superseded: an all-gather failed or a newer configuration came.
@@ -659,6 +668,7 @@ class Trainer:
         if any(said[r][1] != resume for r in holders):
             raise RuntimeError(f"configuration {c}: a member claims the state at a step other "
                                f"than {resume}: {said}")
+        received = None
         for r in receivers:
             group.allgather(torch.zeros(1), watch=self._watch)  # the one before is done
             sources = [s for s in said[r][2:] if s in holders] or holders[:GROUP_SOURCES]
@@ -669,14 +679,16 @@ class Trainer:
                          over_group=True)
                 receiver = PgTransport(group.process_group, device=group.device)
                 result = self._over_group(group, receiver.receive(tp, into=self.objects))
-                self._restored(result, c, time.monotonic() - t0, len(sources),
-                               {f"rank {s}": n for s, n in result.bytes_by_source.items()},
-                               over_group=True)
+                received = self._restored(
+                    result, c, time.monotonic() - t0, len(sources),
+                    {f"rank {s}": n for s, n in result.bytes_by_source.items()},
+                    over_group=True)
             elif me in sources:
                 assert snap is not None
                 on_served = self._served if self.faults.serving else None
                 source = _GroupTransport(group, snap, on_served)
                 self._over_group(group, source.provide(snap, tp))
+        return received
 
     def _over_group(self, group: ManagedGroup, transfer: Coroutine[Any, Any, Any]) -> Any:
         """Run ``transfer`` (one transfer over ``group``) in a helper thread while
@@ -717,7 +729,7 @@ class Trainer:
             raise RuntimeError(f"{what}: state fingerprints differ at step {resume}: "
                                f"{sorted(f.hex()[:16] for f in every)}")
 
-    def _fetch(self, members: tuple[int, ...], config_id: int, step: int) -> None:
+    def _fetch(self, members: tuple[int, ...], config_id: int, step: int) -> Snapshot:
         if not members:
             raise RuntimeError(f"no state source for configuration {config_id}")
         t0 = time.monotonic()
@@ -750,17 +762,19 @@ class Trainer:
         else:
             assert last is not None
             raise last
-        self._restored(result, config_id, time.monotonic() - t0, len(addresses),
-                       {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
+        return self._restored(result, config_id, time.monotonic() - t0, len(addresses),
+                              {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
 
     def _restored(self, result: FetchResult, config_id: int, total_s: float, sources: int,
-                  served_by: dict[str, int], **details: Any) -> None:
-        """Load a fetched state into the live objects and check its fingerprint. Raises
-        ``RuntimeError`` if the restored state's differs from the sources'."""
+                  served_by: dict[str, int], **details: Any) -> Snapshot:
+        """Load a fetched state into the live objects and check its fingerprint; returns the
+        restored state as captured for that check. Raises ``RuntimeError`` if the restored
+        state's fingerprint differs from the sources'."""
         got_step, _metadata = result.snapshot.restore(self.objects)
         self.step = got_step
         self._reduced = None
-        own = self._fingerprint()
+        mine = self._capture()
+        own = mine.fingerprint()
         self.log("state_fetched", config_id=config_id, step=got_step, seconds=result.seconds,
                  bytes=result.snapshot.total_bytes, sources=sources,
                  fingerprint=result.fingerprint.hex(), restored_fingerprint=own.hex(),
@@ -773,6 +787,7 @@ class Trainer:
             # plan made after the last other holder died would resume at step 0 (a replaced
             # spare has committed nothing itself), below the only state left.
             self.agent.report_progress(got_step - 1)
+        return mine
 
     def _log_change(self, change: Any, *, same_ranks: bool = False) -> None:
         """The ``change`` event: the plan this member follows, with its hash (every member of
