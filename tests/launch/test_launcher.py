@@ -286,6 +286,58 @@ def test_the_grace_ends_when_only_stopped_members_are_left(tmp_path: Path) -> No
     assert "grace period over" not in log and "killing rank 2" not in log, log
 
 
+ROLES_ON_THE_STATUS_PAGE = '''
+import asyncio, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+rank = env.get("RANK")
+if rank == "1":
+    sys.exit(1)  # a failure first: roles are unknown from here on
+role = {None: "spare", "2": "removed"}.get(rank, "rank")
+
+async def main():
+    async def status(request):
+        return web.json_response({"role": role, "members": []})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    # rank 0 completes the job; rank 3 is still finishing; the spare and the removed rank 2
+    # would idle for a minute
+    await asyncio.sleep({"0": 1.5, "3": 3.0}.get(rank, 60))
+    await runner.cleanup()
+
+asyncio.run(main())
+'''
+
+
+def test_the_grace_ends_when_only_members_holding_no_rank_are_left(tmp_path: Path) -> None:
+    # After a failure the launcher cannot tell ranks from spares by their exits; their agents'
+    # status pages can. It waits for rank 3 (role "rank"), then stops the idle spare and the
+    # removed member at once instead of after the 20 s grace (the main job's runs with one
+    # fault spent their 3 s grace there).
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", ROLES_ON_THE_STATUS_PAGE)
+    launcher = start_launcher(["--nproc", "4", "--spares", "1", "--grace", "20", str(script),
+                               str(out)])
+    code, log = finish(launcher)
+    assert code == 0, log
+    finishing = log.index("job complete; 3 process(es) may still be finishing; "
+                          "waiting up to 20.0 s")
+    rank_3 = log.index("rank 3 (", finishing)
+    assert log.index("exited 0: job complete; 2 process(es) may still be finishing; idle: "
+                     "1 removed (per its agent), 1 spare (per its agent), stopping them now",
+                     rank_3) > rank_3, log
+    assert log.count("exited with signal SIGTERM") == 2, log
+    assert "grace period over" not in log, log
+
+
 STUBBORN = '''
 import signal, subprocess, time
 out = Path(sys.argv[1])

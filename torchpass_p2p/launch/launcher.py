@@ -14,10 +14,11 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    :func:`.outcome.decide` says when the job is over.
 4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group,
    followed by SIGCONT so that a stopped child acts on it; after ``grace_s`` seconds the rest
-   get SIGKILL. Once the job has completed and every remaining child is stopped by a signal (a
-   member paused past its lease, already removed), the grace ends: a stopped process
-   finishes nothing. A child's process group is killed as soon as the
-   child itself is reaped, so its orphans never outlive it.
+   get SIGKILL. Once the job has completed and every remaining child is idle, the grace ends
+   at once: a child stopped by a signal (a member paused past its lease, already removed)
+   finishes nothing, nor does one whose agent says it holds no rank (an idle spare, a removed
+   member; :mod:`.roles`). A child's process group is killed as soon as the child itself is
+   reaped, so its orphans never outlive it.
 5. *Cleanup.* The run directory is removed; the exit code comes from :func:`.outcome.exit_code`.
 
 Several hosts: run the launcher on every host with the same ``--nodes`` list (every host's
@@ -37,6 +38,7 @@ import signal
 import socket
 import stat
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -72,6 +74,7 @@ from .plan import (
     nodes_configuration,
 )
 from .ports import free_ports
+from .roles import IDLE_ROLES, ask_roles
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_RESPAWNS", "LaunchError", "LaunchOptions", "launch"]
 
@@ -362,20 +365,36 @@ class _Supervisor:
                 log.info("%s", reason)
                 await self._stop(signal.SIGTERM)
                 return
-            if verdict is Verdict.FINISH:
-                # Checked again at every exit in the grace: once the last process still
-                # finishing is done, a stopped one (a member paused past its lease and removed)
-                # would otherwise hold the launcher for the rest of the grace, finishing nothing.
-                if all(c.stopped for c in self._running()):
-                    log.info("%s; all stopped by a signal, stopping them now", reason)
+            if any(e.returncode == 0 for e in self.exits):
+                # The job completed. Checked again at every exit: once the last process still
+                # finishing is done, the rest (idle spares, members removed or paused past
+                # their lease) finish nothing and would hold the launcher for the whole grace.
+                idle = await self._idle()
+                if idle:
+                    log.info("%s; %s, stopping them now", reason, idle)
                     await self._stop(signal.SIGTERM)
                     return
+            if verdict is Verdict.FINISH:
                 if finish_at is None:
                     log.info("%s; waiting up to %.1f s", reason, self.options.grace_s)
                     finish_at = loop.time() + self.options.grace_s
 
     def _running(self) -> list[Child]:
         return [c for c in self.children if c.running]
+
+    async def _idle(self) -> str | None:
+        """Why every running child is idle (stopped by a signal, or holding no rank as its own
+        agent says: :mod:`.roles`), or None if one may still be finishing."""
+        running = self._running()
+        asked = [c for c in running if not c.stopped]
+        roles = await ask_roles(self.session, [("127.0.0.1", c.spec.status_port) for c in asked])
+        if not all(role in IDLE_ROLES for role in roles):
+            return None
+        if not asked:
+            return "all stopped by a signal"
+        labels = ["stopped by a signal"] * (len(running) - len(asked)) + [
+            f"{role} (per its agent)" for role in roles]
+        return "idle: " + ", ".join(f"{n} {label}" for label, n in sorted(Counter(labels).items()))
 
     def _record(self, event: _Exited) -> None:
         child = event.child

@@ -10,7 +10,9 @@ replaced one (that is agreed among the agents, DESIGN section 5), so it reasons 
 - After a failure (any non-zero exit or death by signal), or when the children joined through
   seeds, any running process may hold a rank. The job is complete when some process exits 0 (a
   training script returns only when training is done); the others, which may be finishing the
-  same last step, then get a grace period to exit on their own: **finish**, then stop.
+  same last step, then get a grace period to exit on their own: **finish**, then stop. The
+  supervisor ends that grace early once every process left is idle, as its agent's status page
+  says (:mod:`.roles`).
 - With no child left, the launcher is **done**.
 
 Exit code (:func:`exit_code`): 0 when some process exited 0 and no process failed after the
