@@ -57,4 +57,6 @@ def test_short_comparison() -> None:
     assert kill["kind"] == "kill" and kill["step"] == 7
     assert kill["torchpass_p2p_s"] == tp["faults"][0]["resumed_s"]
     assert kill["torchrun_s"] == tr["faults"][0]["back_at_fault_step_s"]
+    assert kill["torchft_next_commit_s"] == (ft["faults"][0]["next_step_committed_s"]
+                                             if "faults" in ft else None)
     assert ft["ran"] is False and ft["reason"] or ft["completed"]
