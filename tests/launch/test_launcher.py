@@ -338,6 +338,68 @@ def test_the_grace_ends_when_only_members_holding_no_rank_are_left(tmp_path: Pat
     assert "grace period over" not in log, log
 
 
+PAUSED_AT_THE_END_WHILE_HOLDING_ITS_RANK = '''
+import asyncio, json, signal, subprocess, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+rank = env.get("RANK")
+if rank == "1":
+    sys.exit(1)  # a failure first: roles are unknown from here on
+if rank == "0":
+    time.sleep(1.5)  # completes the job while rank 2 is paused
+    sys.exit(0)
+if rank == "2":  # paused for a moment at the very end, not removed: it still holds rank 2
+    time.sleep(1.0)
+    subprocess.Popen(["sh", "-c", f"sleep 2.5; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+    (out / "rank-2-done").touch()
+    sys.exit(0)
+
+async def main():  # the spare: its agent's configuration still gives rank 2 to that member
+    (holder,) = [e["TORCHPASS_MEMBER_ID"] for e in map(json.loads, (
+        p.read_text() for p in out.glob("*.json"))) if e.get("RANK") == "2"]
+
+    async def status(request):
+        return web.json_response({"role": "spare", "members": [
+            {"member_id": holder, "role": "rank", "rank": 2}]})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    await asyncio.sleep(60)
+
+time.sleep(0.5)  # rank 2 has reported its member id
+asyncio.run(main())
+'''
+
+
+def test_a_stopped_member_that_still_holds_a_rank_is_waited_for(tmp_path: Path) -> None:
+    # Rank 2 is paused (SIGSTOP) when rank 0 completes the job; the idle spare's agent still
+    # lists it as holding rank 2, so it is not idle: the launcher waits, rank 2 is continued
+    # and finishes, and only then is the spare stopped. (Counting every stopped child as idle
+    # had rank 2 killed before it wrote its final output.)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", PAUSED_AT_THE_END_WHILE_HOLDING_ITS_RANK)
+    launcher = start_launcher(["--nproc", "3", "--spares", "1", "--grace", "20", str(script),
+                               str(out)])
+    code, log = finish(launcher)
+    assert code == 0, log
+    assert (out / "rank-2-done").exists(), log
+    finishing = log.index("job complete; 2 process(es) may still be finishing; "
+                          "waiting up to 20.0 s")
+    rank_2 = log.index("rank 2 (", finishing)
+    assert log[rank_2:].startswith("rank 2 (") and "exited with 0" in log[rank_2:], log
+    assert log.index("idle: 1 spare (per its agent), stopping them now", rank_2) > rank_2, log
+    assert log.count("exited with signal SIGTERM") == 1, log
+    assert "grace period over" not in log, log
+
+
 STUBBORN = '''
 import signal, subprocess, time
 out = Path(sys.argv[1])

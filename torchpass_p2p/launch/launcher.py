@@ -48,7 +48,7 @@ from torchpass_p2p.agent.bootstrap import write_configuration
 from torchpass_p2p.agent.settings import SettingsError, parse_key
 from torchpass_p2p.config import ConfigError, load_params
 from torchpass_p2p.core.configuration import Address
-from torchpass_p2p.core.messages import Topology
+from torchpass_p2p.core.messages import Topology, format_member_id
 from torchpass_p2p.core.params import Params
 
 from .children import Child, become_subreaper, kill_strays
@@ -74,7 +74,7 @@ from .plan import (
     nodes_configuration,
 )
 from .ports import free_ports
-from .roles import IDLE_ROLES, ask_roles
+from .roles import IDLE_ROLES, ask_status
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_RESPAWNS", "LaunchError", "LaunchOptions", "launch"]
 
@@ -369,7 +369,7 @@ class _Supervisor:
                 # The job completed. Checked again at every exit: once the last process still
                 # finishing is done, the rest (idle spares, members removed or paused past
                 # their lease) finish nothing and would hold the launcher for the whole grace.
-                idle = await self._idle()
+                idle = await self._idle(roles_known=verdict is Verdict.RUN)
                 if idle:
                     log.info("%s; %s, stopping them now", reason, idle)
                     await self._stop(signal.SIGTERM)
@@ -382,18 +382,27 @@ class _Supervisor:
     def _running(self) -> list[Child]:
         return [c for c in self.children if c.running]
 
-    async def _idle(self) -> str | None:
-        """Why every running child is idle (stopped by a signal, or holding no rank as its own
-        agent says: :mod:`.roles`), or None if one may still be finishing."""
+    async def _idle(self, *, roles_known: bool) -> str | None:
+        """Why every running child is idle, or None if one may still be finishing
+        (:mod:`.roles`): a child that answers must hold no rank by its own agent; a child
+        stopped by a signal must hold none by the agents that answer. With nobody left to ask,
+        stopped children are idle only once roles are unknown (after a failure, a stopped
+        child is most likely a member paused past its lease and removed); while roles are
+        known, a stopped child started as a rank still holds it."""
         running = self._running()
+        stopped = [c for c in running if c.stopped]
         asked = [c for c in running if not c.stopped]
-        roles = await ask_roles(self.session, [("127.0.0.1", c.spec.status_port) for c in asked])
-        if not all(role in IDLE_ROLES for role in roles):
+        views = await ask_status(self.session, [("127.0.0.1", c.spec.status_port)
+                                                for c in asked])
+        if not all(v is not None and v.role in IDLE_ROLES for v in views):
             return None
-        if not asked:
-            return "all stopped by a signal"
-        labels = ["stopped by a signal"] * (len(running) - len(asked)) + [
-            f"{role} (per its agent)" for role in roles]
+        if not views:
+            return None if roles_known else "all stopped by a signal"
+        holders = frozenset().union(*(v.rank_holders for v in views if v is not None))
+        if any(format_member_id(c.spec.member_id) in holders for c in stopped):
+            return None
+        labels = [f"{v.role} (per its agent)" for v in views if v is not None] + [
+            "stopped by a signal, holding no rank"] * len(stopped)
         return "idle: " + ", ".join(f"{n} {label}" for label, n in sorted(Counter(labels).items()))
 
     def _record(self, event: _Exited) -> None:
