@@ -91,7 +91,8 @@ def test_children_get_the_contract_and_never_the_key(tmp_path: Path) -> None:
         (out / "go").touch()
     code, log = finish(launcher)
     assert code == 0, log
-    assert "stopping 1 idle spare(s)" in log
+    assert ("every rank exited 0; 1 process(es) left, started as spare(s); idle: 1 spare "
+            "(started as one), stopping them now") in log
     assert not run_dir.exists()
     assert all(gone(e["pid"]) for e in envs)
 
@@ -249,7 +250,7 @@ def test_a_stopped_member_is_not_given_the_grace_and_is_continued_to_terminate(
     launcher = start_launcher(["--nproc", "3", "--grace", "20", str(script), str(out)])
     code, log = finish(launcher)
     assert code == 0, log
-    assert "job complete" in log and "all stopped by a signal, stopping them now" in log, log
+    assert "job complete" in log and "idle: 1 stopped by a signal, stopping them now" in log, log
     assert "rank 2 " in log and "exited with signal SIGTERM" in log, log
     assert "grace period over" not in log and "killing rank 2" not in log, log
 
@@ -281,7 +282,7 @@ def test_the_grace_ends_when_only_stopped_members_are_left(tmp_path: Path) -> No
     finishing = log.index("job complete; 2 process(es) may still be finishing; "
                           "waiting up to 20.0 s")
     rank_3 = log.index("rank 3 ", finishing)
-    assert log.index("all stopped by a signal, stopping them now", rank_3) > rank_3, log
+    assert log.index("idle: 1 stopped by a signal, stopping them now", rank_3) > rank_3, log
     assert "exited with signal SIGTERM" in log[rank_3:], log
     assert "grace period over" not in log and "killing rank 2" not in log, log
 

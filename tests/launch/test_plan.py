@@ -105,7 +105,8 @@ def test_decide() -> None:
     assert decide([gone(1, 0)], running=2, running_ranks=1, joining=False)[0] is Verdict.RUN
     verdict, reason = decide([gone(1, 0), gone(2, 0)], running=1, running_ranks=0,
                              joining=False)
-    assert (verdict, reason) == (Verdict.STOP, "every rank exited 0; stopping 1 idle spare(s)")
+    assert (verdict, reason) == (Verdict.STOP,
+                                 "every rank exited 0; 1 process(es) left, started as spare(s)")
     # After a failure any process may hold a rank: wait for an exit 0, then let the rest finish.
     failed = [gone(1, -9)]
     assert decide(failed, running=2, running_ranks=1, joining=False)[0] is Verdict.RUN

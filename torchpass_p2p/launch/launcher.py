@@ -361,21 +361,16 @@ class _Supervisor:
             if verdict is Verdict.DONE:
                 log.info("%s", reason)
                 return
-            if verdict is Verdict.STOP:
-                log.info("%s", reason)
-                await self._stop(signal.SIGTERM)
-                return
             if any(e.returncode == 0 for e in self.exits):
                 # The job completed. Checked again at every exit: once the last process still
                 # finishing is done, the rest (idle spares, members removed or paused past
                 # their lease) finish nothing and would hold the launcher for the whole grace.
-                idle = await self._idle(roles_known=verdict is Verdict.RUN)
+                idle = await self._idle(roles_known=verdict is not Verdict.FINISH)
                 if idle:
                     log.info("%s; %s, stopping them now", reason, idle)
                     await self._stop(signal.SIGTERM)
                     return
-            if verdict is Verdict.FINISH:
-                if finish_at is None:
+                if verdict is not Verdict.RUN and finish_at is None:
                     log.info("%s; waiting up to %.1f s", reason, self.options.grace_s)
                     finish_at = loop.time() + self.options.grace_s
 
@@ -384,25 +379,31 @@ class _Supervisor:
 
     async def _idle(self, *, roles_known: bool) -> str | None:
         """Why every running child is idle, or None if one may still be finishing
-        (:mod:`.roles`): a child that answers must hold no rank by its own agent; a child
-        stopped by a signal must hold none by the agents that answer. With nobody left to ask,
-        stopped children are idle only once roles are unknown (after a failure, a stopped
-        child is most likely a member paused past its lease and removed); while roles are
-        known, a stopped child started as a rank still holds it."""
+        (:mod:`.roles`). A child that answers is idle if its own agent holds no rank; a child
+        stopped by a signal, if the agents that answer no longer give it a rank. A child nobody
+        can vouch for (no answer; stopped with nobody to ask) is presumed by how it started
+        while roles are known (a spare is idle, a rank is not), and after a failure only a
+        stopped one is (most likely a member paused past its lease and removed)."""
         running = self._running()
-        stopped = [c for c in running if c.stopped]
         asked = [c for c in running if not c.stopped]
-        views = await ask_status(self.session, [("127.0.0.1", c.spec.status_port)
-                                                for c in asked])
-        if not all(v is not None and v.role in IDLE_ROLES for v in views):
-            return None
-        if not views:
-            return None if roles_known else "all stopped by a signal"
-        holders = frozenset().union(*(v.rank_holders for v in views if v is not None))
-        if any(format_member_id(c.spec.member_id) in holders for c in stopped):
-            return None
-        labels = [f"{v.role} (per its agent)" for v in views if v is not None] + [
-            "stopped by a signal, holding no rank"] * len(stopped)
+        views = dict(zip(map(id, asked), await ask_status(
+            self.session, [("127.0.0.1", c.spec.status_port) for c in asked]), strict=True))
+        answers = [v for v in views.values() if v is not None]
+        holders = frozenset().union(*(v.rank_holders for v in answers))
+        labels = []
+        for c in running:
+            view = views.get(id(c))
+            if view is not None:
+                idle, label = view.role in IDLE_ROLES, f"{view.role} (per its agent)"
+            elif c.stopped and answers:
+                idle = format_member_id(c.spec.member_id) not in holders
+                label = "stopped by a signal, holding no rank"
+            else:
+                idle = c.spec.rank is None if roles_known else c.stopped
+                label = "stopped by a signal" if c.stopped else "spare (started as one)"
+            if not idle:
+                return None
+            labels.append(label)
         return "idle: " + ", ".join(f"{n} {label}" for label, n in sorted(Counter(labels).items()))
 
     def _record(self, event: _Exited) -> None:
@@ -467,7 +468,9 @@ class _Supervisor:
             child.send(sig)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.options.grace_s
-        while self._running():
+        # Until every exit is recorded, not merely reaped: the last ones' events would otherwise
+        # stay queued, never logged nor counted.
+        while any(c.pgid not in self.recorded for c in self.children):
             try:
                 async with asyncio.timeout_at(deadline):
                     event = await self.events.get()

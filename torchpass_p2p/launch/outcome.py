@@ -6,7 +6,9 @@ replaced one (that is agreed among the agents, DESIGN section 5), so it reasons 
 - *Roles are known* while this launcher wrote configuration 0 and every exit so far was a clean
   exit (code 0): no rank was vacated, so no spare was promoted, and the processes started as
   ranks still hold exactly the ranks. Once all of them have exited (each with 0) the job is
-  complete and every process still running is an idle spare: **stop** them now.
+  complete and every process still running started as a spare: **stop** them now (the
+  supervisor first asks their agents, :mod:`.roles`: one that took a rank on another host
+  gets the grace period).
 - After a failure (any non-zero exit or death by signal), or when the children joined through
   seeds, any running process may hold a rank. The job is complete when some process exits 0 (a
   training script returns only when training is done); the others, which may be finishing the
@@ -22,8 +24,8 @@ may wake and learn it only after the others finished) or :data:`EXIT_DRAINED`; 1
 signal number when a signal stopped the launcher; 1 otherwise (every exit failed, or a failure
 after completion). Known limitation: a rank drained on purpose that exits 0 while roles are
 known makes the launcher believe its rank is finished; if every starting rank leaves that way,
-the spares that took over are stopped. Reading the live configuration from a status page would
-lift this.
+the spares that took over get only the grace period (their agents say they hold ranks, but
+nothing says the job is not complete).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ class Verdict(StrEnum):
     FINISH = "finish"
     """The job completed: give the running processes a grace period to exit, then stop them."""
     STOP = "stop"
-    """The job completed and the running processes are idle spares: stop them now."""
+    """The job completed and the running processes started as spares: stop them now, unless
+    an agent says one holds a rank (it replaced a rank on another host): that one gets the
+    grace period."""
     DONE = "done"
     """No process is left."""
 
@@ -93,7 +97,8 @@ def decide(
     roles_known = not joining and all(e.returncode == 0 for e in exits)
     if roles_known:
         if running_ranks == 0 and any(e.started_as_rank for e in exits):
-            return Verdict.STOP, f"every rank exited 0; stopping {running} idle spare(s)"
+            return Verdict.STOP, (f"every rank exited 0; {running} process(es) left, started "
+                                  "as spare(s)")
         return Verdict.RUN, f"{running_ranks} rank(s) running"
     if any(e.returncode == 0 for e in exits):
         first = next(e for e in exits if e.returncode == 0)
