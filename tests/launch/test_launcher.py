@@ -401,6 +401,50 @@ def test_a_stopped_member_that_still_holds_a_rank_is_waited_for(tmp_path: Path) 
     assert "grace period over" not in log, log
 
 
+A_SPARE_THAT_TOOK_A_RANK_ELSEWHERE = '''
+import asyncio, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+if env["TORCHPASS_ROLE"] == "rank":
+    time.sleep(1.0)  # both local ranks finish cleanly: roles look known to this launcher
+    sys.exit(0)
+
+async def main():  # the spare replaced a rank of another host and is finishing the last step
+    async def status(request):
+        return web.json_response({"role": "rank", "members": []})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    await asyncio.sleep(2.5)
+    (out / "spare-done").touch()
+    await runner.cleanup()
+
+asyncio.run(main())
+'''
+
+
+def test_a_spare_whose_agent_holds_a_rank_gets_the_grace(tmp_path: Path) -> None:
+    # Every rank started here exited 0, but the spare took a rank (on another host, as far as
+    # this launcher can tell): stopping it at once, as an idle spare, would cut its last step.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", A_SPARE_THAT_TOOK_A_RANK_ELSEWHERE)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "20", str(script),
+                               str(out)])
+    code, log = finish(launcher)
+    assert code == 0, log
+    assert (out / "spare-done").exists(), log
+    assert ("every rank exited 0; 1 process(es) left, started as spare(s); waiting up to "
+            "20.0 s") in log, log
+    assert "spare (" in log and "SIGTERM" not in log and "grace period over" not in log, log
+
+
 STUBBORN = '''
 import signal, subprocess, time
 out = Path(sys.argv[1])
