@@ -9,14 +9,15 @@ standard library (sorted by name, first ``--corpus-kib`` KiB, bytes above 127 ma
 Rank ``r``'s batch of step ``k`` is ``--batch`` windows of ``--context + 1`` characters at
 offsets drawn from a generator seeded by ``(seed, r, k)``. Each rank writes
 ``OUT/final-<member>.json`` (rank, steps, state fingerprint, weights digest, loss curve) when
-training ends; a member removed from the job, or drained (``torchpass-p2p drain``: it trains
-until a spare holds its rank), exits with code 3.
+training ends. A member removed from the job exits with code 3, one drained (``torchpass-p2p
+drain``: it trains until a spare holds its rank) with 4, and every member with 5 once the
+agreement stops the job (a vacant rank nobody can fill: every holder of its state died).
 
 ``--extra-state-mb N`` adds N MiB of ballast to the training state (a :class:`Ballast` among the
 trainer's ``extra`` objects): deterministic bytes drawn from ``--seed``, never changed by a step,
 but part of every snapshot, transfer and state fingerprint like the weights. It makes a small
 model's state as large as a real one's, so a transfer lasts long enough for faults to land in
-its middle (S10). Per step it costs only the trainer's copy of the state after the commit.
+its middle (S10). It costs nothing per step: the state is captured only when a spare needs it.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from torch import nn
 
 import torchpass_p2p
 from torchpass_p2p.collective import exit_process
-from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED
-from torchpass_p2p.trainer import Drained, Removed, Trainer, step_generator
+from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
+from torchpass_p2p.trainer import Drained, Removed, Stopped, Trainer, step_generator
 
 VOCAB = 128
 
@@ -151,7 +152,10 @@ def main() -> int:
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     me = f"{agent.member_id:016x}"
-    log_path = os.path.join(args.log_dir, f"{me}.jsonl") if args.log_dir else None
+    log_path = None
+    if args.log_dir:
+        os.makedirs(args.log_dir, exist_ok=True)
+        log_path = os.path.join(args.log_dir, f"{me}.jsonl")
     extra = {"ballast": Ballast(args.extra_state_mb, args.seed)} if args.extra_state_mb else {}
     trainer = Trainer(model, optimizer, agent=agent, scheduler=scheduler, seed=args.seed,
                       extra=extra, state_transport=args.state_transport, log_path=log_path)
@@ -169,6 +173,10 @@ def main() -> int:
         print(f"member {me}: {exc}; exiting", file=sys.stderr, flush=True)
         agent.stop(leave=False, timeout_s=2.0)
         return EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED
+    except Stopped as exc:
+        print(f"member {me}: {exc}; exiting", file=sys.stderr, flush=True)
+        agent.stop(leave=False, timeout_s=2.0)
+        return EXIT_STOPPED
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"final-{me}.json").write_text(json.dumps({

@@ -71,9 +71,10 @@ class Run:
 
 def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = "",
             script_args: tuple[str, ...] = (), timeout_s: float = 600.0,
-            launch_args: tuple[str, ...] = ()) -> Run:
+            launch_args: tuple[str, ...] = (), settings: dict[str, str] | None = None) -> Run:
     """Launch ``char_lm.py`` in ``work`` (``out/`` and ``logs/`` are created there;
-    ``launch_args``: more launcher options, e.g. ``--respawn``). A launch
+    ``launch_args``: more launcher options, e.g. ``--respawn``; ``settings``: agent settings
+    by environment variable, e.g. ``{"TORCHPASS_POLICY": "stop"}``). A launch
     still running after ``timeout_s`` seconds is killed (code -9) after its children printed
     their stacks into ``output`` (:meth:`Run.diagnosis`)."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
@@ -82,6 +83,7 @@ def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = ""
     env["PYTHONPATH"] = str(REPO)
     if faults:
         env["TORCHPASS_FAULTS"] = faults
+    env.update(settings or {})
     cmd = [sys.executable, "-m", "torchpass_p2p.cli.main", "launch", "--nproc", str(nproc),
            "--spares", str(spares), "--grace", "3", *launch_args, str(SCRIPT),
            "--out", str(work / "out"),

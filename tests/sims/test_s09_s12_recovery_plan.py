@@ -193,3 +193,34 @@ def test_s12_at_the_e2e_size_two_exits_reported_by_launchers_are_one_fast_change
     # A lost vote or Prepare (1 % loss) waits for the next resend, vote_resend_s later.
     assert statistics.median(decided_after) < 0.35 and max(decided_after) < 1.0, \
         (statistics.median(decided_after), sorted(decided_after)[-5:])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_rank_dying_at_once_stops_the_job_instead_of_waiting_for_a_spare(
+        seed: int) -> None:
+    # 2 ranks + 3 spares: the spares are a majority and decide, but no survivor holds the
+    # state (plan rule 3). Every one of them learns that the job stops; none is promoted, and
+    # none is told to wait for a spare (there are spares: it is the state that is gone).
+    cluster = Cluster(5, spares=3, seed=seed, link=LinkModel(loss=0.01), keep_events=False)
+    safety = SafetyChecker(cluster)
+    seen: dict[int, list[ev.Event]] = {}
+
+    def on_event(sm: SimMember, event: ev.Event) -> None:
+        if isinstance(event, (ev.JobStopped, ev.WaitingForSpare, ev.RankAssigned)):
+            seen.setdefault(sm.index, []).append(event)
+
+    cluster.listeners.append(on_event)
+    plans = ready_plans(cluster)
+    ranks = [cluster.by_id[m] for m in cluster.configuration.ranks]
+    for sm in ranks:
+        cluster.at(10.0, lambda sm=sm: cluster.crash(sm))
+    cluster.run(30.0)
+    spares = [sm for sm in cluster.members if sm not in ranks]
+    assert len(spares) == 3
+    for sm in spares:
+        [stopped] = seen[sm.index]
+        assert isinstance(stopped, ev.JobStopped)
+        assert (stopped.config_id, stopped.vacant) == (1, (0, 1))
+        plan = plans[1][sm.index].plan
+        assert (plan.action, plan.assignments, plan.resume_step) == ("stop", (), 0)
+    assert safety.violations == []

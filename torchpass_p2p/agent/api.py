@@ -234,9 +234,11 @@ class Agent:
         self._callbacks.append(callback)
 
     def wait_for_rank(self, timeout_s: float | None = None) -> Change:
-        """For a spare: block until a decided change gives this member a rank; return it
-        (``change.configuration.rank_of(agent.member_id)`` is the rank, ``change.plan`` names
-        the state sources and ``resume_step``).
+        """For a spare: block until a decided change gives this member a rank, or stops the
+        job; return it. ``change.configuration.rank_of(agent.member_id)`` is the rank,
+        ``change.plan`` names the state sources and ``resume_step``; ``change.plan.action ==
+        "stop"``: nobody will get a rank (the state of a vacant rank has no surviving replica,
+        or no spare is left under policy ``stop``; :mod:`torchpass_p2p.core.plan`).
 
         Raises:
             TimeoutError: no rank within ``timeout_s`` seconds.
@@ -299,6 +301,8 @@ class Agent:
         change = self._last_change
         if change is None:
             return None
+        if change.plan.action == "stop":
+            return change
         return change if change.configuration.rank_of(self.member_id) is not None else None
 
     def _finished(self) -> bool:

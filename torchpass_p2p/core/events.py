@@ -132,6 +132,17 @@ class WaitingForSpare:
 
 
 @dataclass(frozen=True, slots=True)
+class JobStopped:
+    """``config_id``'s plan stops the job (action ``stop``, :mod:`.plan` rules 3 and 5): nobody
+    can fill the ``vacant`` ranks (every holder of their state is gone, or no spare is left
+    under policy ``stop``), so no member trains again."""
+
+    at: float
+    config_id: int
+    vacant: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Joined:
     """This process, which asked to join, is a spare of ``config_id``."""
 
@@ -158,4 +169,4 @@ class QuorumRegained:
 
 Event = (MemberAlive | MemberSuspected | AlertRaised | MemberDead | MemberLeft | SelfSuspected
          | SelfRefuted | SelfRemoved | ConfigurationDecided | PlanReady | RankAssigned
-         | WaitingForSpare | Joined | QuorumLost | QuorumRegained)
+         | WaitingForSpare | JobStopped | Joined | QuorumLost | QuorumRegained)

@@ -471,7 +471,9 @@ class Reconfiguration:
         rank = new.rank_of(m.id)
         if rank is not None and was_rank is None:
             m._emit(ev.RankAssigned(now, new.config_id, rank))
-        if plan.vacant:
+        if plan.action == "stop":
+            m._emit(ev.JobStopped(now, new.config_id, plan.vacant))
+        elif plan.vacant:
             m._emit(ev.WaitingForSpare(now, new.config_id, plan.vacant))
         # The plan waits for the last committed step of every rank holder that survived.
         self._survivors = transition.survivors

@@ -10,7 +10,8 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    as evidence to every live sibling's status page in a background task (bounded by a 2 s
    deadline per request, never awaited by the loop), and with ``respawn`` the dead process is
    replaced by a new spare joining through the live members; a member that exits
-   ``EXIT_DRAINED`` handed its rank over on purpose and is neither reported nor replaced.
+   ``EXIT_DRAINED`` handed its rank over on purpose and is neither reported nor replaced; nor is
+   one that exits ``EXIT_STOPPED`` (the agreement stopped the job: every member knows).
    :func:`.outcome.decide` says when the job is over.
 4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group,
    followed by SIGCONT so that a stopped child acts on it; after ``grace_s`` seconds the rest
@@ -62,7 +63,15 @@ from .keyfile import (
     remove_run_dir,
     write_key_file,
 )
-from .outcome import EXIT_DRAINED, ChildExit, Verdict, decide, describe_exit, exit_code
+from .outcome import (
+    EXIT_DRAINED,
+    EXIT_STOPPED,
+    ChildExit,
+    Verdict,
+    decide,
+    describe_exit,
+    exit_code,
+)
 from .plan import (
     MAX_LABEL_BYTES,
     ChildSpec,
@@ -350,7 +359,8 @@ class _Supervisor:
                 await self._stop(event.signum)
                 return
             self._record(event)
-            if event.returncode not in (0, EXIT_DRAINED) and not event.child.signalled:
+            if (event.returncode not in (0, EXIT_DRAINED, EXIT_STOPPED)
+                    and not event.child.signalled):
                 self._report(event)
                 if finish_at is None:
                     await self._maybe_respawn(event.child)

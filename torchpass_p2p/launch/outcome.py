@@ -37,8 +37,8 @@ from enum import StrEnum
 
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
-__all__ = ["EXIT_DRAINED", "EXIT_REMOVED", "ChildExit", "Verdict", "decide", "describe_exit",
-           "exit_code"]
+__all__ = ["EXIT_DRAINED", "EXIT_REMOVED", "EXIT_STOPPED", "ChildExit", "Verdict", "decide",
+           "describe_exit", "exit_code"]
 
 EXIT_REMOVED = 3
 """What a member's script exits with once a decided configuration removed it
@@ -47,6 +47,11 @@ EXIT_DRAINED = 4
 """What a member's script exits with once the rank it asked to hand over was taken by a spare
 (:class:`torchpass_p2p.trainer.Drained`: ``torchpass-p2p drain``, a GPU fault): a clean end,
 which the launcher neither reports as evidence nor respawns (the host is being emptied)."""
+EXIT_STOPPED = 5
+"""What a member's script exits with once a decided configuration stops the job
+(:class:`torchpass_p2p.trainer.Stopped`: a vacant rank nobody can fill, e.g. every holder of
+the state died at once): every member learns it from the agreement itself, so the launcher
+neither reports nor respawns it; with no process exiting 0 the launch fails."""
 
 
 class Verdict(StrEnum):
@@ -114,6 +119,9 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None) -> t
         return 128 + stopped_by, f"stopped by {signal.Signals(stopped_by).name}"
     first = next((i for i, e in enumerate(exits) if e.returncode == 0), None)
     if first is None:
+        if any(e.returncode == EXIT_STOPPED for e in exits):
+            return 1, ("the agreement stopped the job: a vacant rank nobody can fill (every "
+                       "holder of its state is gone, or no spare is left under policy 'stop')")
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
         if e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED) and not e.by_launcher:

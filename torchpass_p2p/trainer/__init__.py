@@ -5,10 +5,10 @@
 
 from .commit import resolve
 from .faults import Fault, FaultInjector, parse_faults
-from .loop import Drained, Removed, Trainer, TrainResult
+from .loop import Drained, Removed, Stopped, Trainer, TrainResult
 from .seeding import seed_step, step_generator, step_seed
 
 __all__ = [
-    "Drained", "Fault", "FaultInjector", "Removed", "TrainResult", "Trainer", "parse_faults",
-    "resolve", "seed_step", "step_generator", "step_seed",
+    "Drained", "Fault", "FaultInjector", "Removed", "Stopped", "TrainResult", "Trainer",
+    "parse_faults", "resolve", "seed_step", "step_generator", "step_seed",
 ]

@@ -98,7 +98,7 @@ from .regroup import regroup_wait_s as default_regroup_wait_s
 from .seeding import seed_step
 from .service import StateService
 
-__all__ = ["Drained", "Removed", "TrainResult", "Trainer"]
+__all__ = ["Drained", "Removed", "Stopped", "TrainResult", "Trainer"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,13 @@ class Incomplete(RuntimeError):
     """The configuration has vacant ranks (more ranks died than spares were left, under the
     ``wait`` policy): nobody trains in it; the members wait for the change that fills them
     (a spare joins, e.g. a process the launcher respawned with ``--respawn``)."""
+
+
+class Stopped(RuntimeError):
+    """The agreed plan stops the job (action ``stop``, :mod:`torchpass_p2p.core.plan` rules 3
+    and 5): a vacant rank nobody can fill, because every holder of its state is gone (data
+    parallel: every rank at once) or no spare is left under policy ``stop``. No member trains
+    again; resume from a checkpoint. Scripts exit with code 5."""
 
 
 class Drained(Removed):
@@ -269,6 +276,7 @@ class Trainer:
         Raises:
             Removed: this member was removed (or its agent stopped) before training ended.
             Drained: it was removed after it asked to leave (its rank went to a spare).
+            Stopped: the agreed plan stops the job (a vacant rank nobody can fill).
         """
         self.service.start()
         try:
@@ -565,6 +573,13 @@ class Trainer:
         configuration, plan = change.configuration, change.plan
         resume = plan.resume_step
         self._log_change(change)
+        if plan.action == "stop":
+            vacant = list(configuration.vacant_ranks)
+            self.log("job_stopped", config_id=configuration.config_id, vacant=vacant,
+                     step=self.step)
+            raise Stopped(f"configuration {configuration.config_id} stops the job: nobody can "
+                          f"take ranks {vacant} (every holder of their state is gone, or no "
+                          "spare is left under policy 'stop')")
         rank = configuration.rank_of(self.me)
         if rank is None:
             raise self._out(f"no rank in configuration {configuration.config_id}")
