@@ -396,13 +396,13 @@ class _Supervisor:
         stopped one is (most likely a member paused past its lease and removed)."""
         running = self._running()
         asked = [c for c in running if not c.stopped]
-        views = dict(zip(map(id, asked), await ask_status(
+        views = dict(zip((c.pgid for c in asked), await ask_status(
             self.session, [("127.0.0.1", c.spec.status_port) for c in asked]), strict=True))
         answers = [v for v in views.values() if v is not None]
         holders = frozenset().union(*(v.rank_holders for v in answers))
         labels = []
         for c in running:
-            view = views.get(id(c))
+            view = views.get(c.pgid)
             if view is not None:
                 idle, label = view.role in IDLE_ROLES, f"{view.role} (per its agent)"
             elif c.stopped and answers:
