@@ -66,9 +66,13 @@ def test_stripe_of_a_killed_source_moves_to_the_other(device):
     total, victim, other = (report["total_bytes"], report["bytes_by_source"]["0"],
                             report["bytes_by_source"]["1"])
     assert victim + other == total
-    # The victim sent 2 to 6 of its 8 chunks (its window is 4), the other source the rest.
+    # The victim dies once its second chunk has left, with up to 4 more in flight (its
+    # window), so at most 6 of its 8 chunks arrive; the other source sends the rest. Fewer
+    # than 2 can arrive too: gloo counts a send done once it is handed to the kernel, and a
+    # socket closed by death with unread bytes resets, dropping what it had not sent (one CI
+    # run: 1 chunk). Only whole, verified chunks count.
     chunk = total // report["num_chunks"]
-    assert 2 * chunk <= victim <= 6 * chunk
+    assert victim % chunk == 0 and victim <= 6 * chunk
     assert report["refetched"] == report["num_chunks"] // 2 - victim // chunk
 
 
