@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import stat
@@ -443,6 +444,35 @@ def test_a_spare_whose_agent_holds_a_rank_gets_the_grace(tmp_path: Path) -> None
     assert ("every rank exited 0; 1 process(es) left, started as spare(s); waiting up to "
             "20.0 s") in log, log
     assert "spare (" in log and "SIGTERM" not in log and "grace period over" not in log, log
+
+
+THE_AGREEMENT_STOPS_THE_JOB = '''
+import time
+out = Path(sys.argv[1])
+env = dump(out)
+if env.get("RANK") == "1":
+    sys.exit(1)  # a failure: respawned as a new spare, which would wait forever
+if env.get("RANK") == "0":
+    time.sleep(1.0)
+    sys.exit(5)  # EXIT_STOPPED: the agreement stopped the job
+time.sleep(60)
+'''
+
+
+def test_the_agreement_stopping_the_job_stops_the_launch(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", THE_AGREEMENT_STOPS_THE_JOB)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "2", "--respawn",
+                               str(script), str(out)])
+    code, log = finish(launcher)
+    assert code == 1, log
+    assert "respawning rank 1" in log, log
+    assert re.search(r"rank 0 \([0-9a-f]{16}\): the agreement stopped the job; waiting up to "
+                     r"2.0 s for the rest", log), log
+    assert "grace period over" in log, log  # the spare and the respawned one would wait
+    assert log.count("exited with signal SIGTERM") == 2, log
+    assert "exit code 1: the agreement stopped the job" in log, log
 
 
 STUBBORN = '''

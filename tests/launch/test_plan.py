@@ -20,6 +20,7 @@ from torchpass_p2p.launch.keyfile import (
 from torchpass_p2p.launch.outcome import (
     EXIT_DRAINED,
     EXIT_REMOVED,
+    EXIT_STOPPED,
     ChildExit,
     Verdict,
     decide,
@@ -125,6 +126,11 @@ def test_exit_code() -> None:
     # A removed member (EXIT_REMOVED) that learns it only after the job completed is no failure.
     assert exit_code([gone(1, 0), gone(2, EXIT_REMOVED)]) == (0, "job complete")
     assert exit_code([gone(1, 0), gone(2, EXIT_DRAINED)]) == (0, "job complete")
+    # Finished ranks go silent without leaving: spares that outnumber them may agree on a stop.
+    assert exit_code([gone(1, 0), gone(2, EXIT_STOPPED)]) == (0, "job complete")
+    assert exit_code([gone(1, -9), gone(2, EXIT_STOPPED)]) == (
+        1, "the agreement stopped the job: a vacant rank nobody can fill (every holder of its "
+           "state is gone, or no spare is left under policy 'stop')")
     assert exit_code([gone(1, 0)], stopped_by=15) == (143, "stopped by SIGTERM")
     assert describe_exit(-9) == "exited with signal SIGKILL" and describe_exit(2) == "exited with 2"
 

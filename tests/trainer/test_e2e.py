@@ -127,6 +127,9 @@ def test_more_deaths_than_spares_wait_for_a_respawned_spare(tmp_path: Path, clea
     assert faulty.code == 0, faulty.diagnosis()
     waited = [r for r in faulty.events if r["event"] == "waiting_for_spare"]
     assert waited and all(r["vacant"] for r in waited)
+    # Each member waits once per such configuration (it used to re-enter it in a tight loop).
+    once = [(r["member"], r["config_id"]) for r in waited]
+    assert len(once) == len(set(once)), once
     joined = {}
     for r in faulty.events:
         if r["event"] == "joined":

@@ -359,6 +359,14 @@ class _Supervisor:
                 await self._stop(event.signum)
                 return
             self._record(event)
+            if (event.returncode == EXIT_STOPPED and finish_at is None
+                    and not any(e.returncode == 0 for e in self.exits)):
+                # The agreement stopped the job: every member learns it and exits on its own;
+                # what is left after the grace (a spare respawned meanwhile, say) would only
+                # wait.
+                log.info("%s: the agreement stopped the job; waiting up to %.1f s for the rest",
+                         event.child.spec.name, self.options.grace_s)
+                finish_at = loop.time() + self.options.grace_s
             if (event.returncode not in (0, EXIT_DRAINED, EXIT_STOPPED)
                     and not event.child.signalled):
                 self._report(event)

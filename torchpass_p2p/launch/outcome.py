@@ -20,12 +20,14 @@ replaced one (that is agreed among the agents, DESIGN section 5), so it reasons 
 Exit code (:func:`exit_code`): 0 when some process exited 0 and no process failed after the
 first such exit, except processes the launcher itself signalled while shutting down and members
 that exit with :data:`EXIT_REMOVED` (the agreement removed them: a member paused past its lease
-may wake and learn it only after the others finished) or :data:`EXIT_DRAINED`; 128 + the
-signal number when a signal stopped the launcher; 1 otherwise (every exit failed, or a failure
-after completion). Known limitation: a rank drained on purpose that exits 0 while roles are
-known makes the launcher believe its rank is finished; if every starting rank leaves that way,
-the spares that took over get only the grace period (their agents say they hold ranks, but
-nothing says the job is not complete).
+may wake and learn it only after the others finished), :data:`EXIT_DRAINED` or
+:data:`EXIT_STOPPED` (finished ranks go silent without leaving, so spares that outnumber them
+may agree the job stopped); 128 + the signal number when a signal stopped the launcher; 1
+otherwise (every exit failed, the agreement stopped the job, or a failure after completion).
+Known limitation: a rank drained on purpose that exits 0 while roles are known makes the
+launcher believe its rank is finished; if every starting rank leaves that way, the spares that
+took over get only the grace period (their agents say they hold ranks, but nothing says the job
+is not complete).
 """
 
 from __future__ import annotations
@@ -124,7 +126,8 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None) -> t
                        "holder of its state is gone, or no spare is left under policy 'stop')")
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
-        if e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED) and not e.by_launcher:
+        if (e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED)
+                and not e.by_launcher):
             return 1, (f"{format_member_id(e.member_id)} {describe_exit(e.returncode)} after "
                        "the job completed")
     return 0, "job complete"

@@ -586,6 +586,9 @@ class Trainer:
         if configuration.vacant_ranks:
             self.log("waiting_for_spare", config_id=configuration.config_id,
                      vacant=list(configuration.vacant_ranks))
+            # Seen: the wait that follows is for a newer rank map, not this one again (it
+            # returned at once and re-entered this change in a tight loop).
+            self.config_id, self._ranks = configuration.config_id, tuple(configuration.ranks)
             raise Incomplete(f"configuration {configuration.config_id} has vacant ranks "
                              f"{list(configuration.vacant_ranks)}")
         assigned = dict(plan.assignments).get(rank) == self.me
