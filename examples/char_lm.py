@@ -169,14 +169,11 @@ def main() -> int:
 
     try:
         result = trainer.run(loss_fn, args.steps)
-    except Removed as exc:
+    except (Removed, Stopped) as exc:
         print(f"member {me}: {exc}; exiting", file=sys.stderr, flush=True)
         agent.stop(leave=False, timeout_s=2.0)
-        return EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED
-    except Stopped as exc:
-        print(f"member {me}: {exc}; exiting", file=sys.stderr, flush=True)
-        agent.stop(leave=False, timeout_s=2.0)
-        return EXIT_STOPPED
+        return (EXIT_STOPPED if isinstance(exc, Stopped) else
+                EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"final-{me}.json").write_text(json.dumps({
