@@ -475,6 +475,62 @@ def test_the_agreement_stopping_the_job_stops_the_launch(tmp_path: Path) -> None
     assert "exit code 1: the agreement stopped the job" in log, log
 
 
+A_MAJORITY_DIES = '''
+import asyncio, json, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+rank = env.get("RANK")
+if rank in ("0", "1"):
+    time.sleep(0.5)
+    sys.exit(1)  # two of four members die: the other two can never decide anything again
+
+async def main():
+    started = time.monotonic()
+    while len(list(out.glob("*.json"))) < 4:
+        await asyncio.sleep(0.02)
+    members = [json.loads(p.read_text())["TORCHPASS_MEMBER_ID"] for p in out.glob("*.json")]
+
+    async def status(request):
+        fenced = time.monotonic() - started > 3.0  # as after the agent's lease
+        if fenced:
+            (out / f"said-fenced-{rank}").touch()
+        return web.json_response({"role": "spare" if rank is None else "rank",
+                                  "config_id": 0, "fenced": fenced,
+                                  "members": [{"member_id": m} for m in members]})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+'''
+
+
+def test_a_job_whose_majority_died_is_stopped_once_the_agents_are_fenced(
+        tmp_path: Path) -> None:
+    # Rank 2 and the spare are 2 of the 4 members: no configuration can be decided again, so
+    # nothing will ever give them work. Before, the launcher waited for them until killed.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", A_MAJORITY_DIES)
+    launcher = start_launcher(["--nproc", "3", "--spares", "1", "--grace", "20", str(script),
+                               str(out)])
+    code, log = finish(launcher, timeout_s=15)
+    assert code == 1, log
+    lost = "no majority of configuration 0 is left: 2 of its 4 members exited and a majority is 3"
+    assert f"{lost}: the job cannot go on; stopping the remaining processes" in log, log
+    assert f"exit code 1: {lost}" in log, log
+    assert (out / "said-fenced-2").exists() and (out / "said-fenced-None").exists()
+    assert log.count("exited with signal SIGTERM") == 2, log
+    assert "grace period over" not in log, log
+
+
 STUBBORN = '''
 import signal, subprocess, time
 out = Path(sys.argv[1])

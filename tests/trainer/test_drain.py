@@ -10,6 +10,7 @@ crashing.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -60,6 +61,7 @@ class ScriptedAgent:
         self.services: list[tuple[str, int]] = []
         self.waited = 0
         self.assigned: Change | None = None
+        self.fenced_for: list[bool] = []  # `fenced` after each empty wait, then a rank
 
     @property
     def config_id(self) -> int:
@@ -78,8 +80,12 @@ class ScriptedAgent:
     def status(self) -> dict[str, Any]:
         return {"recent_events": []}
 
-    def wait_for_rank(self) -> Change:
+    def wait_for_rank(self, timeout_s: float | None = None) -> Change:
         self.waited += 1
+        if self.fenced_for:  # no majority reachable: nothing comes within the slice
+            self.fenced = self.fenced_for.pop(0)
+            time.sleep(timeout_s or 0.0)
+            raise TimeoutError(f"no rank assigned within {timeout_s} s")
         if self.assigned is None:
             raise RuntimeError("the agent stopped")
         return self.assigned
@@ -170,6 +176,39 @@ def test_a_late_spare_still_joining_waits_for_a_rank(trainer: Trainer, tmp_path:
     assert agent.waited == 1
     assert [r["event"] for r in read_events(tmp_path)] == ["start", "spare_waiting", "removed"]
     assert events(tmp_path, "removed")[0]["drained"] is False
+
+
+def test_a_spare_that_reaches_no_majority_gives_up_after_its_deadline(
+        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every rank died and the spares are too few to decide anything: nothing will ever give
+    # this spare a rank. It waited forever before; now it stops after ``give_up_s`` fenced.
+    monkeypatch.setattr("torchpass_p2p.trainer.loop.WAIT_SLICE_S", 0.01)
+    agent = trainer.agent
+    agent.role, trainer.give_up_s = "spare", 0.05
+    agent.fenced_for = [True] * 100
+    with pytest.raises(Removed, match=r"^no majority of configuration 0 reachable for 0.05 s$"):
+        trainer.run(lambda step, rank: torch.zeros(()), steps=1)
+    assert 2 <= agent.waited < 100  # fenced from the first empty wait on
+    assert [r["event"] for r in read_events(tmp_path)] == [
+        "start", "spare_waiting", "fenced", "removed"]
+
+
+def test_a_spare_fenced_for_a_while_waits_on(trainer: Trainer, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fenced for less than the deadline each time (a partition that heals): the spare keeps
+    # waiting, and takes the rank it is finally given.
+    monkeypatch.setattr("torchpass_p2p.trainer.loop.WAIT_SLICE_S", 0.02)
+    agent = trainer.agent
+    agent.role, trainer.give_up_s = "spare", 0.1
+    agent.fenced_for = ([True] * 3 + [False]) * 3
+    agent.assigned = JOINED
+    entered: list[int] = []
+    monkeypatch.setattr(trainer, "_enter_until_in",
+                        lambda change: entered.append(change.configuration.config_id))
+    trainer._begin()
+    assert entered == [1] and agent.waited == 13
+    assert [r["event"] for r in read_events(tmp_path)] == [
+        "start", "spare_waiting", "fenced", "fenced", "fenced"]
 
 
 def test_a_spare_whose_first_entry_fails_enters_the_next_configuration(

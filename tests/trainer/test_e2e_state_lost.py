@@ -8,6 +8,11 @@ parallel: every rank is gone), so the plan stops the job (:mod:`torchpass_p2p.co
 exits 1 and says why. Before, the spares waited for a rank that was never given (the
 configuration was reported as waiting for a spare), and the job hung until killed.
 
+With fewer spares than ranks (two ranks, one spare) the spare alone is no majority: no
+configuration can be decided again, not even a stop. Must hold: the spare is fenced, the
+launcher sees that a majority of configuration 0 exited, stops the spare and exits 1 saying
+so. Before, the spare waited for a rank forever and the launch with it.
+
 The same under policy ``stop`` (rule 5) with no spare at all: three ranks, rank 2 killed; the
 two survivors stop (exit ``EXIT_STOPPED``) instead of waiting 600 s for a spare.
 """
@@ -44,6 +49,23 @@ def test_every_rank_dying_at_once_stops_the_job(tmp_path: Path) -> None:
         assert f"spare ({member}) exited with {EXIT_STOPPED}" in run.output, run.diagnosis()
     assert not [r for r in events if r["event"] in ("fetch_started", "joined")
                 and r.get("config_id", 0) > 0]
+    assert run.finals == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_spare_left_without_a_majority_is_stopped_by_the_launcher(tmp_path: Path) -> None:
+    run = run_job(tmp_path, nproc=2, spares=1, steps=STEPS, faults=FAULTS, script_args=ARGS,
+                  timeout_s=120)
+    assert run.code == 1, run.diagnosis()
+    lost = "no majority of configuration 0 is left: 2 of its 3 members exited and a majority is 2"
+    assert f"exit code 1: {lost}" in run.output, run.diagnosis()
+    events = run.events
+    (spare,) = {r["member"] for r in events if r["event"] == "start" and r["role"] == "spare"}
+    assert [(r["member"], r["config_id"]) for r in events if r["event"] == "fenced"] == [
+        (spare, 0)]
+    assert f"spare ({spare}) exited with signal SIGTERM" in run.output, run.diagnosis()
+    assert not [r for r in events if r["event"] in ("change", "job_stopped", "fetch_started")]
     assert run.finals == []
 
 

@@ -12,7 +12,10 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    replaced by a new spare joining through the live members; a member that exits
    ``EXIT_DRAINED`` handed its rank over on purpose and is neither reported nor replaced; nor is
    one that exits ``EXIT_STOPPED`` (the agreement stopped the job: every member knows).
-   :func:`.outcome.decide` says when the job is over.
+   :func:`.outcome.decide` says when the job is over. After a failure the launcher also asks
+   the agents every :data:`QUORUM_CHECK_S` whether a majority of their configuration is still
+   alive (:func:`.roles.majority_lost`); when it is not, no configuration can be decided again
+   and it stops the job instead of leaving the spares to wait.
 4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group,
    followed by SIGCONT so that a stopped child acts on it; after ``grace_s`` seconds the rest
    get SIGKILL. Once the job has completed and every remaining child is idle, the grace ends
@@ -83,7 +86,7 @@ from .plan import (
     nodes_configuration,
 )
 from .ports import free_ports
-from .roles import IDLE_ROLES, ask_status
+from .roles import IDLE_ROLES, ask_status, majority_lost
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_RESPAWNS", "LaunchError", "LaunchOptions", "launch"]
 
@@ -97,6 +100,10 @@ DEFAULT_MAX_RESPAWNS = 3
 KILL_WAIT_S = 5.0
 """Seconds to wait for the kernel to reap processes after SIGKILL; past it they are reported
 and abandoned (a process in uninterruptible sleep, e.g. stuck in a GPU driver)."""
+QUORUM_CHECK_S = 2.0
+"""After a failure, how often the launcher asks its children's agents whether a majority of
+their configuration is still alive (:func:`.roles.majority_lost`): a job whose majority died
+stops within the agents' lease plus this, instead of idling until someone kills it."""
 CONFIGURATION_FILE = "configuration-0.json"
 
 
@@ -201,6 +208,7 @@ class _Supervisor:
         self.recorded: set[int] = set()  # pids whose exit is in ``exits``
         self.respawns = 0
         self.stopped_by: int | None = None
+        self.gave_up: str | None = None  # why no majority can form again (roles.majority_lost)
         self.evidence: set[asyncio.Task[int]] = set()
 
     # --- setup ---
@@ -234,7 +242,7 @@ class _Supervisor:
                 log.warning("killed %d stray process(es) left by the children: pid(s) %s",
                             len(strays), ", ".join(map(str, strays)))
             remove_run_dir(self.run_dir)
-        code, reason = exit_code(self.exits, stopped_by=self.stopped_by)
+        code, reason = exit_code(self.exits, stopped_by=self.stopped_by, gave_up=self.gave_up)
         log.info("exit code %d: %s", code, reason)
         return code
 
@@ -344,12 +352,21 @@ class _Supervisor:
     async def _supervise(self) -> None:
         loop = asyncio.get_running_loop()
         finish_at: float | None = None
+        check_at: float | None = None  # next look for a lost majority, after a failure
         while True:
             try:
-                async with asyncio.timeout_at(finish_at):
+                async with asyncio.timeout_at(_earliest(finish_at, check_at)):
                     event = await self.events.get()
             except TimeoutError:
-                log.info("grace period over; stopping the remaining processes")
+                if check_at is not None and loop.time() >= check_at:
+                    self.gave_up = await self._majority_lost()
+                    if self.gave_up is None:
+                        check_at = loop.time() + QUORUM_CHECK_S
+                        continue
+                    log.warning("%s: the job cannot go on; stopping the remaining processes",
+                                self.gave_up)
+                else:
+                    log.info("grace period over; stopping the remaining processes")
                 await self._stop(signal.SIGTERM)
                 return
             if isinstance(event, _Signalled):
@@ -378,8 +395,13 @@ class _Supervisor:
                 joining=self.options.joining)
             if verdict is Verdict.DONE:
                 log.info("%s", reason)
+                await self._collect_exits(self.options.grace_s)  # reaped, not yet recorded
                 return
-            if any(e.returncode == 0 for e in self.exits):
+            completed = any(e.returncode == 0 for e in self.exits)
+            failed = any(e.returncode not in (0, EXIT_DRAINED, EXIT_STOPPED) for e in self.exits)
+            check_at = None if completed or finish_at is not None or not failed else (
+                check_at or loop.time() + QUORUM_CHECK_S)
+            if completed:
                 # The job completed. Checked again at every exit: once the last process still
                 # finishing is done, the rest (idle spares, members removed or paused past
                 # their lease) finish nothing and would hold the launcher for the whole grace.
@@ -423,6 +445,18 @@ class _Supervisor:
                 return None
             labels.append(label)
         return "idle: " + ", ".join(f"{n} {label}" for label, n in sorted(Counter(labels).items()))
+
+    async def _majority_lost(self) -> str | None:
+        """Why no configuration can be decided again (:func:`.roles.majority_lost`), or None.
+        It concludes only about a configuration of its own children: with members on other
+        hosts, the agents' own deadline ends the wait (:class:`~torchpass_p2p.trainer.Trainer`
+        ``give_up_s``)."""
+        asked = [c for c in self._running() if not c.stopped]
+        views = await ask_status(self.session, [("127.0.0.1", c.spec.status_port)
+                                                for c in asked])
+        ours = {c.pgid: format_member_id(c.spec.member_id) for c in self.children}
+        gone = frozenset(m for pgid, m in ours.items() if pgid in self.recorded)
+        return majority_lost(views, gone, frozenset(ours.values()))
 
     def _record(self, event: _Exited) -> None:
         child = event.child
@@ -484,21 +518,25 @@ class _Supervisor:
         SIGKILL. A second SIGINT or SIGTERM meanwhile skips the rest of the wait."""
         for child in self._running():
             child.send(sig)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.options.grace_s
-        # Until every exit is recorded, not merely reaped: the last ones' events would otherwise
-        # stay queued, never logged nor counted.
+        await self._collect_exits(self.options.grace_s)
+        await self._kill_all()
+
+    async def _collect_exits(self, within_s: float) -> None:
+        """Record exits until every child's is, for at most ``within_s`` seconds or until a
+        signal arrives. A child is reaped before its watcher queues the exit (it kills the
+        child's group first), so "nothing running" does not mean "every exit recorded": the
+        last ones would stay queued, never logged nor counted."""
+        deadline = asyncio.get_running_loop().time() + within_s
         while any(c.pgid not in self.recorded for c in self.children):
             try:
                 async with asyncio.timeout_at(deadline):
                     event = await self.events.get()
             except TimeoutError:
-                break
+                return
             if isinstance(event, _Signalled):
-                log.info("second signal: killing every process now")
-                break
+                log.info("received %s: waiting no longer", signal.Signals(event.signum).name)
+                return
             self._record(event)
-        await self._kill_all()
 
     async def _kill_all(self) -> None:
         """SIGKILL every running child's group and wait (at most :data:`KILL_WAIT_S`)."""
@@ -520,6 +558,10 @@ class _Supervisor:
                           child.spec.name, child.process.pid, KILL_WAIT_S)
             else:
                 self._record(_Exited(child, returncode))
+
+
+def _earliest(*deadlines: float | None) -> float | None:
+    return min((d for d in deadlines if d is not None), default=None)
 
 
 def _host_label() -> str:

@@ -23,7 +23,8 @@ that exit with :data:`EXIT_REMOVED` (the agreement removed them: a member paused
 may wake and learn it only after the others finished), :data:`EXIT_DRAINED` or
 :data:`EXIT_STOPPED` (finished ranks go silent without leaving, so spares that outnumber them
 may agree the job stopped); 128 + the signal number when a signal stopped the launcher; 1
-otherwise (every exit failed, the agreement stopped the job, or a failure after completion).
+otherwise (every exit failed, the agreement stopped the job, a majority of the
+configuration died, or a failure after completion).
 Known limitation: a rank drained on purpose that exits 0 while roles are known makes the
 launcher believe its rank is finished; if every starting rank leaves that way, the spares that
 took over get only the grace period (their agents say they hold ranks, but nothing says the job
@@ -114,13 +115,17 @@ def decide(
     return Verdict.RUN, f"{running} process(es) running, roles unknown after a failure"
 
 
-def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None) -> tuple[int, str]:
+def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
+              gave_up: str | None = None) -> tuple[int, str]:
     """The launcher's exit code and the reason (module docstring). ``stopped_by``: the signal
-    number that stopped the launcher, if one did."""
+    number that stopped the launcher, if one did; ``gave_up``: why the launcher stopped a job
+    that lost its majority (:func:`.roles.majority_lost`), if it did."""
     if stopped_by is not None:
         return 128 + stopped_by, f"stopped by {signal.Signals(stopped_by).name}"
     first = next((i for i, e in enumerate(exits) if e.returncode == 0), None)
     if first is None:
+        if gave_up is not None:
+            return 1, gave_up
         if any(e.returncode == EXIT_STOPPED for e in exits):
             return 1, ("the agreement stopped the job: a vacant rank nobody can fill (every "
                        "holder of its state is gone, or no spare is left under policy 'stop')")

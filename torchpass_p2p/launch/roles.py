@@ -9,6 +9,10 @@ instead of after its grace period. A child stopped by a signal cannot answer; th
 ``members`` say whether it still holds a rank (a rank paused for a moment at the very end
 does; a rank paused past its lease was removed). A child that does not answer in time, or
 answers anything else, is assumed to hold a rank: the grace period remains the bound for it.
+
+The same pages tell a launcher whose job cannot go on at all (:func:`majority_lost`): every
+agent that answers is fenced in one configuration, all of whose members this launcher started,
+and too many of them have exited.
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.configuration import Address
 
 from .plan import format_address
 
-__all__ = ["IDLE_ROLES", "MAX_STATUS_BYTES", "ROLE_TIMEOUT_S", "StatusView", "ask_status"]
+__all__ = ["IDLE_ROLES", "MAX_STATUS_BYTES", "ROLE_TIMEOUT_S", "StatusView", "ask_status",
+           "majority_lost"]
 
 IDLE_ROLES = frozenset({"spare", "joining", "removed"})
 """Roles that hold no rank and take no part in training (``leaving`` still holds its rank
@@ -39,11 +45,15 @@ MAX_STATUS_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class StatusView:
-    """One agent's answer: its own ``role``, and the members (16 hex digits) that hold a rank
-    in its configuration."""
+    """One agent's answer: its own ``role``; the ``members`` (16 hex digits) of its
+    configuration ``config_id`` and those of them that hold a rank (``rank_holders``);
+    ``fenced``: it has not reached a majority of that configuration for its lease."""
 
     role: str
     rank_holders: frozenset[str]
+    config_id: int = -1
+    members: frozenset[str] = frozenset()
+    fenced: bool = False
 
 
 async def ask_status(session: aiohttp.ClientSession, statuses: Sequence[Address], *,
@@ -73,7 +83,39 @@ def _view(document: object) -> StatusView | None:
     role, members = document.get("role"), document.get("members")
     if not isinstance(role, str) or not isinstance(members, list):
         return None
-    holders = frozenset(m["member_id"] for m in members
-                        if isinstance(m, dict) and isinstance(m.get("member_id"), str)
-                        and m.get("role") == "rank")
-    return StatusView(role, holders)
+    entries = [m for m in members if isinstance(m, dict) and isinstance(m.get("member_id"), str)]
+    holders = frozenset(m["member_id"] for m in entries if m.get("role") == "rank")
+    config_id, fenced = document.get("config_id"), document.get("fenced")
+    return StatusView(role, holders,
+                      config_id if isinstance(config_id, int) else -1,
+                      frozenset(m["member_id"] for m in entries),
+                      fenced is True)
+
+
+def majority_lost(views: Sequence[StatusView | None], gone: frozenset[str],
+                  ours: frozenset[str]) -> str | None:
+    """Why no configuration can ever be decided again, or None if one may be.
+
+    ``views``: the answers of every running child that can answer (not stopped by a signal);
+    ``ours``: the members (16 hex digits) this launcher started; ``gone``: those of them whose
+    process exited. A member id never comes back (a respawned process is a new member), so once
+    fewer members of a configuration than its classic quorum (``floor(N/2) + 1``,
+    :func:`~torchpass_p2p.core.agreement.classic_quorum`) are left, that configuration decides
+    nothing more: no join, no replacement, no stop (DESIGN section 5). The configuration is the
+    one every answer names, and only while every answer is fenced (no majority heard for a
+    lease); a missing answer or a mixed view says nothing. Only a configuration whose members
+    are all this launcher's counts: elsewhere a newer configuration may have been decided that
+    a partition kept from these agents, and deaths there are not seen here (the agents' own
+    deadline covers that case)."""
+    if not views or any(v is None or not v.fenced for v in views):
+        return None
+    first = views[0]
+    assert first is not None
+    if first.config_id < 0 or any(v is not None and v.config_id != first.config_id
+                                  for v in views):
+        return None
+    n, dead = len(first.members), len(first.members & gone)
+    if n == 0 or not first.members <= ours or n - dead >= classic_quorum(n):
+        return None
+    return (f"no majority of configuration {first.config_id} is left: {dead} of its {n} "
+            f"members exited and a majority is {classic_quorum(n)}")

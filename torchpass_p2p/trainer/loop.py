@@ -105,6 +105,8 @@ log = logging.getLogger(__name__)
 TRANSFER_SERVICE = "transfer"
 SLICE_S = 0.05
 """Seconds between checks of the agent while waiting for a configuration."""
+WAIT_SLICE_S = 1.0
+"""How often a waiting spare looks whether it is fenced (it wakes at once for a rank)."""
 LOOKUP_TIMEOUT_S = 30.0
 """How long a spare waits for a source to announce its transfer server for the new
 configuration (a survivor announces it once it holds the resume state: milliseconds after the
@@ -202,6 +204,9 @@ class Trainer:
         regroup_wait_s: after a collective failure, how long to wait for a configuration
             change before regrouping in the same configuration (default:
             :func:`~.regroup.regroup_wait_s` of the agent's protocol parameters).
+        give_up_s: the last resort, in seconds: a rank whose failed collective nothing
+            repaired, or a spare that reached no majority of its configuration, stops after
+            this long with :class:`Removed` (default :data:`~.regroup.GIVE_UP_S`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -210,7 +215,8 @@ class Trainer:
                  state_transport: str = "auto",
                  log_path: str | os.PathLike[str] | None = None,
                  faults: FaultInjector | None = None,
-                 regroup_wait_s: float | None = None) -> None:
+                 regroup_wait_s: float | None = None,
+                 give_up_s: float = GIVE_UP_S) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.agent = agent
         self.seed = seed
@@ -236,6 +242,7 @@ class Trainer:
             regroup_wait_s = default_regroup_wait_s(
                 params if isinstance(params, Params) else Params())
         self.regroup_wait_s = regroup_wait_s
+        self.give_up_s = give_up_s
         self.keeper = StoreKeeper(agent.address[0])
         self.service = StateService(TransferKeys.from_keyring(agent.settings.keyring),
                                     self._known_config_id, host=agent.address[0],
@@ -305,10 +312,7 @@ class Trainer:
                  status=None if status is None else format_address(status))
         if agent.role in ("spare", "joining"):  # joining: a late spare, not admitted yet
             self.log("spare_waiting", config_id=agent.config_id)
-            try:
-                change = agent.wait_for_rank()
-            except Exception as exc:
-                raise Removed(f"no rank for this spare: {exc}") from None
+            change = self._wait_for_rank()
             self._latest = change
             self._drain_changes()
             self._enter_until_in(self._latest if self._changes_ranks() else change)
@@ -319,6 +323,29 @@ class Trainer:
         configuration = agent.settings.configuration or agent.configuration
         self._enter_configuration(configuration, group_id=configuration.config_id, resume=0,
                                   fetch_from=None)
+
+    def _wait_for_rank(self) -> Any:
+        """A spare's wait for a rank, as long as it takes while the job lives: only a spare
+        that has reached no majority of its configuration for ``give_up_s`` (the job lost
+        its majority, or this host its network) gives up, with :class:`Removed` (the same
+        last resort as a rank's)."""
+        agent, fenced_since = self.agent, None
+        while True:
+            try:
+                return agent.wait_for_rank(timeout_s=WAIT_SLICE_S)
+            except TimeoutError:
+                pass
+            except Exception as exc:
+                raise Removed(f"no rank for this spare: {exc}") from None
+            now = time.monotonic()
+            if not agent.fenced:
+                fenced_since = None
+            elif fenced_since is None:
+                fenced_since = now
+                self.log("fenced", step=self.step, config_id=agent.config_id)
+            elif now - fenced_since > self.give_up_s:
+                raise Removed(f"no majority of configuration {agent.config_id} reachable for "
+                              f"{self.give_up_s:g} s")
 
     def _one_step(self, loss_fn: Callable[[int, int], torch.Tensor]) -> None:
         if self._poll():
@@ -449,7 +476,7 @@ class Trainer:
     def _await_change(self, within_s: float | None = None) -> Any:
         """Block until the agent delivers a configuration with another rank map and return
         it; None when ``within_s`` seconds passed first. Without ``within_s``: raise
-        :class:`Removed` after :data:`~.regroup.GIVE_UP_S` (the last resort)."""
+        :class:`Removed` after ``give_up_s`` (the last resort)."""
         waited = time.monotonic()
         fenced = False
         while not self._poll():
@@ -462,8 +489,8 @@ class Trainer:
             time.sleep(SLICE_S)
             if within_s is not None and time.monotonic() - waited > within_s:
                 return None
-            if time.monotonic() - waited > GIVE_UP_S:
-                raise Removed(f"no new configuration for {GIVE_UP_S:.0f} s after a collective "
+            if time.monotonic() - waited > self.give_up_s:
+                raise Removed(f"no new configuration for {self.give_up_s:g} s after a collective "
                               "failure")
         return self._latest
 
