@@ -28,9 +28,12 @@ Methods, each run fault-free and with the faults (wall time from launch to exit)
 interrupts is not counted, under any method). ``final_weights_equal_fault_free``: the weights'
 sha256 after the run with faults equals that method's fault-free run.
 ``speedup_vs_torchrun`` = torchrun wall / torchpass_p2p wall, both with faults.
-``time_lost_per_fault_s`` = (wall with faults - fault-free wall) / faults, per method, and
+``time_lost_per_fault_s`` = (wall with faults - fault-free wall) / faults, per method, each
+run with faults paired with the fault-free run of its own repeat (median over repeats; the walls
+themselves vary by seconds between repeats, more than a kill costs), and
 ``lost_per_fault_ratio_torchrun`` / ``_torchft`` = theirs / ours (issue #7's targets: >= 10 and
->= 4; ``overhead_vs_fault_free`` <= 1.10, all under ``targets``).
+>= 4; ``overhead_vs_fault_free`` <= 1.10, the median of the same pairs' ratios; all under
+``targets``).
 ``recovery_by_fault``: each fault's recovery seconds from the methods' own timelines. Wall times are
 medians over ``--repeats``; everything else is from the first repeat (``consistent_over_repeats``
 says whether the repeats agreed). Figures only: nothing here asserts a time.
@@ -424,11 +427,15 @@ def main(argv: list[str] | None = None) -> int:
         out["consistent_over_repeats"] = all(
             summarize(*r[key])["final_weights_equal_fault_free"]
             == out["final_weights_equal_fault_free"] for r in reps)
-        # What the faults cost: the run with faults against the same method's fault-free run.
-        out["time_lost_per_fault_s"] = ((out["wall_s"] - out["fault_free_wall_s"]) / n_faults
-                                        if n_faults else None)
-        out["overhead_vs_fault_free"] = (out["wall_s"] / out["fault_free_wall_s"]
-                                         if out["fault_free_wall_s"] else None)
+        # What the faults cost: each run with faults against the same method's fault-free run
+        # of the same repeat (minutes apart, so the machine's drift between repeats cancels),
+        # then the median over repeats.
+        pairs = [(r[key][1]["wall_s"], r[key][0]["wall_s"]) for r in reps]
+        out["time_lost_per_fault_s_per_repeat"] = (
+            [(f - c) / n_faults for f, c in pairs] if n_faults else None)
+        out["time_lost_per_fault_s"] = (
+            statistics.median(out["time_lost_per_fault_s_per_repeat"]) if n_faults else None)
+        out["overhead_vs_fault_free"] = statistics.median(f / c for f, c in pairs if c)
     result = {
         "benchmark": "vs_restart",
         "job": {"script": "examples/char_lm.py", "ranks": NPROC, "steps": args.steps,

@@ -53,6 +53,10 @@ def test_short_comparison() -> None:
     mean_time_between_faults = young["mtbf_s"]
     assert young["k_steps"] >= 1 and mean_time_between_faults > 0
     assert out["speedup_vs_torchrun"] > 0
+    for method in (tp, tr):  # one repeat: its own pair of runs
+        (lost,) = method["time_lost_per_fault_s_per_repeat"]
+        assert method["time_lost_per_fault_s"] == lost
+        assert lost == pytest.approx(method["wall_s"] - method["fault_free_wall_s"], abs=1e-3)
     (kill,) = out["recovery_by_fault"]
     assert kill["kind"] == "kill" and kill["step"] == 7
     assert kill["torchpass_p2p_s"] == tp["faults"][0]["resumed_s"]

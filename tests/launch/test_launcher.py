@@ -468,11 +468,11 @@ def test_the_agreement_stopping_the_job_stops_the_launch(tmp_path: Path) -> None
     code, log = finish(launcher)
     assert code == 1, log
     assert "respawning rank 1" in log, log
-    assert re.search(r"rank 0 \([0-9a-f]{16}\): the agreement stopped the job; waiting up to "
+    assert re.search(r"rank 0 \([0-9a-f]{16}\) stopped the job; waiting up to "
                      r"2.0 s for the rest", log), log
     assert "grace period over" in log, log  # the spare and the respawned one would wait
     assert log.count("exited with signal SIGTERM") == 2, log
-    assert "exit code 1: the agreement stopped the job" in log, log
+    assert "exit code 1: a member stopped the job: the agreement left a rank" in log, log
 
 
 A_MAJORITY_DIES = '''
@@ -486,18 +486,21 @@ if rank in ("0", "1"):
     time.sleep(0.5)
     sys.exit(1)  # two of four members die: the other two can never decide anything again
 
+joining = "TORCHPASS_SEEDS" in env  # respawned: never admitted, never fenced
+
 async def main():
     started = time.monotonic()
     while len(list(out.glob("*.json"))) < 4:
         await asyncio.sleep(0.02)
-    members = [json.loads(p.read_text())["TORCHPASS_MEMBER_ID"] for p in out.glob("*.json")]
+    members = [e["TORCHPASS_MEMBER_ID"] for e in map(json.loads, (
+        p.read_text() for p in out.glob("*.json"))) if "TORCHPASS_SEEDS" not in e]
 
     async def status(request):
-        fenced = time.monotonic() - started > 3.0  # as after the agent's lease
+        fenced = not joining and time.monotonic() - started > 3.0  # as after the lease
         if fenced:
             (out / f"said-fenced-{rank}").touch()
-        return web.json_response({"role": "spare" if rank is None else "rank",
-                                  "config_id": 0, "fenced": fenced,
+        role = "joining" if joining else "spare" if rank is None else "rank"
+        return web.json_response({"role": role, "config_id": 0, "fenced": fenced,
                                   "members": [{"member_id": m} for m in members]})
 
     app = web.Application()
@@ -512,22 +515,25 @@ asyncio.run(main())
 '''
 
 
+@pytest.mark.parametrize("respawn", [False, True], ids=["", "respawn"])
 def test_a_job_whose_majority_died_is_stopped_once_the_agents_are_fenced(
-        tmp_path: Path) -> None:
+        tmp_path: Path, respawn: bool) -> None:
     # Rank 2 and the spare are 2 of the 4 members: no configuration can be decided again, so
     # nothing will ever give them work. Before, the launcher waited for them until killed.
+    # Respawned spares change nothing: they could be admitted only by a majority.
     out = tmp_path / "out"
     out.mkdir()
     script = write_script(tmp_path, "child.py", A_MAJORITY_DIES)
-    launcher = start_launcher(["--nproc", "3", "--spares", "1", "--grace", "20", str(script),
-                               str(out)])
+    launcher = start_launcher(["--nproc", "3", "--spares", "1", "--grace", "20",
+                               *(["--respawn"] if respawn else []), str(script), str(out)])
     code, log = finish(launcher, timeout_s=15)
     assert code == 1, log
     lost = "no majority of configuration 0 is left: 2 of its 4 members exited and a majority is 3"
     assert f"{lost}: the job cannot go on; stopping the remaining processes" in log, log
     assert f"exit code 1: {lost}" in log, log
     assert (out / "said-fenced-2").exists() and (out / "said-fenced-None").exists()
-    assert log.count("exited with signal SIGTERM") == 2, log
+    assert log.count("respawning") == (2 if respawn else 0), log
+    assert log.count("exited with signal SIGTERM") == (4 if respawn else 2), log
     assert "grace period over" not in log, log
 
 

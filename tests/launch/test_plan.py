@@ -116,6 +116,13 @@ def test_decide() -> None:
     assert decide([gone(3, 0, rank=False)], running=2, running_ranks=0,
                   joining=True)[0] is Verdict.FINISH
     assert decide(failed, running=0, running_ranks=0, joining=False)[0] is Verdict.DONE
+    # A spare that exits 0 held a rank: one started as a rank (paused past its lease and
+    # replaced, no exit seen) may hold none, so the rest get the grace instead of being waited
+    # for as ranks.
+    verdict, reason = decide([gone(1, 0), gone(3, 0, rank=False)], running=1,
+                             running_ranks=1, joining=False)
+    assert (verdict, reason) == (Verdict.FINISH, "0000000000000001 exited 0: job complete; 1 "
+                                                 "process(es) may still be finishing")
 
 
 def test_exit_code() -> None:
@@ -129,8 +136,9 @@ def test_exit_code() -> None:
     # Finished ranks go silent without leaving: spares that outnumber them may agree on a stop.
     assert exit_code([gone(1, 0), gone(2, EXIT_STOPPED)]) == (0, "job complete")
     assert exit_code([gone(1, -9), gone(2, EXIT_STOPPED)]) == (
-        1, "the agreement stopped the job: a vacant rank nobody can fill (every holder of its "
-           "state is gone, or no spare is left under policy 'stop')")
+        1, "a member stopped the job: the agreement left a rank nobody can fill (every holder "
+           "of its state is gone, or no spare is left under policy 'stop'), or no majority was "
+           "reachable for the member's give-up time")
     assert exit_code([gone(1, 0)], stopped_by=15) == (143, "stopped by SIGTERM")
     assert describe_exit(-9) == "exited with signal SIGKILL" and describe_exit(2) == "exited with 2"
 

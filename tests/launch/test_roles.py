@@ -49,6 +49,15 @@ def test_no_verdict_without_certainty(views: list[StatusView | None],
     assert majority_lost(views, gone, FIVE) is None
 
 
+def test_members_still_joining_are_left_out() -> None:
+    # Respawned spares are joining: never fenced, and their view is their seed's. They decide
+    # nothing, so the fenced members' verdict stands; alone they give none.
+    joining = StatusView("joining", frozenset(), 0, FIVE, False)
+    assert majority_lost([fenced(), joining, joining], frozenset({C, D, E}), FIVE) == (
+        "no majority of configuration 3 is left: 3 of its 5 members exited and a majority is 3")
+    assert majority_lost([joining], frozenset({C, D, E}), FIVE) is None
+
+
 def test_no_verdict_about_a_configuration_with_members_on_other_hosts() -> None:
     # Seven members, two started elsewhere: even with four of ours gone, a newer configuration
     # may have been decided over there that a partition kept from our agents.

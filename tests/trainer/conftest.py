@@ -14,18 +14,18 @@ CLEAN_TIMEOUT_S = 200.0
 
 @pytest.fixture(scope="session")
 def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
-    """``clean_run(steps, script_args=ARGS)``: the fault-free run of ``steps`` steps (4 ranks,
-    1 spare, the example's ``script_args``), launched on first use and shared by every module
-    asking for the same length and settings."""
-    runs: dict[tuple[int, tuple[str, ...]], Run] = {}
+    """``clean_run(steps, script_args=ARGS, nproc=4)``: the fault-free run of ``steps`` steps
+    (``nproc`` ranks, 1 spare, the example's ``script_args``), launched on first use and shared
+    by every module asking for the same length and settings."""
+    runs: dict[tuple[int, tuple[str, ...], int], Run] = {}
 
-    def get(steps: int, script_args: tuple[str, ...] = ARGS) -> Run:
-        key = (steps, tuple(script_args))
+    def get(steps: int, script_args: tuple[str, ...] = ARGS, nproc: int = 4) -> Run:
+        key = (steps, tuple(script_args), nproc)
         if key not in runs:
-            run = run_job(tmp_path_factory.mktemp(f"clean-{steps}"), nproc=4, spares=1,
+            run = run_job(tmp_path_factory.mktemp(f"clean-{steps}"), nproc=nproc, spares=1,
                           steps=steps, script_args=key[1], timeout_s=CLEAN_TIMEOUT_S)
             assert run.code == 0, run.diagnosis()
-            assert len(run.finals) == 4 and all(r["steps"] == steps for r in run.finals)
+            assert len(run.finals) == nproc and all(r["steps"] == steps for r in run.finals)
             assert len({r["fingerprint"] for r in run.finals}) == 1
             runs[key] = run
         return runs[key]

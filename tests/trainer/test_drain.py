@@ -10,6 +10,7 @@ crashing.
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ from torchpass_p2p.core.configuration import Configuration
 from torchpass_p2p.core.messages import Cut, Joiner
 from torchpass_p2p.core.plan import next_configuration, with_resume_step
 from torchpass_p2p.core.seal import Keyring
-from torchpass_p2p.trainer import Drained, FaultInjector, Removed, Trainer
+from torchpass_p2p.trainer import Drained, FaultInjector, Removed, Stopped, Trainer
 from torchpass_p2p.trainer.timeline import read_events
 from torchpass_p2p.transfer import TransferError
 
@@ -178,19 +179,27 @@ def test_a_late_spare_still_joining_waits_for_a_rank(trainer: Trainer, tmp_path:
     assert events(tmp_path, "removed")[0]["drained"] is False
 
 
+@pytest.mark.parametrize("role, fenced, why", [
+    ("spare", True, "no majority of configuration 0 reachable for 0.05 s"),
+    ("joining", False, "not admitted for 0.05 s"),
+])
 def test_a_spare_that_reaches_no_majority_gives_up_after_its_deadline(
-        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, role: str,
+        fenced: bool, why: str) -> None:
     # Every rank died and the spares are too few to decide anything: nothing will ever give
-    # this spare a rank. It waited forever before; now it stops after ``give_up_s`` fenced.
+    # this spare a rank, nor admit a joining one. It waited forever before; now it stops after
+    # ``give_up_s`` (Stopped: its launcher respawns nobody for it).
     monkeypatch.setattr("torchpass_p2p.trainer.loop.WAIT_SLICE_S", 0.01)
     agent = trainer.agent
-    agent.role, trainer.give_up_s = "spare", 0.05
-    agent.fenced_for = [True] * 100
-    with pytest.raises(Removed, match=r"^no majority of configuration 0 reachable for 0.05 s$"):
+    agent.role, trainer.give_up_s = role, 0.05
+    agent.fenced_for = [fenced] * 100
+    with pytest.raises(Stopped, match=f"^{why}$"):
         trainer.run(lambda step, rank: torch.zeros(()), steps=1)
-    assert 2 <= agent.waited < 100  # fenced from the first empty wait on
-    assert [r["event"] for r in read_events(tmp_path)] == [
-        "start", "spare_waiting", "fenced", "removed"]
+    assert 2 <= agent.waited < 100  # stuck from the first empty wait on
+    logged = read_events(tmp_path)
+    assert [r["event"] for r in logged] == [
+        "start", "spare_waiting", *(["fenced"] if fenced else []), "gave_up"]
+    assert logged[-1]["reason"] == why
 
 
 def test_a_spare_fenced_for_a_while_waits_on(trainer: Trainer, tmp_path: Path,
@@ -209,6 +218,36 @@ def test_a_spare_fenced_for_a_while_waits_on(trainer: Trainer, tmp_path: Path,
     assert entered == [1] and agent.waited == 13
     assert [r["event"] for r in read_events(tmp_path)] == [
         "start", "spare_waiting", "fenced", "fenced", "fenced"]
+
+
+def test_after_a_veto_a_member_waits_for_its_lease_and_redoes_the_step(
+        trainer: Trainer) -> None:
+    # Woken from a pause into a change decided at that moment, it is fenced until its first
+    # probe is answered: the group stays and the step is redone, no change is awaited.
+    in_zero(trainer)
+    agent = trainer.agent
+    agent.fenced = True
+    threading.Timer(0.2, setattr, (agent, "fenced", False)).start()
+    t0 = time.monotonic()
+    trainer._await_lease()
+    assert time.monotonic() - t0 >= 0.2 and agent.fenced is False
+
+
+def test_after_a_veto_a_change_of_the_rank_map_supersedes_the_wait(trainer: Trainer) -> None:
+    # On the minority side of a partition it stays fenced until the change that removes it.
+    in_zero(trainer)
+    agent = trainer.agent
+    agent.fenced = True
+    agent.changes = [DRAINED]  # another rank map: ME's rank goes to the spare
+    with pytest.raises(Superseded):
+        trainer._await_lease()
+
+
+def test_after_a_veto_a_member_fenced_for_give_up_s_stops(trainer: Trainer) -> None:
+    in_zero(trainer)
+    trainer.agent.fenced, trainer.give_up_s = True, 0.1
+    with pytest.raises(Removed, match=r"^fenced for 0.1 s after a vetoed commit$"):
+        trainer._await_lease()
 
 
 def test_a_spare_whose_first_entry_fails_enters_the_next_configuration(

@@ -38,7 +38,7 @@ def test_every_rank_dying_at_once_stops_the_job(tmp_path: Path) -> None:
     run = run_job(tmp_path, nproc=2, spares=3, steps=STEPS, faults=FAULTS, script_args=ARGS,
                   timeout_s=120)
     assert run.code == 1, run.diagnosis()
-    assert "exit code 1: the agreement stopped the job" in run.output, run.diagnosis()
+    assert "exit code 1: a member stopped the job: the agreement" in run.output, run.diagnosis()
     events = run.events
     spares = {r["member"] for r in events if r["event"] == "start" and r["role"] == "spare"}
     assert len(spares) == 3
@@ -76,7 +76,7 @@ def test_no_spare_left_under_policy_stop_stops_the_survivors(tmp_path: Path) -> 
                   faults=f"kill@{FAULT_STEP}:grad:rank=2", script_args=ARGS, timeout_s=120,
                   settings={"TORCHPASS_POLICY": "stop"})
     assert run.code == 1, run.diagnosis()
-    assert "exit code 1: the agreement stopped the job" in run.output, run.diagnosis()
+    assert "exit code 1: a member stopped the job: the agreement" in run.output, run.diagnosis()
     events = run.events
     ranks = {r["member"]: r["rank"] for r in events if r["event"] == "start"}
     survivors = {m for m, rank in ranks.items() if rank != 2}

@@ -11,7 +11,8 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    deadline per request, never awaited by the loop), and with ``respawn`` the dead process is
    replaced by a new spare joining through the live members; a member that exits
    ``EXIT_DRAINED`` handed its rank over on purpose and is neither reported nor replaced; nor is
-   one that exits ``EXIT_STOPPED`` (the agreement stopped the job: every member knows).
+   one that exits ``EXIT_STOPPED`` (the job cannot go on: the agreement stopped it, or a
+   spare gave up without a majority).
    :func:`.outcome.decide` says when the job is over. After a failure the launcher also asks
    the agents every :data:`QUORUM_CHECK_S` whether a majority of their configuration is still
    alive (:func:`.roles.majority_lost`); when it is not, no configuration can be decided again
@@ -378,10 +379,10 @@ class _Supervisor:
             self._record(event)
             if (event.returncode == EXIT_STOPPED and finish_at is None
                     and not any(e.returncode == 0 for e in self.exits)):
-                # The agreement stopped the job: every member learns it and exits on its own;
-                # what is left after the grace (a spare respawned meanwhile, say) would only
-                # wait.
-                log.info("%s: the agreement stopped the job; waiting up to %.1f s for the rest",
+                # The job cannot go on: when the agreement stopped it every member learns it
+                # and exits on its own; what is left after the grace (a spare respawned
+                # meanwhile, say) would only wait.
+                log.info("%s stopped the job; waiting up to %.1f s for the rest",
                          event.child.spec.name, self.options.grace_s)
                 finish_at = loop.time() + self.options.grace_s
             if (event.returncode not in (0, EXIT_DRAINED, EXIT_STOPPED)

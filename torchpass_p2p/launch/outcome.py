@@ -4,8 +4,10 @@ Theory of operation. The launcher cannot see which member holds which rank once 
 replaced one (that is agreed among the agents, DESIGN section 5), so it reasons from exits only:
 
 - *Roles are known* while this launcher wrote configuration 0 and every exit so far was a clean
-  exit (code 0): no rank was vacated, so no spare was promoted, and the processes started as
-  ranks still hold exactly the ranks. Once all of them have exited (each with 0) the job is
+  exit (code 0) of a process started as a rank: no rank was vacated, so no spare was promoted,
+  and the processes started as ranks still hold exactly the ranks. (A rank paused past its
+  lease is replaced without an exit; the spare that took its rank then exits 0 at the end,
+  which ends this assumption.) Once all of them have exited (each with 0) the job is
   complete and every process still running started as a spare: **stop** them now (the
   supervisor first asks their agents, :mod:`.roles`: one that took a rank on another host
   gets the grace period).
@@ -23,8 +25,8 @@ that exit with :data:`EXIT_REMOVED` (the agreement removed them: a member paused
 may wake and learn it only after the others finished), :data:`EXIT_DRAINED` or
 :data:`EXIT_STOPPED` (finished ranks go silent without leaving, so spares that outnumber them
 may agree the job stopped); 128 + the signal number when a signal stopped the launcher; 1
-otherwise (every exit failed, the agreement stopped the job, a majority of the
-configuration died, or a failure after completion).
+otherwise (every exit failed, a member stopped the job, a majority of the configuration
+died, or a failure after completion).
 Known limitation: a rank drained on purpose that exits 0 while roles are known makes the
 launcher believe its rank is finished; if every starting rank leaves that way, the spares that
 took over get only the grace period (their agents say they hold ranks, but nothing says the job
@@ -51,10 +53,11 @@ EXIT_DRAINED = 4
 (:class:`torchpass_p2p.trainer.Drained`: ``torchpass-p2p drain``, a GPU fault): a clean end,
 which the launcher neither reports as evidence nor respawns (the host is being emptied)."""
 EXIT_STOPPED = 5
-"""What a member's script exits with once a decided configuration stops the job
-(:class:`torchpass_p2p.trainer.Stopped`: a vacant rank nobody can fill, e.g. every holder of
-the state died at once): every member learns it from the agreement itself, so the launcher
-neither reports nor respawns it; with no process exiting 0 the launch fails."""
+"""What a member's script exits with once the job cannot go on
+(:class:`torchpass_p2p.trainer.Stopped`): a decided configuration stops it (a vacant rank
+nobody can fill, e.g. every holder of the state died at once; every member learns it from the
+agreement itself), or a spare reached no majority for its give-up time. The launcher neither
+reports nor respawns it; with no process exiting 0 the launch fails."""
 
 
 class Verdict(StrEnum):
@@ -102,7 +105,9 @@ def decide(
     """
     if running == 0:
         return Verdict.DONE, "no process is left"
-    roles_known = not joining and all(e.returncode == 0 for e in exits)
+    # A spare that exits 0 finished training in a rank: some rank changed hands without an
+    # exit (a member paused past its lease and replaced, say).
+    roles_known = not joining and all(e.returncode == 0 and e.started_as_rank for e in exits)
     if roles_known:
         if running_ranks == 0 and any(e.started_as_rank for e in exits):
             return Verdict.STOP, (f"every rank exited 0; {running} process(es) left, started "
@@ -127,8 +132,9 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
         if gave_up is not None:
             return 1, gave_up
         if any(e.returncode == EXIT_STOPPED for e in exits):
-            return 1, ("the agreement stopped the job: a vacant rank nobody can fill (every "
-                       "holder of its state is gone, or no spare is left under policy 'stop')")
+            return 1, ("a member stopped the job: the agreement left a rank nobody can fill "
+                       "(every holder of its state is gone, or no spare is left under policy "
+                       "'stop'), or no majority was reachable for the member's give-up time")
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
         if (e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED)

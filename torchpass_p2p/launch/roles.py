@@ -103,16 +103,20 @@ def majority_lost(views: Sequence[StatusView | None], gone: frozenset[str],
     :func:`~torchpass_p2p.core.agreement.classic_quorum`) are left, that configuration decides
     nothing more: no join, no replacement, no stop (DESIGN section 5). The configuration is the
     one every answer names, and only while every answer is fenced (no majority heard for a
-    lease); a missing answer or a mixed view says nothing. Only a configuration whose members
-    are all this launcher's counts: elsewhere a newer configuration may have been decided that
-    a partition kept from these agents, and deaths there are not seen here (the agents' own
-    deadline covers that case)."""
-    if not views or any(v is None or not v.fenced for v in views):
+    lease); a missing answer or a mixed view says nothing. Answers of members still joining
+    (``role == "joining"``, a respawned spare) are left out: they belong to no configuration.
+    Only a configuration whose members are all this launcher's counts: elsewhere a newer
+    configuration may have been decided that a partition kept from these agents, and deaths
+    there are not seen here (the agents' own deadline covers that case)."""
+    if any(v is None for v in views):
         return None
-    first = views[0]
-    assert first is not None
-    if first.config_id < 0 or any(v is not None and v.config_id != first.config_id
-                                  for v in views):
+    # A member still joining is in no configuration (its view is its seed's, and it is never
+    # fenced): it decides nothing, so it says nothing either way.
+    members = [v for v in views if v is not None and v.role != "joining"]
+    if not members or any(not v.fenced for v in members):
+        return None
+    first = members[0]
+    if first.config_id < 0 or any(v.config_id != first.config_id for v in members):
         return None
     n, dead = len(first.members), len(first.members & gone)
     if n == 0 or not first.members <= ours or n - dead >= classic_quorum(n):

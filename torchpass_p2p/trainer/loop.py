@@ -15,7 +15,9 @@ Theory of operation (DESIGN sections 6 and 8).
   agent accepts ``k`` as committed; the optimizer (and scheduler) step. The agent refuses the
   commit once a decided change gave the ranks to others (this member's progress for that plan
   is fixed already; a group whose drained member is leaving can still commit): the step is
-  not applied, and the commit rule settles it.
+  not applied, and the commit rule settles it. A fenced member (no majority heard for its
+  lease) votes against the commit in the commit all-reduce: nobody applies the step, and the
+  ranks redo it once that member has its lease back, unless a change comes first.
 * *A fault* ends a wait: the operation fails (:class:`CollectiveError`, a neighbour of a killed
   rank) or the agent delivers a configuration whose rank map differs (:class:`Superseded`, the
   others). The group is abandoned (dropped, or kept referenced when stuck).
@@ -129,10 +131,12 @@ class Incomplete(RuntimeError):
 
 
 class Stopped(RuntimeError):
-    """The agreed plan stops the job (action ``stop``, :mod:`torchpass_p2p.core.plan` rules 3
-    and 5): a vacant rank nobody can fill, because every holder of its state is gone (data
-    parallel: every rank at once) or no spare is left under policy ``stop``. No member trains
-    again; resume from a checkpoint. Scripts exit with code 5."""
+    """The job cannot go on. Either the agreed plan stops it (action ``stop``,
+    :mod:`torchpass_p2p.core.plan` rules 3 and 5): a vacant rank nobody can fill, because every
+    holder of its state is gone (data parallel: every rank at once) or no spare is left under
+    policy ``stop``; or a spare has reached no majority (or, joining, was not admitted) for the
+    trainer's ``give_up_s``. No member trains again; resume from a checkpoint. Scripts exit
+    with code 5."""
 
 
 class Drained(Removed):
@@ -325,11 +329,12 @@ class Trainer:
                                   fetch_from=None)
 
     def _wait_for_rank(self) -> Any:
-        """A spare's wait for a rank, as long as it takes while the job lives: only a spare
-        that has reached no majority of its configuration for ``give_up_s`` (the job lost
-        its majority, or this host its network) gives up, with :class:`Removed` (the same
-        last resort as a rank's)."""
-        agent, fenced_since = self.agent, None
+        """A spare's wait for a rank, as long as it takes while the job lives. A spare that
+        for ``give_up_s`` has reached no majority of its configuration (fenced: the job lost
+        its majority, or this host its network) or has not been admitted (still joining:
+        nobody decides its join) stops with :class:`Stopped`, and its launcher respawns
+        nobody for it."""
+        agent, stuck_since, was_fenced = self.agent, None, False
         while True:
             try:
                 return agent.wait_for_rank(timeout_s=WAIT_SLICE_S)
@@ -337,15 +342,19 @@ class Trainer:
                 pass
             except Exception as exc:
                 raise Removed(f"no rank for this spare: {exc}") from None
-            now = time.monotonic()
-            if not agent.fenced:
-                fenced_since = None
-            elif fenced_since is None:
-                fenced_since = now
+            now, fenced = time.monotonic(), agent.fenced
+            if fenced and not was_fenced:
                 self.log("fenced", step=self.step, config_id=agent.config_id)
-            elif now - fenced_since > self.give_up_s:
-                raise Removed(f"no majority of configuration {agent.config_id} reachable for "
-                              f"{self.give_up_s:g} s")
+            was_fenced = fenced
+            if not fenced and agent.role != "joining":
+                stuck_since = None
+            elif stuck_since is None:
+                stuck_since = now
+            elif now - stuck_since > self.give_up_s:
+                why = (f"no majority of configuration {agent.config_id} reachable" if fenced
+                       else "not admitted") + f" for {self.give_up_s:g} s"
+                self.log("gave_up", config_id=agent.config_id, reason=why)
+                raise Stopped(why)
 
     def _one_step(self, loss_fn: Callable[[int, int], torch.Tensor]) -> None:
         if self._poll():
@@ -368,10 +377,10 @@ class Trainer:
         vote = torch.tensor([0.0 if agent.fenced else 1.0, float(loss.detach())],
                             dtype=torch.float64)
         votes = group.mean_in_rank_order(vote, watch=self._watch)
-        if votes[0].item() != 1.0:  # a member is fenced: nobody commits; wait for the change
-            self.log("commit_vetoed", step=k, config_id=group.config_id)
-            group.abandon()
-            raise Superseded
+        if votes[0].item() != 1.0:  # a member is fenced: nobody commits step k
+            self.log("commit_vetoed", step=k, config_id=group.config_id, fenced=agent.fenced)
+            self._await_lease()
+            return  # every rank saw the veto: all redo step k in this group, same batch
         # Every rank's loss is in; kept even when the step is applied only by a roll forward.
         self.result.losses[k] = votes[1].item()
         if not agent.report_commit(k, self._ranks):  # a decided change took the ranks meanwhile
@@ -380,6 +389,22 @@ class Trainer:
             raise Superseded
         self._apply(k, avg)
         self.log("step", step=k, loss=votes[1].item(), config_id=self.config_id, rank=rank)
+
+    def _await_lease(self) -> None:
+        """After a vetoed commit: wait while this member is fenced. A member on the minority
+        side of a partition stays fenced until the change that removes it
+        (:class:`Superseded`); one that was merely paused (woken from SIGSTOP into a change
+        decided at that moment, before its first probe was answered) regains its lease within
+        a probe round, and the step is redone. Waiting for a change there would wait for one
+        that never comes. The group stays: no operation failed. Raises :class:`Removed` after
+        ``give_up_s``."""
+        since = time.monotonic()
+        while self.agent.fenced:
+            if self._poll():
+                raise Superseded
+            if time.monotonic() - since > self.give_up_s:
+                raise Removed(f"fenced for {self.give_up_s:g} s after a vetoed commit")
+            time.sleep(SLICE_S)
 
     def _apply(self, k: int, avg: torch.Tensor) -> None:
         unflatten_into(avg, self.params)
