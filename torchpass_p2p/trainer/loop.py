@@ -498,11 +498,14 @@ class Trainer:
     def _announce(self, config_id: int) -> None:
         self.agent.register_service(TRANSFER_SERVICE, config_id, self.service.port)
 
-    def _await_change(self, within_s: float | None = None) -> Any:
+    def _await_change(self, within_s: float | None = None, *,
+                      since: float | None = None) -> Any:
         """Block until the agent delivers a configuration with another rank map and return
-        it; None when ``within_s`` seconds passed first. Without ``within_s``: raise
-        :class:`Removed` after ``give_up_s`` (the last resort)."""
+        it; None when ``within_s`` seconds passed first. Raise :class:`Removed` once
+        ``give_up_s`` passed since ``since`` (``time.monotonic()`` of the failure that started
+        the wait; default: now), the last resort."""
         waited = time.monotonic()
+        give_up_at = (waited if since is None else since) + self.give_up_s
         fenced = False
         while not self._poll():
             if self.agent.fenced and not fenced:  # say why nothing moves (once per wait)
@@ -514,12 +517,13 @@ class Trainer:
             time.sleep(SLICE_S)
             if within_s is not None and time.monotonic() - waited > within_s:
                 return None
-            if time.monotonic() - waited > self.give_up_s:
+            if time.monotonic() > give_up_at:
                 raise Removed(f"no new configuration for {self.give_up_s:g} s after a collective "
                               "failure")
         return self._latest
 
     def _recover(self, exc: BaseException) -> None:
+        failed_at = time.monotonic()  # the regroups below count against give_up_s too
         failed = isinstance(exc, CollectiveError)
         kind = "collective_failed" if failed else "superseded"
         self.log(kind, step=self.step, config_id=self.config_id, error=str(exc)[:160])
@@ -550,7 +554,7 @@ class Trainer:
                     self.group = None
                 if superseded:  # a configuration with another rank map came: it wins
                     break
-        self._enter_until_in(self._await_change())
+        self._enter_until_in(self._await_change(since=failed_at))
         self.result.recoveries += 1
 
     def _regroup(self) -> None:
