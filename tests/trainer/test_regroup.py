@@ -5,6 +5,7 @@ group): the attempt numbers it picks, the resume step, and that a configuration 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -197,13 +198,21 @@ def test_a_failed_regroup_is_retried_with_the_next_attempt_then_only_a_change_he
     built = builds(monkeypatch, *failures)
     handover = change(ZERO, Cut(removed=(PEER,)), 4)  # the peer really died
 
-    def await_change(within_s: float | None = None) -> Any:
+    waits: list[tuple[float | None, float | None, float]] = []  # within_s, since, when
+
+    def await_change(within_s: float | None = None, *, since: float | None = None) -> Any:
+        waits.append((within_s, since, time.monotonic()))
         return None if within_s is not None else handover
 
     entered = []
     monkeypatch.setattr(trainer, "_await_change", await_change)
     monkeypatch.setattr(trainer, "_enter_until_in", entered.append)
+    failed_at = time.monotonic()
     trainer._recover(CollectiveError("connection reset", 0))
+    # The last resort's clock started at the failure, before the regroups.
+    assert [w[:2] for w in waits[:-1]] == [(trainer.regroup_wait_s, None)] * MAX_REGROUPS
+    within_s, since, _ = waits[-1]
+    assert within_s is None and since is not None and failed_at <= since <= waits[0][2]
     assert [s.attempt for s in built] == list(range(1, MAX_REGROUPS + 1))
     assert entered == [handover] and trainer.result.recoveries == 1
     assert [r["attempt"] for r in events(tmp_path, "regroup_failed")] == [1, 2, 3]
@@ -224,7 +233,8 @@ def test_a_change_during_the_wait_or_the_regroup_wins(
     trainer.config_id, trainer._latest, trainer._spec = 0, None, GroupSpec(0, 1, 2, PEER)
     built = builds(monkeypatch, Superseded())
     monkeypatch.setattr(trainer, "_await_change",
-                        lambda within_s=None: None if within_s is not None else handover)
+                        lambda within_s=None, since=None: None if within_s is not None
+                        else handover)
     trainer._recover(CollectiveError("connection reset", 0))
     assert [s.attempt for s in built] == [1] and entered == [handover, handover]
     [failed] = events(tmp_path, "regroup_failed")
@@ -237,7 +247,7 @@ def test_a_superseded_step_never_regroups(trainer: Trainer,
     built = builds(monkeypatch)
     entered: list[Any] = []
     monkeypatch.setattr(trainer, "_enter_until_in", entered.append)
-    monkeypatch.setattr(trainer, "_await_change", lambda within_s=None: handover)
+    monkeypatch.setattr(trainer, "_await_change", lambda within_s=None, since=None: handover)
     trainer._recover(Superseded())
     assert built == [] and entered == [handover]
 

@@ -30,7 +30,7 @@ Theory of operation (DESIGN sections 6 and 8).
   fingerprints: training goes on only when they are all equal, and the state is withdrawn
   from the servers. The spare fetches over TCP before the group forms, or, with
   ``state_transport="pg"`` (the default over NCCL), over the new group itself once it has
-  formed (:class:`~torchpass_p2p.transfer.pg_transport.PgTransport`: NVLink or RDMA on GPUs).
+  formed (:mod:`.group_transfer`: NVLink or RDMA on GPUs).
   A newer configuration during recovery restarts it.
 * *A regroup* (:mod:`.regroup`, issue #7) repairs a collective that failed while no member
   did (a connection reset by a network blip): no configuration change comes then. After a
@@ -62,12 +62,10 @@ are a function of ``(seed, rank, step)``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -89,12 +87,11 @@ from torchpass_p2p.collective.rendezvous import store_service
 from torchpass_p2p.core.params import Params
 from torchpass_p2p.launch.plan import format_address
 from torchpass_p2p.transfer import FetchResult, Snapshot, TransferError, TransferKeys
-from torchpass_p2p.transfer.pg_transport import PgTransport
-from torchpass_p2p.transfer.transport import TransferPlan
 
 from .commit import resolve
 from .events import EventLog
 from .faults import FaultInjector
+from .group_transfer import transfer_over_group
 from .regroup import GIVE_UP_S, MAX_REGROUPS, next_attempt, regroup_resume
 from .regroup import regroup_wait_s as default_regroup_wait_s
 from .seeding import seed_step
@@ -114,9 +111,6 @@ LOOKUP_TIMEOUT_S = 30.0
 configuration (a survivor announces it once it holds the resume state: milliseconds after the
 decision, plus any roll-forward)."""
 FETCH_ATTEMPTS = 5
-GROUP_SOURCES = 4
-"""Most sources a member receives from over the group: each keeps a window of chunks in flight
-(4 x 16 MiB, in staging buffers over NCCL), and striping over more adds little."""
 
 
 class Removed(RuntimeError):
@@ -165,25 +159,6 @@ class TrainResult:
     rank: int = -1
     recoveries: int = 0
     regroups: int = 0
-
-
-class _GroupTransport(PgTransport):
-    """One transfer over a configuration's group, seen from a source: each chunk it sent is
-    reported to ``on_served(step, served_bytes, total_bytes)`` (the ``serve`` faults), bytes
-    counted per receiver as the TCP server counts them per connection."""
-
-    def __init__(self, group: ManagedGroup, snapshot: Snapshot,
-                 on_served: Callable[[int, int, int], None] | None) -> None:
-        # The group's device, not the current one: the transfer runs in a helper thread.
-        super().__init__(group.process_group, device=group.device)
-        self._snapshot = snapshot
-        self._on_served = on_served
-        self._sent = 0
-
-    def chunk_sent(self, index: int) -> None:
-        if self._on_served is not None:
-            self._sent += self._snapshot.chunk_range(index)[1]
-            self._on_served(self._snapshot.step, self._sent, self._snapshot.total_bytes)
 
 
 class Trainer:
@@ -699,97 +674,16 @@ class Trainer:
         self.log("group_formed", config_id=c, group_id=group_id, rank=spec.rank,
                  world_size=spec.world_size, seconds=self.group.formed_s)
         if self.state_over_group:
-            received = self._transfer_over_group(self.group, configuration, plan, resume, snap)
+            received = transfer_over_group(
+                self.group, configuration, plan, resume, snap, step=self.step,
+                into=self.objects, restore=self._restored_over_group, watch=self._watch,
+                on_served=self._served if self.faults.serving else None, log=self.log)
             snap = snap if snap is not None else received
         assert snap is not None  # a member lacking the state received it over the group
         mine = snap.fingerprint()
         self._check_fingerprints(self.group, mine, f"configuration {c}", resume)
         self._withdraw()
         self.log("joined", config_id=c, rank=spec.rank, step=resume, fingerprint=mine.hex())
-
-    def _transfer_over_group(self, group: ManagedGroup, configuration: Any, plan: Any,
-                             resume: int, snap: Snapshot | None) -> Snapshot | None:
-        """Every member of the new group says whether it lacks the state of ``resume`` (no
-        ``snap``) and, if so, the sources it wants (up to :data:`GROUP_SOURCES` ranks: its
-        plan's for its rank, by affinity); every member then runs the same transfers, one
-        receiver at a time in rank order, each from the sources it asked for that hold the
-        state (or the first :data:`GROUP_SOURCES` holders). A watch-bounded all-gather
-        before each transfer keeps a receiver from waiting for sources still busy with the
-        one before (the transfer's own waits end after ``progress_timeout_s``, and gloo then
-        closes the group). Every member must use the same ``state_transport``. Returns the
-        state this member received (captured after the restore), else None.
-
-        Raises:
-            CollectiveError, Superseded: an all-gather failed or a newer configuration came.
-            TransferFailed: a transfer this member took part in failed; the group is then
-                unusable (gloo closes it on a timed-out wait). A death, or a stall past the
-                lease, brings the next configuration; anything else (every source sending bad
-                bytes) is a bug that TCP would not survive either.
-            RuntimeError: a member that claims the state is not at ``resume`` (a bug).
-        """
-        c, me = configuration.config_id, group.spec.rank
-        ranks = list(configuration.ranks)
-        wanted = [-1] * GROUP_SOURCES
-        if snap is None and plan is not None:
-            top = [ranks.index(m) for m in dict(plan.sources).get(me, ())
-                   if m in ranks][:GROUP_SOURCES]
-            wanted[:len(top)] = top
-        said = [x.tolist() for x in group.allgather(
-            torch.tensor([int(snap is None), self.step, *wanted], dtype=torch.int64),
-            watch=self._watch)]
-        receivers = [r for r, x in enumerate(said) if x[0]]
-        holders = [r for r, x in enumerate(said) if not x[0]]
-        if any(said[r][1] != resume for r in holders):
-            raise RuntimeError(f"configuration {c}: a member claims the state at a step other "
-                               f"than {resume}: {said}")
-        received = None
-        for r in receivers:
-            group.allgather(torch.zeros(1), watch=self._watch)  # the one before is done
-            sources = [s for s in said[r][2:] if s in holders] or holders[:GROUP_SOURCES]
-            tp = TransferPlan(sources=tuple(sources), config_id=c, receiver=r, step=resume)
-            if r == me:
-                t0 = time.monotonic()
-                self.log("fetch_started", config_id=c, step=resume, sources=len(sources),
-                         over_group=True)
-                receiver = PgTransport(group.process_group, device=group.device)
-                result = self._over_group(group, receiver.receive(tp, into=self.objects))
-                received = self._restored(
-                    result, c, time.monotonic() - t0, len(sources),
-                    {f"rank {s}": n for s, n in result.bytes_by_source.items()},
-                    over_group=True)
-            elif me in sources:
-                assert snap is not None
-                on_served = self._served if self.faults.serving else None
-                source = _GroupTransport(group, snap, on_served)
-                self._over_group(group, source.provide(snap, tp))
-        return received
-
-    def _over_group(self, group: ManagedGroup, transfer: Coroutine[Any, Any, Any]) -> Any:
-        """Run ``transfer`` (one transfer over ``group``) in a helper thread while
-        this thread watches for a newer configuration, as every wait on a group does. Over
-        NCCL a newer one interrupts the group, which fails the transfer's waits at once (its
-        progress timeout would take 10 s); gloo cannot be interrupted, so there the transfer
-        ends by itself (done, a closed peer, or that timeout). Returns what it returned and
-        raises what it raised; :class:`Superseded` once interrupted."""
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def body() -> None:
-            try:
-                box["result"] = asyncio.run(transfer)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                box["error"] = exc
-            finally:
-                done.set()
-
-        threading.Thread(target=body, name=f"transfer-{group.config_id}", daemon=True).start()
-        while not done.wait(SLICE_S):
-            if group.backend == "nccl" and self._watch():
-                group.interrupt()
-                raise Superseded
-        if "error" in box:
-            raise box["error"]
-        return box.get("result")
 
     def _check_fingerprints(self, group: ManagedGroup, mine: bytes, what: str,
                             resume: int) -> None:
@@ -838,6 +732,13 @@ class Trainer:
             raise last
         return self._restored(result, config_id, time.monotonic() - t0, len(addresses),
                               {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
+
+    def _restored_over_group(self, result: FetchResult, config_id: int, total_s: float,
+                             sources: tuple[int, ...]) -> Snapshot:
+        """:meth:`_restored` for a state received over the group from ranks ``sources``."""
+        return self._restored(result, config_id, total_s, len(sources),
+                              {f"rank {s}": n for s, n in result.bytes_by_source.items()},
+                              over_group=True)
 
     def _restored(self, result: FetchResult, config_id: int, total_s: float, sources: int,
                   served_by: dict[str, int], **details: Any) -> Snapshot:
