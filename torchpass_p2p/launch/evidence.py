@@ -73,7 +73,7 @@ async def notify_siblings(
                                 timeout_s=timeout_s)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             log.warning("evidence for %s to %s not delivered: %s", format_member_id(member_id),
-                        format_address(status), exc or type(exc).__name__)
+                        format_address(status), str(exc) or type(exc).__name__)
             return False
         return True
 
