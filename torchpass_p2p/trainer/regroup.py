@@ -43,8 +43,11 @@ one for the transient fault itself, two more for a second blip during the regrou
 that is really dead makes each of them fail within the store timeout, or a configuration
 change supersedes them first."""
 GIVE_UP_S = 600.0
-"""Last resort: after a collective failure that neither a regroup nor a configuration change
-repaired for this long, the member stops (:class:`~.loop.Removed`)."""
+"""Last resort (the default of the trainer's ``give_up_s``): after a collective failure that
+neither a regroup nor a configuration change repaired for this long, counted from the failure,
+the member stops (:class:`~.loop.Removed`); a spare that heard no majority, or was not admitted,
+for this long stops too (:class:`~.loop.Stopped`). Long enough for a partition to heal or an
+operator to add a spare; short enough that a dead job frees its machines."""
 
 
 def regroup_wait_s(params: Params) -> float:
