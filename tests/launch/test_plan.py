@@ -26,6 +26,7 @@ from torchpass_p2p.launch.outcome import (
     decide,
     describe_exit,
     exit_code,
+    is_failure,
 )
 from torchpass_p2p.launch.plan import (
     ChildSpec,
@@ -123,6 +124,11 @@ def test_decide() -> None:
                              running_ranks=1, joining=False)
     assert (verdict, reason) == (Verdict.FINISH, "0000000000000001 exited 0: job complete; 1 "
                                                  "process(es) may still be finishing")
+
+
+def test_failures_are_what_the_launcher_reports() -> None:
+    assert [is_failure(c) for c in (0, EXIT_DRAINED, EXIT_STOPPED, EXIT_REMOVED, 1, -9)] == [
+        False, False, False, True, True, True]
 
 
 def test_exit_code() -> None:

@@ -68,13 +68,13 @@ from .keyfile import (
     write_key_file,
 )
 from .outcome import (
-    EXIT_DRAINED,
     EXIT_STOPPED,
     ChildExit,
     Verdict,
     decide,
     describe_exit,
     exit_code,
+    is_failure,
 )
 from .plan import (
     MAX_LABEL_BYTES,
@@ -385,8 +385,7 @@ class _Supervisor:
                 log.info("%s stopped the job; waiting up to %.1f s for the rest",
                          event.child.spec.name, self.options.grace_s)
                 finish_at = loop.time() + self.options.grace_s
-            if (event.returncode not in (0, EXIT_DRAINED, EXIT_STOPPED)
-                    and not event.child.signalled):
+            if is_failure(event.returncode) and not event.child.signalled:
                 self._report(event)
                 if finish_at is None:
                     await self._maybe_respawn(event.child)
@@ -399,7 +398,7 @@ class _Supervisor:
                 await self._collect_exits(self.options.grace_s)  # reaped, not yet recorded
                 return
             completed = any(e.returncode == 0 for e in self.exits)
-            failed = any(e.returncode not in (0, EXIT_DRAINED, EXIT_STOPPED) for e in self.exits)
+            failed = any(is_failure(e.returncode) for e in self.exits)
             check_at = None if completed or finish_at is not None or not failed else (
                 check_at or loop.time() + QUORUM_CHECK_S)
             if completed:

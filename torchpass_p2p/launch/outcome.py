@@ -43,7 +43,7 @@ from enum import StrEnum
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
 __all__ = ["EXIT_DRAINED", "EXIT_REMOVED", "EXIT_STOPPED", "ChildExit", "Verdict", "decide",
-           "describe_exit", "exit_code"]
+           "describe_exit", "exit_code", "is_failure"]
 
 EXIT_REMOVED = 3
 """What a member's script exits with once a decided configuration removed it
@@ -82,6 +82,12 @@ class ChildExit:
     started_as_rank: bool
     returncode: int
     by_launcher: bool = False
+
+
+def is_failure(returncode: int) -> bool:
+    """A death the launcher reports to the siblings (and respawns for): anything but 0,
+    :data:`EXIT_DRAINED` (a planned hand-over) and :data:`EXIT_STOPPED` (every member knows)."""
+    return returncode not in (0, EXIT_DRAINED, EXIT_STOPPED)
 
 
 def describe_exit(returncode: int) -> str:
