@@ -4,6 +4,13 @@ A float sum depends on its order. gloo's allreduce picks an algorithm (ring, bcu
 chunking by size and layout, so its result is only as reproducible as that choice. Gathering
 every rank's buffer and adding them in rank order, ``((g0 + g1) + g2) + ...``, gives the same
 bits for the same inputs whatever backend, algorithm or process layout produced the gather.
+
+The sum is elementwise, so it can be split: cut the buffer into ``world_size`` shards
+(:func:`to_shards`), send shard ``r`` of every rank to rank ``r`` (an all-to-all), let each rank
+sum its shard in rank order, then all-gather the summed shards. Every element is still
+``((g0 + g1) + g2) + ...``, so the bits are the same as gathering everything, while each rank
+receives ``2 (n - 1) / n`` buffers instead of ``n - 1`` and adds ``1 / n`` of them: the traffic
+of a reduce-scatter plus an all-gather, as a ring all-reduce has.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["flatten", "sum_in_rank_order", "unflatten_into"]
+__all__ = ["flatten", "from_shards", "sum_in_rank_order", "to_shards", "unflatten_into"]
 
 
 def flatten(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -75,3 +82,34 @@ def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     for p in parts[1:]:
         out.add_(p)
     return out
+
+
+def to_shards(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """A new ``[world_size, ceil(numel / world_size)]`` tensor (dtype and device of ``tensor``):
+    row ``r`` is the ``r``-th contiguous piece of ``tensor``'s flattened elements, the last row
+    padded with zeros. Row ``r`` is what rank ``r`` sums in a sharded reduction (module
+    docstring).
+
+    Raises:
+        ValueError: ``world_size`` below 1.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size {world_size}")
+    flat = tensor.reshape(-1)
+    width = -(-flat.numel() // world_size)
+    out = torch.empty((world_size, width), dtype=tensor.dtype, device=tensor.device)
+    out.view(-1)[:flat.numel()].copy_(flat)
+    out.view(-1)[flat.numel():].zero_()
+    return out
+
+
+def from_shards(shards: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`to_shards`: ``shards`` (``[world_size, width]``) without the padding, in
+    ``like``'s shape (a view of ``shards``).
+
+    Raises:
+        ValueError: ``shards`` holds fewer elements than ``like``.
+    """
+    if shards.numel() < like.numel():
+        raise ValueError(f"{shards.numel()} elements for a tensor of {like.numel()}")
+    return shards.view(-1)[:like.numel()].view(like.shape)
