@@ -29,15 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 from torchft.manager import WorldSizeMode
 
-from benchmarks.restart_worker import Log, OnceFaults, build
-from examples.char_lm import VOCAB, corpus, weights_digest
+from benchmarks.restart_worker import Log, OnceFaults
+from examples.char_lm import add_job_args, batch_loss, build, corpus, weights_digest
 from torchpass_p2p.collective.reduce import flatten, unflatten_into
-from torchpass_p2p.trainer import step_generator
 from torchpass_p2p.trainer.faults import parse_faults
 from torchpass_p2p.trainer.seeding import seed_step
 
@@ -53,12 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="")
     ap.add_argument("--timeout-s", type=float, default=10.0,
                     help="torchft collective timeout (a hung participant fails the step)")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--corpus-kib", type=int, default=4096)
+    add_job_args(ap)
     args = ap.parse_args(argv)
     for d in (args.log_dir, args.marker_dir, args.out):
         Path(d).mkdir(parents=True, exist_ok=True)
@@ -99,11 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         faults.rank_is(rank)
         faults.at(k, "compute")
         seed_step(args.seed, rank if rank is not None else 0, k)
-        g = step_generator(args.seed, rank if rank is not None else 0, k, salt=1)
-        starts = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=g)
-        window = torch.stack([text[s:s + args.context + 1] for s in starts.tolist()])
-        loss = F.cross_entropy(model(window[:, :-1]).reshape(-1, VOCAB),
-                               window[:, 1:].reshape(-1))
+        loss = batch_loss(model, text, args, k, rank if rank is not None else 0)
         loss.backward()
         flat = flatten(params)
         faults.at(k, "grad")

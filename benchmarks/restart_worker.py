@@ -5,8 +5,8 @@ checkpoint every ``--every`` steps and resume from the newest one after a restar
 
 Same model, data, seed, schedule and step as the example under torchpass_p2p: step ``k`` of
 rank ``r`` seeds every generator from ``(seed, r, k)`` (:func:`~torchpass_p2p.trainer.seed_step`),
-draws the same batch, averages the flattened gradient with an explicit all-gather summed in
-rank order (the same arithmetic as ``Trainer``, so a fault-free run here ends with the same bits),
+draws the same batch, averages the flattened gradient summed in rank order with the same
+collectives as ``Trainer`` (so a fault-free run here ends with the same bits, at the same speed),
 does the same tiny second all-reduce (mean loss), then the optimizer and scheduler step.
 
 Checkpoint (rank 0 only, every rank holds the same state): model, optimizer, scheduler, step,
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import signal
@@ -50,11 +49,16 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from examples.char_lm import VOCAB, CharLM, corpus, weights_digest
-from torchpass_p2p.collective.reduce import flatten, sum_in_rank_order, unflatten_into
-from torchpass_p2p.trainer import step_generator
+from examples.char_lm import add_job_args, batch_loss, build, corpus, weights_digest
+from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
+from torchpass_p2p.collective.reduce import (
+    flatten,
+    from_shards,
+    sum_in_rank_order,
+    to_shards,
+    unflatten_into,
+)
 from torchpass_p2p.trainer.faults import Fault, parse_faults
 from torchpass_p2p.trainer.seeding import seed_step
 from torchpass_p2p.transfer import Snapshot
@@ -108,21 +112,6 @@ class OnceFaults:
             os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def build(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, Any]:
-    """Model, AdamW and the warmup-cosine schedule exactly as ``examples/char_lm.py``."""
-    torch.manual_seed(args.seed)
-    model = CharLM(args.context)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = max(1, args.steps // 10)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
-
-    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-
-
 def checkpoint_state(model: Any, optimizer: Any, scheduler: Any, step: int, world: int,
                      seed: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -161,11 +150,7 @@ def measure_checkpoint(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     text = corpus(args.corpus_kib << 10)
     model, optimizer, scheduler = build(args)
-    g = step_generator(args.seed, 0, 0, salt=1)
-    starts = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=g)
-    window = torch.stack([text[s:s + args.context + 1] for s in starts.tolist()])
-    F.cross_entropy(model(window[:, :-1]).reshape(-1, VOCAB),
-                    window[:, 1:].reshape(-1)).backward()
+    batch_loss(model, text, args, 0, 0).backward()
     optimizer.step()
     scheduler.step()
     directory = Path(args.measure_checkpoint)
@@ -178,15 +163,26 @@ def measure_checkpoint(args: argparse.Namespace) -> int:
         times.append(time.perf_counter() - t0)
         size = path.stat().st_size
     print(json.dumps({"checkpoint_cost_s": statistics.median(times), "samples_s": times,
-                      "checkpoint_bytes": size}))
+                      "checkpoint_bytes": size,
+                      "parameters": sum(p.numel() for p in model.parameters())}))
     return 0
 
 
 def mean_in_rank_order(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """``(t_0 + ... + t_{n-1}) / n`` summed in rank order (``ManagedGroup`` arithmetic)."""
-    parts = [torch.empty_like(tensor) for _ in range(world)]
-    dist.all_gather(parts, tensor)
-    return sum_in_rank_order(parts).div_(world)
+    """``(t_0 + ... + t_{n-1}) / n`` summed in rank order with the collectives that
+    ``ManagedGroup.mean_in_rank_order`` uses (:mod:`torchpass_p2p.collective.reduce`): an
+    all-gather of whole buffers below ``SHARDED_MIN_BYTES``, sharded above."""
+    if tensor.numel() * tensor.element_size() < SHARDED_MIN_BYTES:
+        parts = [torch.empty_like(tensor) for _ in range(world)]
+        dist.all_gather(parts, tensor)
+        return sum_in_rank_order(parts).div_(world)
+    send = to_shards(tensor, world)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    mine = sum_in_rank_order(recv.unbind(0)).div_(world)
+    gathered = torch.empty_like(send).view(-1)
+    dist.all_gather_single(gathered, mine)
+    return from_shards(gathered, tensor)
 
 
 def init_group(rank: int, world: int, attempt: int, timeout: timedelta) -> None:
@@ -237,13 +233,6 @@ def train(args: argparse.Namespace) -> int:
         log("restored", step=step, path=path.name, seconds=time.monotonic() - t0)
     faults = OnceFaults(parse_faults(args.faults), Path(args.marker_dir), rank, log)
 
-    def loss_fn(k: int) -> torch.Tensor:
-        g = step_generator(args.seed, rank, k, salt=1)
-        starts = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=g)
-        window = torch.stack([text[s:s + args.context + 1] for s in starts.tolist()])
-        logits = model(window[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, VOCAB), window[:, 1:].reshape(-1))
-
     log("ready", step=step)
     try:
         while step < args.steps:
@@ -251,7 +240,7 @@ def train(args: argparse.Namespace) -> int:
             faults.at(k, "compute")
             seed_step(args.seed, rank, k)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(k)
+            loss = batch_loss(model, text, args, k, rank)
             loss.backward()
             flat = flatten(params)
             faults.at(k, "grad")
@@ -303,12 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--faults", default="", help="TORCHPASS_FAULTS-style spec")
     ap.add_argument("--pg-timeout-s", type=float, default=10.0,
                     help="gloo timeout: how long peers wait for a hung rank before failing")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--corpus-kib", type=int, default=4096)
+    add_job_args(ap)
     args = ap.parse_args(argv)
     if args.measure_checkpoint:
         return measure_checkpoint(args)

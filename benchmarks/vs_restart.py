@@ -118,13 +118,14 @@ def measure_checkpoint_cost(work: Path, args: argparse.Namespace) -> dict[str, A
     """``restart_worker --measure-checkpoint``: median of 5 durable saves of the job's state."""
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.restart_worker", "--measure-checkpoint",
-         str(work / "measure-ckpt"), "--steps", str(args.steps), "--repeats", "5"],
+         str(work / "measure-ckpt"), "--steps", str(args.steps), "--repeats", "5",
+         *job_args(args)],
         cwd=REPO, env=_env(), capture_output=True, timeout=RUN_TIMEOUT_S, check=True)
     return json.loads(proc.stdout.decode().strip().splitlines()[-1])
 
 
 def run_torchrun(work: Path, *, steps: int, every: int, faults: str, pg_timeout_s: float,
-                 max_restarts: int) -> dict[str, Any]:
+                 max_restarts: int, model: tuple[str, ...] = ()) -> dict[str, Any]:
     """One elastic launch of :mod:`benchmarks.restart_worker` in ``work``; its figures."""
     work.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(NPROC),
@@ -133,7 +134,8 @@ def run_torchrun(work: Path, *, steps: int, every: int, faults: str, pg_timeout_
            "-m", "benchmarks.restart_worker", "--out", str(work / "out"),
            "--log-dir", str(work / "logs"), "--ckpt-dir", str(work / "ckpt"),
            "--marker-dir", str(work / "markers"), "--every", str(every),
-           "--steps", str(steps), "--faults", faults, "--pg-timeout-s", str(pg_timeout_s)]
+           "--steps", str(steps), "--faults", faults, "--pg-timeout-s", str(pg_timeout_s),
+           *model]
     t0 = time.monotonic()
     with open(work / "torchrun.log", "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
@@ -183,9 +185,10 @@ def run_torchrun(work: Path, *, steps: int, every: int, faults: str, pg_timeout_
 
 # --------------------------------------------------------------------------- torchpass_p2p
 
-def run_torchpass(work: Path, *, steps: int, faults: str, spares: int) -> dict[str, Any]:
+def run_torchpass(work: Path, *, steps: int, faults: str, spares: int,
+                  model: tuple[str, ...] = ()) -> dict[str, Any]:
     run = run_job(work, nproc=NPROC, spares=spares, steps=steps, faults=faults,
-                  timeout_s=RUN_TIMEOUT_S)
+                  script_args=model, timeout_s=RUN_TIMEOUT_S)
     timelines = recoveries(run.events)
     return {"exit_code": run.code, "wall_s": run.seconds, "finished": len(run.finals),
             "weights_sha256": _weights(run.finals, steps),
@@ -200,7 +203,7 @@ def run_torchpass(work: Path, *, steps: int, faults: str, spares: int) -> dict[s
 # --------------------------------------------------------------------------- torchft
 
 def run_torchft(work: Path, *, steps: int, faults: str, spares: int,
-                timeout_s: float) -> dict[str, Any]:
+                timeout_s: float, model: tuple[str, ...] = ()) -> dict[str, Any]:
     """``torchft_lighthouse`` plus ``NPROC + spares`` replicas of
     :mod:`benchmarks.restart_torchft_worker` (one process each), torchft's
     ``FIXED_WITH_SPARES``: the same 4 participants and 2 spares as torchpass_p2p. Nothing
@@ -236,7 +239,7 @@ def run_torchft(work: Path, *, steps: int, faults: str, spares: int,
                  "--lighthouse", f"http://127.0.0.1:{port}", "--active", str(NPROC),
                  "--out", str(work / "out"), "--log-dir", str(work / "logs"),
                  "--marker-dir", str(work / "markers"), "--faults", faults,
-                 "--timeout-s", str(timeout_s), "--steps", str(steps)],
+                 "--timeout-s", str(timeout_s), "--steps", str(steps), *model],
                 cwd=REPO, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True))
         wall = None
@@ -295,24 +298,29 @@ def _round(v: Any) -> Any:
     return v
 
 
+def job_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The model-size and batch options every method's script gets (``examples/char_lm.py``'s
+    :func:`~examples.char_lm.add_job_args`)."""
+    return ("--dim", str(args.dim), "--heads", str(args.heads), "--layers", str(args.layers),
+            "--batch", str(args.batch))
+
+
 def one_repeat(work: Path, args: argparse.Namespace, every: int) -> dict[str, Any]:
-    tr_clean = run_torchrun(work / "torchrun-clean", steps=args.steps, every=every, faults="",
-                            pg_timeout_s=args.pg_timeout_s, max_restarts=args.max_restarts)
-    tr_faulty = run_torchrun(work / "torchrun-faults", steps=args.steps, every=every,
-                             faults=args.faults, pg_timeout_s=args.pg_timeout_s,
-                             max_restarts=args.max_restarts)
-    tp_clean = run_torchpass(work / "torchpass-clean", steps=args.steps, faults="",
-                             spares=args.spares)
-    tp_faulty = run_torchpass(work / "torchpass-faults", steps=args.steps, faults=args.faults,
-                              spares=args.spares)
+    model = job_args(args)
+    torchrun = {"steps": args.steps, "every": every, "pg_timeout_s": args.pg_timeout_s,
+                "max_restarts": args.max_restarts, "model": model}
+    tr_clean = run_torchrun(work / "torchrun-clean", faults="", **torchrun)
+    tr_faulty = run_torchrun(work / "torchrun-faults", faults=args.faults, **torchrun)
+    torchpass = {"steps": args.steps, "spares": args.spares, "model": model}
+    tp_clean = run_torchpass(work / "torchpass-clean", faults="", **torchpass)
+    tp_faulty = run_torchpass(work / "torchpass-faults", faults=args.faults, **torchpass)
     ft: Any = {"ran": False, "reason": "--skip-torchft"}
     if not args.skip_torchft:
-        ft_clean = run_torchft(work / "torchft-clean", steps=args.steps, faults="",
-                               spares=args.spares, timeout_s=args.pg_timeout_s)
+        torchft = {"steps": args.steps, "spares": args.spares, "timeout_s": args.pg_timeout_s,
+                   "model": model}
+        ft_clean = run_torchft(work / "torchft-clean", faults="", **torchft)
         ft = ft_clean if ft_clean.get("ran") is False else (
-            ft_clean, run_torchft(work / "torchft-faults", steps=args.steps,
-                                  faults=args.faults, spares=args.spares,
-                                  timeout_s=args.pg_timeout_s))
+            ft_clean, run_torchft(work / "torchft-faults", faults=args.faults, **torchft))
     return {"torchrun": (tr_clean, tr_faulty), "torchpass": (tp_clean, tp_faulty), "torchft": ft}
 
 
@@ -359,6 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-restarts", type=int, default=5, help="torchrun --max-restarts")
     ap.add_argument("--skip-torchft", action="store_true")
     ap.add_argument("--keep", help="directory to keep every run's logs in")
+    ap.add_argument("--dim", type=int, default=64, help="model width (char_lm.py)")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads (char_lm.py)")
+    ap.add_argument("--layers", type=int, default=2, help="transformer blocks (char_lm.py)")
+    ap.add_argument("--batch", type=int, default=16, help="windows per rank and step")
     args = ap.parse_args(argv)
     n_faults = len(parse_faults(args.faults))
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (
@@ -370,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = measure_checkpoint_cost(work, args)
         say("torchrun calibration run (fault-free, no checkpoints)")
         calib = run_torchrun(work / "torchrun-calibration", steps=args.steps, every=0,
-                             faults="", pg_timeout_s=args.pg_timeout_s, max_restarts=0)
+                             faults="", pg_timeout_s=args.pg_timeout_s, max_restarts=0,
+                             model=job_args(args))
         step_s = calib["step_s"]
         if step_s is None:
             raise RuntimeError(f"calibration run failed; see {work / 'torchrun-calibration'}")
@@ -439,7 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "vs_restart",
         "job": {"script": "examples/char_lm.py", "ranks": NPROC, "steps": args.steps,
-                "seed": 1234, "faults": args.faults, "n_faults": n_faults},
+                "seed": 1234, "faults": args.faults, "n_faults": n_faults,
+                "model": {"dim": args.dim, "heads": args.heads, "layers": args.layers,
+                          "batch": args.batch, "parameters": ckpt["parameters"]}},
         "young": {"formula": "K_time = sqrt(2 * C * MTBF) (Young 1974); "
                              "K = max(1, round(K_time / step_s))",
                   "checkpoint_cost_s": ckpt["checkpoint_cost_s"],

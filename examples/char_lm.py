@@ -13,6 +13,12 @@ training ends. A member removed from the job exits with code 3, one drained (``t
 drain``: it trains until a spare holds its rank) with 4, and every member with 5 once the
 agreement stops the job (a vacant rank nobody can fill: every holder of its state died).
 
+The model's size is ``--dim``, ``--heads`` and ``--layers`` (default 64, 4, 2: 0.1M parameters,
+1.3 MB of state with AdamW); ``--dim 512 --layers 8 --batch 2`` is the scale of issue #7's
+reference job (25.4M parameters, 305 MB of state, about 0.6 s a step with 4 ranks on 2 cores).
+:func:`add_job_args`, :func:`build` and :func:`batch_loss` are shared with the baselines in
+``benchmarks/``, so every method trains exactly this job.
+
 ``--extra-state-mb N`` adds N MiB of ballast to the training state (a :class:`Ballast` among the
 trainer's ``extra`` objects): deterministic bytes drawn from ``--seed``, never changed by a step,
 but part of every snapshot, transfer and state fingerprint like the weights. It makes a small
@@ -119,16 +125,53 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def add_job_args(ap: argparse.ArgumentParser) -> None:
+    """The job's own options (steps, data, model size, optimizer), shared with the baselines."""
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--batch", type=int, default=16, help="windows per rank and step")
+    ap.add_argument("--context", type=int, default=64, help="characters per window")
+    ap.add_argument("--dim", type=int, default=64, help="model width")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--corpus-kib", type=int, default=4096)
+
+
+def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer,
+                                              torch.optim.lr_scheduler.LRScheduler]:
+    """The model (the same initial weights in every process: seeded by ``--seed``), AdamW
+    (weight decay 0.01) and a schedule of linear warmup over the first 10 % of the steps, then
+    cosine decay to 0."""
+    torch.manual_seed(args.seed)
+    model = CharLM(args.context, args.dim, args.heads, args.layers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    warmup = max(1, args.steps // 10)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+
+    return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+
+
+def batch_loss(model: nn.Module, text: torch.Tensor, args: argparse.Namespace, step: int,
+               rank: int) -> torch.Tensor:
+    """Rank ``rank``'s mean cross-entropy at step ``step`` (a scalar float32 tensor): ``--batch``
+    windows at offsets drawn from a generator seeded by ``(seed, rank, step)``."""
+    g = step_generator(args.seed, rank, step, salt=1)
+    starts = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=g)
+    window = torch.stack([text[s:s + args.context + 1] for s in starts.tolist()])
+    logits = model(window[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), window[:, 1:].reshape(-1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for final-<member>.json")
     ap.add_argument("--log-dir", help="directory for the trainers' timelines")
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--context", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--corpus-kib", type=int, default=4096)
+    add_job_args(ap)
     ap.add_argument("--extra-state-mb", type=int, default=0,
                     help="MiB of ballast in the training state (module docstring)")
     ap.add_argument("--state-transport", choices=("auto", "tcp", "pg"), default="auto",
@@ -140,17 +183,7 @@ def main() -> int:
 
     agent = torchpass_p2p.start()
     text = corpus(args.corpus_kib << 10)
-    torch.manual_seed(args.seed)  # the same initial weights everywhere
-    model = CharLM(args.context)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    warmup = max(1, args.steps // 10)
-
-    def schedule(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    model, optimizer, scheduler = build(args)
     me = f"{agent.member_id:016x}"
     log_path = None
     if args.log_dir:
@@ -161,11 +194,7 @@ def main() -> int:
                       extra=extra, state_transport=args.state_transport, log_path=log_path)
 
     def loss_fn(step: int, rank: int) -> torch.Tensor:
-        g = step_generator(args.seed, rank, step, salt=1)
-        starts = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=g)
-        window = torch.stack([text[s:s + args.context + 1] for s in starts.tolist()])
-        logits = model(window[:, :-1])
-        return F.cross_entropy(logits.reshape(-1, VOCAB), window[:, 1:].reshape(-1))
+        return batch_loss(model, text, args, step, rank)
 
     try:
         result = trainer.run(loss_fn, args.steps)
