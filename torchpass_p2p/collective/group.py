@@ -251,9 +251,9 @@ class ManagedGroup:
         """``(t_0 + t_1 + ... + t_{n-1}) / n`` summed left to right in rank order: the same
         bits for the same inputs whatever the backend's algorithm (:mod:`.reduce`), in a new
         tensor of ``tensor``'s shape, dtype and device. From :data:`SHARDED_MIN_BYTES` on, each
-        rank sums one shard (an all-to-all, then an all-gather of the sums: twice the buffer's
-        memory); below it, one all-gather of whole buffers (``n`` times the memory, one round
-        trip fewer). Errors as :meth:`allgather`."""
+        rank sums one shard (an all-to-all, then an all-gather of the sums: three buffers the
+        size of ``tensor`` in flight); below it, one all-gather of whole buffers (``n`` of
+        them, one round trip fewer). Errors as :meth:`allgather`."""
         n = self.spec.world_size
         if n == 1 or tensor.numel() * tensor.element_size() < SHARDED_MIN_BYTES:
             parts = self.allgather(tensor, watch=watch, slice_s=slice_s)
