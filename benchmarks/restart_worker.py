@@ -53,6 +53,7 @@ import torch.distributed as dist
 from examples.char_lm import add_job_args, batch_loss, build, corpus, weights_digest
 from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
 from torchpass_p2p.collective.reduce import (
+    divide,
     flatten,
     from_shards,
     sum_in_rank_order,
@@ -175,13 +176,14 @@ def mean_in_rank_order(tensor: torch.Tensor, world: int) -> torch.Tensor:
     if tensor.numel() * tensor.element_size() < SHARDED_MIN_BYTES:
         parts = [torch.empty_like(tensor) for _ in range(world)]
         dist.all_gather(parts, tensor)
-        return sum_in_rank_order(parts).div_(world)
+        return divide(sum_in_rank_order(parts), world)
     send = to_shards(tensor, world)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send)
-    mine = sum_in_rank_order(recv.unbind(0)).div_(world)
+    mine = divide(sum_in_rank_order(recv.unbind(0)), world)
     gathered = torch.empty_like(send).view(-1)
-    dist.all_gather_single(gathered, mine)
+    # all_gather_single from torch 2.13 on; its deprecated predecessor before
+    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, mine)
     return from_shards(gathered, tensor)
 
 

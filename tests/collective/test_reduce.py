@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from torchpass_p2p.collective import GroupSpec, ManagedGroup, sum_in_rank_order
 from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
-from torchpass_p2p.collective.reduce import from_shards, to_shards
+from torchpass_p2p.collective.reduce import divide, from_shards, to_shards
 
 
 def test_shards_are_contiguous_pieces_padded_with_zeros() -> None:
@@ -31,6 +31,20 @@ def test_shard_errors() -> None:
         to_shards(torch.ones(3), 0)
     with pytest.raises(ValueError, match="2 elements for a tensor of 3"):
         from_shards(torch.ones(2, 1), torch.ones(3))
+
+
+def test_divide_is_ieee_division_not_a_reciprocal_multiply() -> None:
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
+    exact = x / torch.full_like(x, 3.0)
+    assert not torch.equal(x * (1 / 3), exact)  # the two differ for these inputs
+    got = divide(x.clone(), 3)
+    assert torch.equal(got, exact) and got.dtype == torch.float32
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_divide_gives_the_cpu_bits_on_cuda() -> None:
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(divide(x.cuda(), 3).cpu(), divide(x.clone(), 3))
 
 
 def _inputs(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:

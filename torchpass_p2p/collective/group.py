@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from .reduce import from_shards, sum_in_rank_order, to_shards
+from .reduce import divide, from_shards, sum_in_rank_order, to_shards
 from .rendezvous import STORE_TIMEOUT_S, ServiceDirectory, StoreKeeper, connect_store
 
 __all__ = ["CollectiveError", "GroupSpec", "ManagedGroup", "Superseded", "build_group",
@@ -259,11 +259,11 @@ class ManagedGroup:
             parts = self.allgather(tensor, watch=watch, slice_s=slice_s)
             total = sum_in_rank_order(parts)
             del parts
-            return total.div_(n)
+            return divide(total, n)
         send = to_shards(tensor.detach().to(self.device or tensor.device), n)
         recv = torch.empty_like(send)
         self._run(lambda pg: pg.alltoall_base(recv, send, [], []), watch, slice_s)
-        mine = sum_in_rank_order(recv.unbind(0)).div_(n)
+        mine = divide(sum_in_rank_order(recv.unbind(0)), n)
         gathered = torch.empty_like(send).view(-1)  # gloo splits the output along dim 0
         # _allgather_base: all_gather_into_tensor's ProcessGroup method in every torch 2.x
         self._run(lambda pg: pg._allgather_base(gathered, mine), watch, slice_s)

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["flatten", "from_shards", "sum_in_rank_order", "to_shards", "unflatten_into"]
+__all__ = ["divide", "flatten", "from_shards", "sum_in_rank_order", "to_shards", "unflatten_into"]
 
 
 def flatten(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -82,6 +82,14 @@ def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     for p in parts[1:]:
         out.add_(p)
     return out
+
+
+def divide(total: torch.Tensor, n: int) -> torch.Tensor:
+    """``total / n`` in place, by IEEE division on every device. CUDA divides by a Python
+    number as a multiply by its reciprocal (``div_true_kernel_cuda``: one bit less exact, and
+    other bits than the CPU's true division), so the divisor is a 0-dim tensor on ``total``'s
+    device, which both devices divide by exactly."""
+    return total.div_(torch.tensor(n, dtype=total.dtype, device=total.device))
 
 
 def to_shards(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
