@@ -1,14 +1,17 @@
 """A ManagedGroup in one process (world size 1, gloo): its operations keep the input's device,
-and interrupting it while an operation of the caller's own is in flight retires it as stuck."""
+and interrupting it while an operation of the caller's own is in flight retires it as stuck.
+The NCCL wait (completion polled, never the future) against a scripted work object."""
 
 from __future__ import annotations
 
 import datetime
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
-from torchpass_p2p.collective import GroupSpec, ManagedGroup
+from torchpass_p2p.collective import CollectiveError, GroupSpec, ManagedGroup, Superseded
 from torchpass_p2p.collective import group as group_module
 
 
@@ -37,3 +40,70 @@ def test_interrupt_retires_a_ready_group_as_stuck_and_keeps_it_referenced() -> N
     assert len(group_module._STUCK) == before + 1 and group_module._STUCK[-1][0] is pg
     g.interrupt()  # once
     assert len(group_module._STUCK) == before + 1
+
+
+class _NcclLikeWork:
+    """NCCL's behaviour: the future is complete at once (the kernel was enqueued);
+    ``is_completed`` turns true after ``polls`` queries; ``wait`` raises ``error`` if set."""
+
+    def __init__(self, polls: int | None, error: str | None = None) -> None:
+        self.polls, self.queries, self.error = polls, 0, error
+
+    def get_future(self) -> Any:
+        raise AssertionError("the NCCL wait must not rely on the future")
+
+    def is_completed(self) -> bool:
+        self.queries += 1
+        return self.polls is not None and self.queries > self.polls
+
+    def wait(self) -> bool:
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+class _ScriptedPg:
+    def __init__(self, work: _NcclLikeWork) -> None:
+        self.work, self.aborted = work, False
+
+    def allreduce(self, tensors: list[torch.Tensor]) -> _NcclLikeWork:
+        return self.work
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def _nccl_group(work: _NcclLikeWork) -> tuple[ManagedGroup, _ScriptedPg]:
+    pg = _ScriptedPg(work)
+    return ManagedGroup(pg, GroupSpec(3, 0, 1, 1), "nccl", device=torch.device("cpu")), pg
+
+
+def test_nccl_wait_polls_completion_until_the_work_is_done() -> None:
+    work = _NcclLikeWork(polls=5)
+    g, _ = _nccl_group(work)
+    g.allreduce_sum(torch.ones(2))
+    assert work.queries == 6 and g.state == "ready"
+
+
+def test_nccl_wait_for_a_hung_peer_is_superseded_and_aborts_the_group() -> None:
+    work = _NcclLikeWork(polls=None)  # never completes: a peer hangs
+    g, pg = _nccl_group(work)
+    before = len(group_module._STUCK)
+    watched = []
+
+    def watch() -> bool:
+        watched.append(work.queries)
+        return len(watched) == 3
+
+    with pytest.raises(Superseded):
+        g.allreduce_sum(torch.ones(2), watch=watch, slice_s=0.005)
+    assert len(watched) == 3 and watched[0] > 1  # polled between watches
+    assert g.state == "stuck" and pg.aborted
+    assert len(group_module._STUCK) == before + 1 and group_module._STUCK[-1][1] is work
+
+
+def test_nccl_error_seen_at_completion_fails_the_group() -> None:
+    g, _ = _nccl_group(_NcclLikeWork(polls=0, error="NCCL error: remote process exited"))
+    with pytest.raises(CollectiveError, match="configuration 3: RuntimeError: NCCL error"):
+        g.allreduce_sum(torch.ones(2))
+    assert g.state == "failed" and g.process_group is None
