@@ -5,13 +5,16 @@ loop as one torchft replica group of one process, with a :class:`torchft.Manager
 The job runs ``--active`` (4) participating replicas plus spares, in torchft's
 ``WorldSizeMode.FIXED_WITH_SPARES`` (spares contribute zero gradients and apply every committed
 step, so they hold the state; when a participant drops out of the quorum a spare takes its
-place). Step ``k`` of participating rank ``r``: quorum, every generator seeded from
-``(seed, r, k)``, the same batch as under torchpass_p2p, ``manager.allreduce`` of the flattened
-gradient (torchft's average: a gloo SUM over the quorum divided by the participants), then
-``manager.should_commit()`` (torchft's commit vote) and, if it holds, the optimizer and scheduler
-step. A failed or timed-out collective makes ``should_commit`` false and the step is redone with
-the next quorum. The summation order is gloo's, not the rank order, so bitwise equality with
-the other methods is not expected.
+place). A spare skips the forward and backward pass, whose result torchft would zero: idle like
+torchpass_p2p's spares, it leaves the machine's cores to the participants.
+
+Step ``k`` of participating rank ``r``: quorum, every generator seeded from ``(seed, r, k)``,
+the same batch as under torchpass_p2p, ``manager.allreduce`` of the flattened gradient
+(torchft's average: a gloo SUM over the quorum divided by the participants), then
+``manager.should_commit()`` (torchft's commit vote) and, if it holds, the optimizer and
+scheduler step. A failed or timed-out collective makes ``should_commit`` false and the step is
+redone with the next quorum. The summation order is gloo's, not the rank order, so bitwise
+equality with the other methods is not expected.
 
 Faults (``--faults``, the ``TORCHPASS_FAULTS`` spec) are keyed by participating rank and fire
 once per job (marker files, as :mod:`benchmarks.restart_worker`). A timeline goes to
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     text = corpus(args.corpus_kib << 10)
     model, optimizer, scheduler = build(args)
     params = [p for p in model.parameters() if p.requires_grad]
+    numel = sum(p.numel() for p in params)
 
     def state_dict() -> dict[str, Any]:
         return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
@@ -91,10 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         k, rank = manager.current_step(), manager.participating_rank()
         faults.rank_is(rank)
         faults.at(k, "compute")
-        seed_step(args.seed, rank if rank is not None else 0, k)
-        loss = batch_loss(model, text, args, k, rank if rank is not None else 0)
-        loss.backward()
-        flat = flatten(params)
+        if rank is None:  # a spare: torchft zeroes its contribution, so it computes none
+            flat = torch.zeros(numel)
+        else:
+            seed_step(args.seed, rank, k)
+            batch_loss(model, text, args, k, rank).backward()
+            flat = flatten(params)
         faults.at(k, "grad")
         manager.allreduce(flat).wait()
         faults.at(k, "commit")

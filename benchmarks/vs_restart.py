@@ -426,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                    "heals": ft_f["heals"], "spares": args.spares, "version": _version("torchft"),
                    "setup": "torchft_lighthouse (5 s heartbeat timeout) + one Manager per "
                             "replica (replica group of 1 process, gloo, CPU), "
-                            "WorldSizeMode.FIXED_WITH_SPARES: 4 participants + spares, "
+                            "WorldSizeMode.FIXED_WITH_SPARES: 4 participants + spares (idle: "
+                            "no forward or backward pass), "
                             f"collective timeout {args.pg_timeout_s} s; nothing restarted",
                    "numerics": "gloo SUM over the quorum (spares add zeros) / participants: "
                                "not the rank-order sum, so not bitwise comparable with the "
