@@ -8,6 +8,9 @@ joins, and every member of the new configuration holds that same fingerprint at 
 step; no step is lost (step 37 is redone, nobody committed it); after 20 more steps every rank's
 state (weights, optimizer, schedule, data position) is bitwise equal to the fault-free run's.
 
+The same kill with a model whose gradient is averaged in shards (``mean_in_rank_order`` above
+``SHARDED_MIN_BYTES``): the peers are inside the all-to-all when it lands.
+
 S12: rank 0 (the member that served the last rendezvous: it hosted configuration 0's store) and
 rank 2 die in the same step; two spares. Must hold: both ranks replaced in one or two
 configuration changes, same step, no hang, the same final state as the fault-free run.
@@ -20,8 +23,10 @@ from pathlib import Path
 
 import pytest
 
+from examples.char_lm import CharLM
 from examples.main_job import Run, run_job
 from tests.trainer.settings import ARGS
+from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
 from torchpass_p2p.trainer.timeline import recoveries
 
 STEPS = 57
@@ -63,6 +68,34 @@ def test_s17_killed_rank_is_healed_exactly(tmp_path: Path, clean: Run) -> None:
     # A survivor ran every step once in the final history; the replacement ran 37..56.
     assert sorted(map(int, faulty.finals[0]["losses"])) == list(range(STEPS))
     assert sorted(map(int, faulty.finals[1]["losses"])) == list(range(37, STEPS))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_s17_with_a_gradient_mean_in_shards(tmp_path: Path,
+                                            clean_run: Callable[..., Run]) -> None:
+    # A wider model: its 3.8 MB gradient is averaged in shards (all-to-all, then all-gather),
+    # and the kill leaves the peers inside the all-to-all. Same checks: no step lost, and
+    # the end state bitwise the fault-free run's.
+    args = (*ARGS, "--dim", "192")
+    model = CharLM(context=32, dim=192, heads=4, layers=2)
+    assert 4 * sum(p.numel() for p in model.parameters()) > SHARDED_MIN_BYTES
+    steps = 30
+    clean = clean_run(steps, args)
+    faulty = run_job(tmp_path / "faults", nproc=4, spares=1, steps=steps,
+                     faults="kill@17:grad:rank=2", script_args=args, timeout_s=200)
+    assert faulty.code == 0, faulty.diagnosis()
+    [fault] = recoveries(faulty.events)
+    assert (fault.kind, fault.rank, fault.step, fault.resume_step) == ("kill", 2, 17, 17)
+    assert fault.steps_lost == 0 and fault.action == ("redo",)
+    left = [r for r in faulty.events if r["event"] in ("collective_failed", "superseded")
+            and r["config_id"] == 0]  # the three survivors, from inside step 17's mean
+    assert len(left) == 3 and all(r["step"] == 17 for r in left)
+    assert len(faulty.finals) == 4 and all(r["steps"] == steps for r in faulty.finals)
+    assert {r["fingerprint"] for r in clean.finals + faulty.finals} == {
+        clean.finals[0]["fingerprint"]}
+    assert {r["weights_sha256"] for r in clean.finals + faulty.finals} == {
+        clean.finals[0]["weights_sha256"]}
 
 
 @pytest.mark.slow
