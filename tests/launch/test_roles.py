@@ -1,11 +1,12 @@
 """What the launcher reads from its children's status pages: the parsing of one page, and when
-a job has lost its majority for good (:func:`torchpass_p2p.launch.roles.majority_lost`)."""
+a job has lost its majority for good (:func:`torchpass_p2p.launch.roles.majority_lost`), and
+when a vacant rank has no spare left to take it (``vacant_without_spare``)."""
 
 from __future__ import annotations
 
 import pytest
 
-from torchpass_p2p.launch.roles import StatusView, _view, majority_lost
+from torchpass_p2p.launch.roles import StatusView, _view, majority_lost, vacant_without_spare
 
 A, B, C, D, E = (f"{i:016x}" for i in range(0xA, 0xF))
 FIVE = frozenset({A, B, C, D, E})
@@ -17,10 +18,10 @@ def fenced(config_id: int = 3, members: frozenset[str] = FIVE, *, role: str = "s
 
 
 def test_a_status_page_is_read_into_a_view() -> None:
-    page = {"role": "spare", "config_id": 3, "fenced": True, "members": [
+    page = {"role": "spare", "config_id": 3, "fenced": True, "world_size": 2, "members": [
         {"member_id": A, "role": "rank"}, {"member_id": B, "role": "spare"},
         {"member_id": 7, "role": "rank"}, "junk"]}
-    assert _view(page) == StatusView("spare", frozenset({A}), 3, frozenset({A, B}), True)
+    assert _view(page) == StatusView("spare", frozenset({A}), 3, frozenset({A, B}), True, 2)
     # Fields of another shape read as "unknown", never as fenced.
     assert _view({"role": "rank", "members": [], "config_id": "3", "fenced": 1}) == StatusView(
         "rank", frozenset(), -1, frozenset(), False)
@@ -65,3 +66,26 @@ def test_no_verdict_about_a_configuration_with_members_on_other_hosts() -> None:
     assert majority_lost([fenced(members=seven)], frozenset({B, C, D, E}), FIVE) is None
     assert majority_lost([fenced(members=seven)], frozenset({B, C, D, E}), seven) == (
         "no majority of configuration 3 is left: 4 of its 7 members exited and a majority is 4")
+
+
+def _in(config_id: int, holders: set[str], members: set[str], world_size: int,
+        role: str = "rank") -> StatusView:
+    return StatusView(role, frozenset(holders), config_id, frozenset(members), False, world_size)
+
+
+def test_a_vacant_rank_without_a_spare_is_named() -> None:
+    # Configuration 2: four ranks, C's vacant, every member holds a rank.
+    views = [_in(2, {A, B, D}, {A, B, D}, 4), _in(2, {A, B, D}, {A, B, D}, 4), None]
+    assert vacant_without_spare(views) == (
+        "configuration 2 has 1 vacant rank(s) and no spare left to fill them")
+    # The newest configuration counts: an agent still in configuration 1 says nothing.
+    assert vacant_without_spare([_in(1, {A, B, C, D}, {A, B, C, D}, 4), *views]) == (
+        vacant_without_spare(views))
+
+
+def test_no_hint_while_a_spare_is_left_or_no_rank_is_vacant() -> None:
+    assert vacant_without_spare([_in(2, {A, B, D}, {A, B, D, E}, 4)]) is None  # E: a spare
+    assert vacant_without_spare([_in(2, {A, B, C, D}, {A, B, C, D}, 4)]) is None
+    assert vacant_without_spare([_in(2, {A}, {A}, 0)]) is None  # world size unknown
+    # A joining spare belongs to no configuration yet; no answer says nothing.
+    assert vacant_without_spare([_in(0, set(), {E}, 4, role="joining"), None]) is None

@@ -87,7 +87,7 @@ from .plan import (
     nodes_configuration,
 )
 from .ports import free_ports
-from .roles import IDLE_ROLES, ask_status, majority_lost
+from .roles import IDLE_ROLES, ask_status, majority_lost, vacant_without_spare
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_RESPAWNS", "LaunchError", "LaunchOptions", "launch"]
 
@@ -207,6 +207,7 @@ class _Supervisor:
         self.children: list[Child] = []
         self.exits: list[ChildExit] = []
         self.recorded: set[int] = set()  # pids whose exit is in ``exits``
+        self.said: set[str] = set()  # hints logged once
         self.respawns = 0
         self.stopped_by: int | None = None
         self.gave_up: str | None = None  # why no majority can form again (roles.majority_lost)
@@ -450,10 +451,18 @@ class _Supervisor:
         """Why no configuration can be decided again (:func:`.roles.majority_lost`), or None.
         It concludes only about a configuration of its own children: with members on other
         hosts, the agents' own deadline ends the wait (:class:`~torchpass_p2p.trainer.Trainer`
-        ``give_up_s``)."""
+        ``give_up_s``). Without ``--respawn`` it also says, once, why a job waits with a
+        vacant rank and no spare (:func:`.roles.vacant_without_spare`)."""
         asked = [c for c in self._running() if not c.stopped]
         views = await ask_status(self.session, [("127.0.0.1", c.spec.status_port)
                                                 for c in asked])
+        vacant = None if self.options.respawn else vacant_without_spare(views)
+        if vacant is not None and vacant not in self.said:
+            self.said.add(vacant)
+            log.warning("%s, and --respawn is off: under policy wait the members wait for a "
+                        "spare to join (start one, or launch with --respawn; "
+                        "TORCHPASS_POLICY=shrink trains on with fewer ranks) for up to their "
+                        "give-up time, then stop", vacant)
         ours = {c.pgid: format_member_id(c.spec.member_id) for c in self.children}
         gone = frozenset(m for pgid, m in ours.items() if pgid in self.recorded)
         return majority_lost(views, gone, frozenset(ours.values()))

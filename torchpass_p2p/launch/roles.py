@@ -12,7 +12,8 @@ answers anything else, is assumed to hold a rank: the grace period remains the b
 
 The same pages tell a launcher whose job cannot go on at all (:func:`majority_lost`): every
 agent that answers is fenced in one configuration, all of whose members this launcher started,
-and too many of them have exited.
+and too many of them have exited. And a launcher without ``--respawn`` can say why its job
+waits (:func:`vacant_without_spare`): a rank is vacant and no spare is left to take it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torchpass_p2p.core.configuration import Address
 from .plan import format_address
 
 __all__ = ["IDLE_ROLES", "MAX_STATUS_BYTES", "ROLE_TIMEOUT_S", "StatusView", "ask_status",
-           "majority_lost"]
+           "majority_lost", "vacant_without_spare"]
 
 IDLE_ROLES = frozenset({"spare", "joining", "removed"})
 """Roles that hold no rank and take no part in training (``leaving`` still holds its rank
@@ -47,13 +48,15 @@ MAX_STATUS_BYTES = 1 << 20
 class StatusView:
     """One agent's answer: its own ``role``; the ``members`` (16 hex digits) of its
     configuration ``config_id`` and those of them that hold a rank (``rank_holders``);
-    ``fenced``: it has not reached a majority of that configuration for its lease."""
+    ``fenced``: it has not reached a majority of that configuration for its lease;
+    ``world_size``: the configuration's ranks, vacant ones included (0: unknown)."""
 
     role: str
     rank_holders: frozenset[str]
     config_id: int = -1
     members: frozenset[str] = frozenset()
     fenced: bool = False
+    world_size: int = 0
 
 
 async def ask_status(session: aiohttp.ClientSession, statuses: Sequence[Address], *,
@@ -86,10 +89,11 @@ def _view(document: object) -> StatusView | None:
     entries = [m for m in members if isinstance(m, dict) and isinstance(m.get("member_id"), str)]
     holders = frozenset(m["member_id"] for m in entries if m.get("role") == "rank")
     config_id, fenced = document.get("config_id"), document.get("fenced")
+    world_size = document.get("world_size")
     return StatusView(role, holders,
                       config_id if isinstance(config_id, int) else -1,
                       frozenset(m["member_id"] for m in entries),
-                      fenced is True)
+                      fenced is True, world_size if isinstance(world_size, int) else 0)
 
 
 def majority_lost(views: Sequence[StatusView | None], gone: frozenset[str],
@@ -123,3 +127,20 @@ def majority_lost(views: Sequence[StatusView | None], gone: frozenset[str],
         return None
     return (f"no majority of configuration {first.config_id} is left: {dead} of its {n} "
             f"members exited and a majority is {classic_quorum(n)}")
+
+
+def vacant_without_spare(views: Sequence[StatusView | None]) -> str | None:
+    """Why the newest configuration the answers name cannot fill a rank by itself, or None:
+    it has vacant ranks (``world_size`` above its rank holders) and every member holds a rank,
+    so no spare is left to promote. Under policy ``wait`` its members then wait for a spare
+    that joins from elsewhere (a respawn, another host) until their give-up time. A hint for
+    the user, never a verdict: a spare may still come."""
+    answers = [v for v in views if v is not None and v.role != "joining" and v.config_id >= 0]
+    if not answers:
+        return None
+    newest = max(answers, key=lambda v: v.config_id)
+    vacant = newest.world_size - len(newest.rank_holders)
+    if vacant <= 0 or newest.members - newest.rank_holders:
+        return None
+    return (f"configuration {newest.config_id} has {vacant} vacant rank(s) and no spare left "
+            f"to fill them")
