@@ -107,3 +107,18 @@ def test_nccl_error_seen_at_completion_fails_the_group() -> None:
     with pytest.raises(CollectiveError, match="configuration 3: RuntimeError: NCCL error"):
         g.allreduce_sum(torch.ones(2))
     assert g.state == "failed" and g.process_group is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_real_nccl_group_of_one_completes_its_operations_by_polling() -> None:
+    # Real WorkNCCL objects through the polled wait: results right, on the input's device.
+    spec = GroupSpec(5, 0, 1, 1)
+    device = torch.device("cuda", 0)
+    g = ManagedGroup(group_module._make_pg("nccl", dist.HashStore(), spec, device), spec,
+                     "nccl", device=device)
+    x = torch.arange(6, dtype=torch.float32)
+    [y] = g.allgather(x)
+    assert y.device == x.device and torch.equal(y, x)
+    z = g.mean_in_rank_order(x.cuda())
+    assert z.is_cuda and torch.equal(z.cpu(), x)
+    g.close()
