@@ -5,8 +5,9 @@ checkpoint every ``--every`` steps and resume from the newest one after a restar
 
 Same model, data, seed, schedule and step as the example under torchpass_p2p: step ``k`` of
 rank ``r`` seeds every generator from ``(seed, r, k)`` (:func:`~torchpass_p2p.trainer.seed_step`),
-draws the same batch, averages the flattened gradient summed in rank order with the same
-collectives as ``Trainer`` (so a fault-free run here ends with the same bits, at the same speed),
+draws the same batch, averages the flattened gradient summed in rank order with the trainer's own
+``ManagedGroup.mean_in_rank_order`` over the plain gloo group (so a fault-free run here ends with
+the same bits, at the same speed),
 does the same tiny second all-reduce (mean loss), then the optimizer and scheduler step.
 
 Checkpoint (rank 0 only, every rank holds the same state): model, optimizer, scheduler, step,
@@ -51,15 +52,8 @@ import torch
 import torch.distributed as dist
 
 from examples.char_lm import add_job_args, batch_loss, build, corpus, weights_digest
-from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
-from torchpass_p2p.collective.reduce import (
-    divide,
-    flatten,
-    from_shards,
-    sum_in_rank_order,
-    to_shards,
-    unflatten_into,
-)
+from torchpass_p2p.collective import GroupSpec, ManagedGroup
+from torchpass_p2p.collective.reduce import flatten, unflatten_into
 from torchpass_p2p.trainer.faults import Fault, parse_faults
 from torchpass_p2p.trainer.seeding import seed_step
 from torchpass_p2p.transfer import Snapshot
@@ -169,24 +163,6 @@ def measure_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
-def mean_in_rank_order(tensor: torch.Tensor, world: int) -> torch.Tensor:
-    """``(t_0 + ... + t_{n-1}) / n`` summed in rank order with the collectives that
-    ``ManagedGroup.mean_in_rank_order`` uses (:mod:`torchpass_p2p.collective.reduce`): an
-    all-gather of whole buffers below ``SHARDED_MIN_BYTES``, sharded above."""
-    if tensor.numel() * tensor.element_size() < SHARDED_MIN_BYTES:
-        parts = [torch.empty_like(tensor) for _ in range(world)]
-        dist.all_gather(parts, tensor)
-        return divide(sum_in_rank_order(parts), world)
-    send = to_shards(tensor, world)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send)
-    mine = divide(sum_in_rank_order(recv.unbind(0)), world)
-    gathered = torch.empty_like(send).view(-1)
-    # all_gather_single from torch 2.13 on; its deprecated predecessor before
-    getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, mine)
-    return from_shards(gathered, tensor)
-
-
 def init_group(rank: int, world: int, attempt: int, timeout: timedelta) -> None:
     """The gloo group of this attempt. The elastic agent's store outlives restarts and
     ``env://`` puts no attempt into its keys: a restarted group would read the dead group's
@@ -213,6 +189,9 @@ def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     init_group(rank, world, attempt, timedelta(seconds=args.pg_timeout_s))
+    # The trainer's rank-order mean on the plain group: the same collectives and arithmetic.
+    # A failure raises CollectiveError, a RuntimeError like the backend's own.
+    group = ManagedGroup(dist.group.WORLD, GroupSpec(attempt, rank, world, 0), "gloo")
     text = corpus(args.corpus_kib << 10)
     model, optimizer, scheduler = build(args)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -246,10 +225,10 @@ def train(args: argparse.Namespace) -> int:
             loss.backward()
             flat = flatten(params)
             faults.at(k, "grad")
-            avg = mean_in_rank_order(flat, world)
+            avg = group.mean_in_rank_order(flat)
             faults.at(k, "commit")
             vote = torch.tensor([1.0, float(loss.detach())], dtype=torch.float64)
-            votes = mean_in_rank_order(vote, world)
+            votes = group.mean_in_rank_order(vote)
             unflatten_into(avg, params)
             optimizer.step()
             scheduler.step()

@@ -15,7 +15,7 @@ agreement stops the job (a vacant rank nobody can fill: every holder of its stat
 
 The model's size is ``--dim``, ``--heads`` and ``--layers`` (default 64, 4, 2: 0.1M parameters,
 1.3 MB of state with AdamW); ``--dim 512 --layers 8 --batch 2`` is the scale of issue #7's
-reference job (25.4M parameters, 305 MB of state, about 0.6 s a step with 4 ranks on 2 cores).
+reference job (25.4M parameters, 305 MB of state, about 1.5 s a step with 4 ranks on 2 cores).
 :func:`add_job_args`, :func:`build` and :func:`batch_loss` are shared with the baselines in
 ``benchmarks/``, so every method trains exactly this job.
 

@@ -1,5 +1,6 @@
 """benchmarks.vs_restart: Young's interval, the baseline's checkpoints, and one short run of the
-whole comparison (20 steps of a model smaller than the default, one SIGKILL at step 7)."""
+whole comparison (20 steps of a model whose gradient is averaged in shards, one SIGKILL at
+step 7)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from benchmarks.restart_worker import latest_checkpoint, save_checkpoint
 from benchmarks.vs_restart import young_interval_s, young_k_steps
 from examples.char_lm import CharLM
+from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,7 +41,7 @@ def test_checkpoints_atomic_and_two_kept(tmp_path: Path) -> None:
 def test_short_comparison() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.vs_restart", "--json", "--steps", "20",
-         "--faults", "kill@7:grad:rank=1", "--dim", "32", "--layers", "1", "--batch", "8"],
+         "--faults", "kill@7:grad:rank=1", "--dim", "192", "--layers", "1", "--batch", "8"],
         cwd=REPO, capture_output=True, timeout=850, check=False)
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     out = json.loads(proc.stdout)
@@ -48,9 +50,11 @@ def test_short_comparison() -> None:
     assert tp["final_weights_equal_fault_free"] is True
     assert tr["completed"] and tr["restarts"] == 1
     assert tr["faults"][0]["resume_step"] <= 7
-    # the model size reached every method: the same bits without faults need the same model
-    model = CharLM(context=64, dim=32, heads=4, layers=1)
+    # the model size reached every method: the same bits without faults need the same model;
+    # its gradient is large enough for the sharded mean in both launchers
+    model = CharLM(context=64, dim=192, heads=4, layers=1)
     assert out["job"]["model"]["parameters"] == sum(p.numel() for p in model.parameters())
+    assert 4 * out["job"]["model"]["parameters"] > SHARDED_MIN_BYTES
     # the same loop, arithmetic and data under both launchers: the same bits without faults
     assert out["fault_free_weights_equal_across_methods"] is True
     young = out["young"]
