@@ -56,15 +56,16 @@ class Run:
 
     def diagnosis(self, chars: int = 3000) -> str:
         """What to show when the run failed: the output's last ``chars`` characters, or after
-        a launch killed at its deadline, the launcher's lines naming each child's pid, the
-        children's stack dumps and each member's last timeline event."""
+        a launch killed at its deadline, everything the launcher and the children wrote
+        before it (its last ``chars`` characters: who started, who exited and how, their
+        tracebacks), the children's stack dumps and each member's last timeline event."""
         if KILLED_MARK not in self.output:
             return self.output[-chars:]
         last: dict[str, dict[str, Any]] = {}
         for record in self.events:
             last[record["member"]] = record
-        started = [line for line in self.output.splitlines() if "] started " in line]
-        return ("\n".join(started) + self.output[self.output.index(KILLED_MARK):]
+        before, mark, stacks = self.output.partition(KILLED_MARK)
+        return (before[-chars:] + mark + stacks
                 + "last timeline event of each member:\n"
                 + "".join(f"  {r}\n" for r in sorted(last.values(), key=lambda r: r["t"])))
 

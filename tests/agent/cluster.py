@@ -1,13 +1,14 @@
 """A cluster of live agents on loopback, all on the test's event loop.
 
 Every agent has real UDP and TCP sockets and the real sealing; only the process is shared.
-Ports are found free for both protocols (the launcher's ``free_ports``) and released just before
-the agents bind: configuration 0 must name every address before any agent starts.
+Each agent's UDP and TCP sockets are bound first, as the launcher does (``reserve_ports``), and
+handed to it: configuration 0 must name every address before any agent starts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import secrets
 from collections.abc import Callable
@@ -18,9 +19,14 @@ from torchpass_p2p.agent.settings import AgentSettings
 from torchpass_p2p.core.configuration import Configuration
 from torchpass_p2p.core.params import Params
 from torchpass_p2p.core.seal import Keyring
-from torchpass_p2p.launch.ports import free_ports
+from torchpass_p2p.launch.ports import Reservation, reserve_ports
 
 HOST = "127.0.0.1"
+
+
+def _sockets(held: Reservation) -> tuple[int, int]:
+    udp, tcp = held.hand_over()
+    return udp, tcp
 
 
 class LocalCluster:
@@ -29,7 +35,8 @@ class LocalCluster:
     def __init__(self, ranks: int, spares: int, *, params: Params | None = None,
                  seed: int = 0, status: bool = False) -> None:
         ids = list(range(1, ranks + spares + 1))
-        ports = free_ports(len(ids), HOST)
+        held = reserve_ports(len(ids), HOST)
+        ports = [r.port for r in held]
         self.key = secrets.token_bytes(32)
         self.keyring = Keyring(self.key)
         self.configuration = Configuration(
@@ -39,9 +46,9 @@ class LocalCluster:
             params=params or Params(), status=(HOST, 0) if status else None, health=False)
         self.seed = seed
         self.agents: dict[int, AgentRuntime] = {
-            m: AgentRuntime(replace(self.template, member_id=m, bind=(HOST, p)),
-                            rng=random.Random(seed * 1_000 + m))
-            for m, p in zip(ids, ports, strict=True)}
+            m: AgentRuntime(replace(self.template, member_id=m, bind=(HOST, r.port),
+                                    bind_fds=_sockets(r)), rng=random.Random(seed * 1_000 + m))
+            for m, r in zip(ids, held, strict=True)}
 
     def __getitem__(self, member: int) -> AgentRuntime:
         return self.agents[member]
@@ -74,3 +81,7 @@ class LocalCluster:
 
     async def stop(self) -> None:
         await asyncio.gather(*(a.stop(leave=False) for a in self.live()))
+        for agent in self.agents.values():
+            if agent.address is None and agent.settings.bind_fds is not None:
+                for fd in agent.settings.bind_fds:  # never started: the sockets are still ours
+                    os.close(fd)

@@ -54,6 +54,11 @@ def main() -> int:
     if rank is not None and os.environ.get("MP_UNSHARE_RANK") == rank:
         if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
+        # The sockets the launcher bound live in the old namespace and would still work:
+        # close them, so that the agent binds its own in the empty one.
+        for name in ("TORCHPASS_BIND_FDS", "TORCHPASS_STATUS_FD"):
+            for fd in os.environ.pop(name).split(","):
+                os.close(int(fd))
     path = os.path.join(os.environ["MP_LOG_DIR"], os.environ["TORCHPASS_MEMBER_ID"] + ".jsonl")
     bursts = os.environ.get("MP_GIL_BURSTS")
     agent = torchpass_p2p.start()

@@ -12,6 +12,7 @@ from tests.agent.cluster import HOST, LocalCluster
 from torchpass_p2p.agent.api import Agent, AgentError, start
 from torchpass_p2p.agent.bootstrap import write_configuration
 from torchpass_p2p.agent.runtime import Phase
+from torchpass_p2p.launch.ports import reserve_ports
 
 
 def threaded(cluster: LocalCluster) -> dict[int, Agent]:
@@ -63,15 +64,20 @@ def test_start_reads_the_launchers_environment(tmp_path, monkeypatch):
     config_file = tmp_path / "configuration.json"
     write_configuration(config_file, cluster.configuration)
     host, port = cluster.configuration.addresses[1]
+    udp, tcp = cluster[1].settings.bind_fds or ()  # bound already, as the launcher hands them
+    [status] = reserve_ports(1, udp=False)
+    (status_fd,) = status.hand_over()
     for name, value in {"KEY_FILE": str(key_file), "MEMBER_ID": f"{1:016x}",
-                        "BIND": f"{host}:{port}", "CONFIGURATION": str(config_file),
-                        "STATUS": "off", "HEALTH": "off", "CLUSTER": "t1"}.items():
+                        "BIND": f"{host}:{port}", "BIND_FDS": f"{udp},{tcp}",
+                        "STATUS": f"127.0.0.1:{status.port}", "STATUS_FD": str(status_fd),
+                        "CONFIGURATION": str(config_file), "HEALTH": "off",
+                        "CLUSTER": "t1"}.items():
         monkeypatch.setenv("TORCHPASS_" + name, value)
     agent = start()
     try:
         assert agent.member_id == 1 and agent.rank == 0 and agent.role == "rank"
         assert agent.address == (HOST, port)
-        assert agent.status_address is None
+        assert agent.status_address == ("127.0.0.1", status.port)
         doc = agent.status()
         assert doc["cluster"] == "t1"
         json.dumps(doc)  # plain data
@@ -85,7 +91,7 @@ def test_start_fails_clearly_when_the_port_is_taken():
     first = Agent(cluster[1].settings)
     first.start()
     try:
-        clash = Agent(replace(cluster[2].settings, bind=first.address))
+        clash = Agent(replace(cluster[2].settings, bind=first.address, bind_fds=None))
         with pytest.raises(AgentError, match="failed to start"):
             clash.start(timeout_s=10)
     finally:

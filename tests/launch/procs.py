@@ -36,6 +36,16 @@ def dump(out: Path, **extra):
 '''
 
 
+def socket_inodes(pid: int) -> dict[int, str]:
+    """The sockets process ``pid`` holds: descriptor -> inode, from ``/proc/<pid>/fd``."""
+    out = {}
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd)  # "socket:[123]" for a socket
+        if target.startswith("socket:["):
+            out[int(fd.name)] = target[8:-1]
+    return out
+
+
 def write_script(directory: Path, name: str, body: str) -> Path:
     """``directory/name`` holding :data:`ENV_DUMP` followed by ``body``."""
     path = directory / name

@@ -22,14 +22,24 @@ from torchpass_p2p.agent.settings import load_settings
 from torchpass_p2p.cli.main import main
 from torchpass_p2p.launch.keyfile import write_key_file
 
-from .procs import finish, gone, reports, start_launcher, wait_for, write_script
+from .procs import (
+    finish,
+    gone,
+    reports,
+    socket_inodes,
+    start_launcher,
+    wait_for,
+    write_script,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
 WAIT_FOR_GO = '''
-import time
+import socket, time
 out = Path(sys.argv[1])
-env = dump(out)
+fds = [*os.environ["TORCHPASS_BIND_FDS"].split(","), os.environ["TORCHPASS_STATUS_FD"]]
+handed = [socket.socket(fileno=int(fd)) for fd in fds]
+env = dump(out, sockets=[(s.type.name, s.getsockname()[1]) for s in handed])
 deadline = time.monotonic() + 20
 while not (out / "go").exists() and time.monotonic() < deadline:
     time.sleep(0.02)
@@ -69,6 +79,17 @@ def test_children_get_the_contract_and_never_the_key(tmp_path: Path) -> None:
         statuses = {e["TORCHPASS_STATUS"] for e in envs}
         assert len(binds) == 3 and len(statuses) == 3
         assert all(s.startswith("127.0.0.1:") for s in statuses)
+        # Each child was handed its sockets already bound to its ports (no race with other
+        # binds between choosing a port and the child binding it); the launcher let go of them.
+        launchers = set(socket_inodes(launcher.pid).values())
+        for e in envs:
+            port = int(e["TORCHPASS_BIND"].rsplit(":", 1)[1])
+            status = int(e["TORCHPASS_STATUS"].rsplit(":", 1)[1])
+            assert e["sockets"] == [["SOCK_DGRAM", port], ["SOCK_STREAM", port],
+                                    ["SOCK_STREAM", status]]
+            inodes = socket_inodes(e["pid"])
+            fds = [*map(int, e["TORCHPASS_BIND_FDS"].split(",")), int(e["TORCHPASS_STATUS_FD"])]
+            assert not {inodes[fd] for fd in fds} & launchers
         for e in envs:
             assert e["TORCHPASS_TOPOLOGY"] == "node7/nvl1"
             assert e["TORCHPASS_CLUSTER"] == "torchpass"

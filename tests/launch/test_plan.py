@@ -38,7 +38,7 @@ from torchpass_p2p.launch.plan import (
     new_member_ids,
     parse_topology,
 )
-from torchpass_p2p.launch.ports import free_ports
+from torchpass_p2p.launch.ports import reserve_ports
 
 RUN = RunContext("c", "/run/key", "/run", Topology("h", "d"), 2, configuration="/run/c0.json")
 
@@ -71,7 +71,8 @@ def test_member_ids_are_fresh_and_distinct() -> None:
 def test_environment_of_a_rank_and_of_a_spare() -> None:
     rank, _, spare = children()
     inherited = {"PATH": "/bin", "RANK": "9", "TORCHPASS_KEY": "ab" * 32,
-                 "TORCHPASS_SEEDS": "x:1", "TORCHPASS_POLICY": "shrink"}
+                 "TORCHPASS_SEEDS": "x:1", "TORCHPASS_POLICY": "shrink",
+                 "TORCHPASS_BIND_FDS": "3,4", "TORCHPASS_STATUS_FD": "5"}
     env = child_environment(rank, RUN, base=inherited)
     assert env == {
         "PATH": "/bin", "TORCHPASS_POLICY": "shrink",
@@ -82,8 +83,10 @@ def test_environment_of_a_rank_and_of_a_spare() -> None:
         "TORCHPASS_CONFIGURATION": "/run/c0.json",
         "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
     }
-    env = child_environment(spare, RUN, seeds=[("10.0.0.5", 100), ("::1", 7)], base=inherited)
+    env = child_environment(spare, RUN, seeds=[("10.0.0.5", 100), ("::1", 7)], base=inherited,
+                            bind_fds=(5, 6), status_fd=7)
     assert env["TORCHPASS_ROLE"] == "spare" and env["TORCHPASS_SEEDS"] == "10.0.0.5:100,[::1]:7"
+    assert (env["TORCHPASS_BIND_FDS"], env["TORCHPASS_STATUS_FD"]) == ("5,6", "7")
     assert not {"RANK", "TORCHPASS_CONFIGURATION", "TORCHPASS_KEY"} & set(env)
     with pytest.raises(ValueError, match="neither configuration 0 nor seeds"):
         child_environment(spare, RunContext("c", "k", "r", Topology(), 1))
@@ -171,11 +174,37 @@ def test_key_file_is_private_and_round_trips(tmp_path: Path) -> None:
             read_primary_key(ring)
 
 
-def test_free_ports_are_distinct_and_bindable_for_udp_and_tcp() -> None:
-    ports = free_ports(8)
+def test_reserved_ports_are_distinct_and_held_for_udp_and_tcp_until_closed() -> None:
+    held = reserve_ports(8)
+    ports = [r.port for r in held]
     assert len(set(ports)) == 8
-    for port in ports:
+    for r in held:
+        udp, tcp = r.sockets
+        assert (udp.type, tcp.type) == (socket.SOCK_DGRAM, socket.SOCK_STREAM)
+        assert udp.getsockname()[1] == tcp.getsockname()[1] == r.port
+        assert r.fds == (udp.fileno(), tcp.fileno())
+        for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+            with socket.socket(socket.AF_INET, kind) as other, pytest.raises(OSError):
+                other.bind(("127.0.0.1", r.port))
+    for r in held:
+        r.close()
+    for port in ports:  # released
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as u, socket.socket() as t:
             u.bind(("127.0.0.1", port))
             t.bind(("127.0.0.1", port))
-    assert not set(free_ports(4, avoid=ports)) & set(ports)
+
+
+def test_reserving_a_given_port_that_is_taken_fails_and_holds_nothing() -> None:
+    [taken] = reserve_ports(1)
+    [free] = reserve_ports(1)
+    free.close()
+    with pytest.raises(OSError, match=f"UDP port {taken.port} on 127.0.0.1"):
+        reserve_ports(2, ports=[free.port, taken.port])
+    taken.close()
+    again = reserve_ports(2, ports=[free.port, taken.port])  # the first try let go of free.port
+    assert [r.port for r in again] == [free.port, taken.port]
+    for r in again:
+        r.close()
+    [status] = reserve_ports(1, udp=False)
+    assert [s.type for s in status.sockets] == [socket.SOCK_STREAM]
+    status.close()

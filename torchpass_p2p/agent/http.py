@@ -30,6 +30,7 @@ import asyncio
 import hmac
 import json
 import logging
+import socket
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -41,6 +42,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from torchpass_p2p.core.seal import Keyring
 
 from .metrics import CONTENT_TYPE, AgentMetrics
+from .sockets import adopt_socket
 
 __all__ = [
     "DRAIN_TIMEOUT_S",
@@ -150,12 +152,13 @@ class StatusServer:
         self.address: tuple[str, int] | None = None
         """The bound ``(host, port)`` once started."""
 
-    async def start(self) -> tuple[str, int]:
-        """Bind and serve; returns the bound ``(host, port)``.
+    async def start(self, fd: int | None = None) -> tuple[str, int]:
+        """Bind and serve, or serve on the inherited TCP socket ``fd`` already bound to
+        ``port``; returns the bound ``(host, port)``.
 
         Raises:
             RuntimeError: already started.
-            OSError: the address cannot be bound.
+            OSError: the address cannot be bound, or ``fd`` is not such a socket.
         """
         if self._runner is not None:
             raise RuntimeError("status server already started")
@@ -174,7 +177,12 @@ class StatusServer:
         )
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.host, self.port)
+            site: web.BaseSite
+            if fd is None:
+                site = web.TCPSite(runner, self.host, self.port)
+            else:
+                sock = adopt_socket(fd, socket.SOCK_STREAM, (self.host, self.port))
+                site = web.SockSite(runner, sock)
             await site.start()
         except BaseException:
             await runner.cleanup()

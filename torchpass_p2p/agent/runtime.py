@@ -151,7 +151,7 @@ class AgentRuntime:
                 ``settings.join_timeout_s``.
         """
         s = self.settings
-        self.address = await self.transport.start(s.bind)
+        self.address = await self.transport.start(s.bind, s.bind_fds)
         if s.configuration is not None:
             self.member = Member(s.member_id, s.configuration, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy)
@@ -611,7 +611,7 @@ class AgentRuntime:
 
         self._status_server = StatusServer(self, self.metrics, host=address[0],
                                            port=address[1], token=self.http_token)
-        self.status_address = await self._status_server.start()
+        self.status_address = await self._status_server.start(self.settings.status_fd)
 
     async def _fetch_configuration(self) -> Configuration:
         timeout = self.settings.join_timeout_s

@@ -12,6 +12,8 @@ Environment (the launcher's contract with the processes it starts):
 ``TORCHPASS_KEY``           the primary key as 64 hex digits (when there is no key file)
 ``TORCHPASS_MEMBER_ID``     this process's member id, 16 hex digits (default: a fresh random id)
 ``TORCHPASS_BIND``          ``host:port`` of the UDP gossip socket and the TCP port (same number)
+``TORCHPASS_BIND_FDS``      ``udp,tcp``: inherited descriptors of sockets already bound to it
+``TORCHPASS_STATUS_FD``     inherited descriptor of a TCP socket already bound to the status port
 ``TORCHPASS_CONFIGURATION`` JSON file of configuration 0 (:mod:`.bootstrap`); absent: join
 ``TORCHPASS_SEEDS``         ``host:port,...`` of members to join through
 ``TORCHPASS_STATUS``        ``host:port`` of the HTTP status page; ``off`` disables it
@@ -76,6 +78,11 @@ class AgentSettings:
     health: bool = True
     join_timeout_s: float = 30.0
     """How long a joining process keeps asking its seeds for the configuration (seconds)."""
+    bind_fds: tuple[int, int] | None = None
+    """Descriptors of a UDP and a TCP socket already bound to ``bind``, used instead of binding
+    (the launcher binds a child's ports before it starts it: :mod:`torchpass_p2p.launch.ports`)."""
+    status_fd: int | None = None
+    """Descriptor of a TCP socket already bound to ``status``, likewise."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.member_id <= MAX_MEMBER_ID:
@@ -209,6 +216,11 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
             raise SettingsError(f"{ENV_PREFIX}MEMBER_ID: 16 hex digits, got {v!r}") from None
     if (v := get("BIND")) is not None:
         out["bind"] = parse_address(v, where=ENV_PREFIX + "BIND")
+    if (v := get("BIND_FDS")) is not None:
+        udp, tcp = _descriptors(v, ENV_PREFIX + "BIND_FDS", count=2)
+        out["bind_fds"] = (udp, tcp)
+    if (v := get("STATUS_FD")) is not None:
+        (out["status_fd"],) = _descriptors(v, ENV_PREFIX + "STATUS_FD", count=1)
     if (v := get("CONFIGURATION")) is not None:
         out["configuration"] = read_configuration(v)
     if (v := get("SEEDS")) is not None:
@@ -282,6 +294,16 @@ def _float(text: str, where: str) -> float:
         return float(text)
     except ValueError:
         raise SettingsError(f"{where}: a number of seconds, got {text!r}") from None
+
+
+def _descriptors(text: str, where: str, *, count: int) -> tuple[int, ...]:
+    try:
+        fds = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        fds = ()
+    if len(fds) != count or min(fds) < 0:
+        raise SettingsError(f"{where}: {count} comma-separated file descriptor(s), got {text!r}")
+    return fds
 
 
 def _policy(text: str, where: str) -> Policy:

@@ -43,6 +43,8 @@ from torchpass_p2p.core.messages import MemberId, Message
 from torchpass_p2p.core.seal import HEADER_BYTES, OVERHEAD_BYTES, Keyring, Opener, OpenError, Sealer
 from torchpass_p2p.core.wire import DEFAULT_MAX_DATAGRAM_BYTES, Wire
 
+from .sockets import adopt_socket
+
 __all__ = ["Channel", "Kind", "Transport", "TransportError", "reply_tag"]
 
 log = logging.getLogger(__name__)
@@ -170,14 +172,28 @@ class Transport:
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self, bind: Address) -> Address:
-        """Bind UDP and TCP on ``bind`` (port 0: a free port both can use); return the address.
+    async def start(self, bind: Address, fds: tuple[int, int] | None = None) -> Address:
+        """Bind UDP and TCP on ``bind`` (port 0: a free port both can use), or serve on the
+        inherited UDP and TCP sockets ``fds`` already bound to it; return the address.
 
         Raises:
-            OSError: the address cannot be bound.
+            OSError: the address cannot be bound, or ``fds`` are not such sockets.
         """
         loop = asyncio.get_running_loop()
         host, port = bind
+        if fds is not None:
+            sock = adopt_socket(fds[0], socket.SOCK_DGRAM, bind)
+            try:
+                tcp = adopt_socket(fds[1], socket.SOCK_STREAM, (host, sock.getsockname()[1]))
+            except OSError:
+                sock.close()
+                raise
+            self._udp, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(self),
+                                                               sock=sock)
+            self._server = await asyncio.start_server(self._serve, sock=tcp,
+                                                      limit=MAX_INBOUND_FRAME + 8)
+            self.address = (host, tcp.getsockname()[1])
+            return self.address
         for _ in range(20 if port == 0 else 1):
             # Bound here, not by create_datagram_endpoint: uvloop leaks its transport when
             # the bind inside it fails.

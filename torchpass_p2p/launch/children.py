@@ -37,9 +37,11 @@ class Child:
         """Whether the launcher has signalled this child (its exit is then no failure)."""
 
     @classmethod
-    async def start(cls, spec: ChildSpec, argv: Sequence[str], env: Mapping[str, str]) -> Child:
+    async def start(cls, spec: ChildSpec, argv: Sequence[str], env: Mapping[str, str], *,
+                    pass_fds: Sequence[int] = ()) -> Child:
         """Start ``argv`` with ``env`` in a new session; stdin is ``/dev/null``, stdout and
-        stderr are the launcher's. ``TORCHPASS_LAUNCHER_PID`` names this process, so that the
+        stderr are the launcher's, ``pass_fds`` (its reserved sockets) are inherited under the
+        same numbers. ``TORCHPASS_LAUNCHER_PID`` names this process, so that the
         child's agent can ask to die with it (:mod:`torchpass_p2p.agent.lifeline`).
 
         Raises:
@@ -47,7 +49,7 @@ class Child:
         """
         process = await asyncio.create_subprocess_exec(
             *argv, env={**env, LAUNCHER_PID_VARIABLE: str(os.getpid())},
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            stdin=asyncio.subprocess.DEVNULL, start_new_session=True, pass_fds=tuple(pass_fds))
         return cls(spec, process)
 
     @property

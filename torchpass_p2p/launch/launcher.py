@@ -44,7 +44,7 @@ import socket
 import stat
 import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import aiohttp
@@ -53,7 +53,7 @@ from torchpass_p2p.agent.bootstrap import write_configuration
 from torchpass_p2p.agent.settings import SettingsError, parse_key
 from torchpass_p2p.config import ConfigError, load_params
 from torchpass_p2p.core.configuration import Address
-from torchpass_p2p.core.messages import Topology, format_member_id
+from torchpass_p2p.core.messages import MemberId, Topology, format_member_id
 from torchpass_p2p.core.params import Params
 
 from .children import Child, become_subreaper, kill_strays
@@ -86,7 +86,7 @@ from .plan import (
     new_member_ids,
     nodes_configuration,
 )
-from .ports import free_ports
+from .ports import Reservation, reserve_ports
 from .roles import IDLE_ROLES, ask_status, majority_lost, vacant_without_spare
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_RESPAWNS", "LaunchError", "LaunchOptions", "launch"]
@@ -212,6 +212,9 @@ class _Supervisor:
         self.stopped_by: int | None = None
         self.gave_up: str | None = None  # why no majority can form again (roles.majority_lost)
         self.evidence: set[asyncio.Task[int]] = set()
+        self.reserved: dict[MemberId, tuple[Reservation, Reservation]] = {}
+        """Each child's gossip and status ports, bound until the child holds them (ports.py)."""
+        self.held: list[Reservation] = []  # every reservation, closed at the end at the latest
 
     # --- setup ---
 
@@ -230,8 +233,7 @@ class _Supervisor:
             async with aiohttp.ClientSession() as self.session, asyncio.TaskGroup() as tasks:
                 self.tasks = tasks
                 for spec in specs:
-                    await self._start(spec, child_environment(
-                        spec, self.run_context, seeds=self.options.seeds, base=self.environ))
+                    await self._start(spec, seeds=self.options.seeds)
                 await self._supervise()
                 for task in self.evidence:  # nobody is left to tell
                     task.cancel()
@@ -239,6 +241,8 @@ class _Supervisor:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             await self._kill_all()  # only does something when an error cut the run short
+            for reservation in self.held:
+                reservation.close()
             strays = self._kill_strays()
             if strays:
                 log.warning("killed %d stray process(es) left by the children: pid(s) %s",
@@ -280,18 +284,16 @@ class _Supervisor:
                 raise LaunchError(f"--config: {exc}") from exc
         topology = o.topology or Topology(_host_label())
         total = o.nproc + o.spares
-        try:
-            if o.base_port is not None:
-                ports = [o.base_port + i for i in range(total)]
-            else:
-                ports = free_ports(total, o.host)
-            status = free_ports(total, "127.0.0.1", udp=False, avoid=ports)
-        except OSError as exc:
-            raise LaunchError(f"ports on {o.host}: {exc}") from exc
         if o.nodes:
-            return self._plan_nodes(params, profile, status)
-        specs = initial_children(new_member_ids(total), o.host, ports, status, o.nproc,
-                                 joining=o.joining)
+            return self._plan_nodes(params, profile)
+        base = None if o.base_port is None else [o.base_port + i for i in range(total)]
+        gossip = self._reserve(total, o.host, base)
+        status = self._reserve(total, "127.0.0.1", None, udp=False)
+        specs = initial_children(new_member_ids(total), o.host, [r.port for r in gossip],
+                                 [r.port for r in status], o.nproc, joining=o.joining)
+        self.reserved = {spec.member_id: held
+                         for spec, held in zip(specs, zip(gossip, status, strict=True),
+                                               strict=True)}
         configuration = None
         if not o.joining:
             configuration = str(self.run_dir / CONFIGURATION_FILE)
@@ -303,8 +305,8 @@ class _Supervisor:
                          configuration=configuration, profile=profile)
         return run, specs
 
-    def _plan_nodes(self, params: Params, profile: str | None,
-                    status: list[int]) -> tuple[RunContext, list[ChildSpec]]:
+    def _plan_nodes(self, params: Params,
+                    profile: str | None) -> tuple[RunContext, list[ChildSpec]]:
         """This host's part of a job over ``--nodes``: configuration 0 as every launcher
         computes it, and the processes of node ``--node-rank``."""
         o = self.options
@@ -320,19 +322,41 @@ class _Supervisor:
         log.info("configuration 0: %d rank(s), %d spare(s) on %d host(s); this is host %d (%s)",
                  config.world_size, len(config.spares), len(o.nodes), o.node_rank,
                  o.nodes[o.node_rank])
-        mine = [replace(spec, status_port=port)
-                for spec, port in zip(per_node[o.node_rank], status, strict=True)]
+        specs = per_node[o.node_rank]
+        gossip = [self._reserve(1, spec.bind[0], [spec.bind[1]])[0] for spec in specs]
+        status = self._reserve(len(specs), "127.0.0.1", None, udp=False)
+        mine = [replace(spec, status_port=r.port) for spec, r in zip(specs, status, strict=True)]
+        self.reserved = {spec.member_id: held
+                         for spec, held in zip(mine, zip(gossip, status, strict=True),
+                                               strict=True)}
         run = RunContext(o.cluster, self.key_file, str(self.run_dir),
                          Topology(o.nodes[o.node_rank]), config.world_size,
                          configuration=configuration, profile=profile, local_world_size=o.nproc)
         return run, mine
 
-    async def _start(self, spec: ChildSpec, env: Mapping[str, str]) -> None:
+    def _reserve(self, count: int, host: str, ports: list[int] | None, *,
+                 udp: bool = True) -> list[Reservation]:
+        """Ports held for children not started yet; closed by :meth:`run` if never handed over."""
+        try:
+            held = reserve_ports(count, host, udp=udp, ports=ports)
+        except OSError as exc:
+            raise LaunchError(f"ports on {host}: {exc}") from exc
+        self.held.extend(held)
+        return held
+
+    async def _start(self, spec: ChildSpec, *, seeds: Sequence[Address]) -> None:
+        """Start ``spec``'s process with its reserved sockets (then released here)."""
+        gossip, status = self.reserved.pop(spec.member_id)
+        env = child_environment(spec, self.run_context, seeds=seeds, base=self.environ,
+                                bind_fds=gossip.fds, status_fd=status.fds[0])
         argv = [self.options.python, self.options.script, *self.options.script_args]
         try:
-            child = await Child.start(spec, argv, env)
+            child = await Child.start(spec, argv, env, pass_fds=(*gossip.fds, *status.fds))
         except OSError as exc:
             raise LaunchError(f"cannot start {self.options.python}: {exc}") from exc
+        finally:
+            gossip.close()
+            status.close()
         self.children.append(child)
         self.tasks.create_task(self._watch(child), name=f"watch {spec.name}")
         log.info("started %s: pid %d, %s:%d", spec.name, child.process.pid, *spec.bind)
@@ -500,23 +524,21 @@ class _Supervisor:
             log.warning("not respawning %s: no live member to join through", dead.spec.name)
             return
         self.respawns += 1
-        in_use = [p for c in self.children for p in (c.spec.bind[1], c.spec.status_port)]
+        base = None if o.base_port is None else [o.base_port + o.nproc + o.spares
+                                                  + self.respawns - 1]
         try:
-            if o.base_port is not None:
-                port = o.base_port + o.nproc + o.spares + self.respawns - 1
-            else:
-                port = free_ports(1, o.host, avoid=in_use)[0]
-            status = free_ports(1, "127.0.0.1", udp=False, avoid=[*in_use, port])[0]
-        except OSError as exc:
+            gossip = self._reserve(1, o.host, base)[0]
+            status = self._reserve(1, "127.0.0.1", None, udp=False)[0]
+        except LaunchError as exc:
             log.warning("not respawning %s: %s", dead.spec.name, exc)
             return
         (member,) = new_member_ids(1, taken=(c.spec.member_id for c in self.children))
-        spec = ChildSpec(member, "spare", None, (o.host, port), status)
-        env = child_environment(spec, self.run_context, seeds=seeds, base=self.environ)
+        spec = ChildSpec(member, "spare", None, (o.host, gossip.port), status.port)
+        self.reserved[member] = (gossip, status)
         log.info("respawning %s as new %s (%d of %d)", dead.spec.name, spec.name,
                  self.respawns, o.max_respawns)
         try:
-            await self._start(spec, env)
+            await self._start(spec, seeds=seeds)
         except LaunchError as exc:
             log.warning("respawn failed: %s", exc)
 

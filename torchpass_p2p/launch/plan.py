@@ -36,7 +36,8 @@ MAX_LABEL_BYTES = 64
 
 OWNED_VARIABLES = (
     "TORCHPASS_CLUSTER", "TORCHPASS_KEY_FILE", "TORCHPASS_KEY", "TORCHPASS_MEMBER_ID",
-    "TORCHPASS_BIND", "TORCHPASS_CONFIGURATION", "TORCHPASS_SEEDS", "TORCHPASS_STATUS",
+    "TORCHPASS_BIND", "TORCHPASS_BIND_FDS", "TORCHPASS_CONFIGURATION", "TORCHPASS_SEEDS",
+    "TORCHPASS_STATUS", "TORCHPASS_STATUS_FD",
     "TORCHPASS_PROFILE", "TORCHPASS_TOPOLOGY", "TORCHPASS_ROLE", "TORCHPASS_RUN_DIR",
     "TORCHPASS_LAUNCHER_PID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
 )
@@ -199,9 +200,13 @@ def child_environment(
     *,
     seeds: Sequence[Address] = (),
     base: Mapping[str, str] | None = None,
+    bind_fds: tuple[int, ...] = (),
+    status_fd: int | None = None,
 ) -> dict[str, str]:
     """The environment of ``spec``'s process: ``base`` (the launcher's own) without
     :data:`OWNED_VARIABLES`, plus the contract of :mod:`torchpass_p2p.agent.settings`.
+    ``bind_fds`` (UDP, TCP) and ``status_fd``: descriptors of the sockets already bound to
+    ``spec``'s ports that the child inherits (:mod:`.ports`).
 
     ``TORCHPASS_CONFIGURATION`` is set only for a member of configuration 0 (``run.configuration``
     set and ``seeds`` empty); otherwise the child joins through ``seeds``. ``RANK``,
@@ -220,6 +225,10 @@ def child_environment(
         "TORCHPASS_ROLE": spec.role,
         "TORCHPASS_RUN_DIR": run.run_dir,
     })
+    if bind_fds:
+        env["TORCHPASS_BIND_FDS"] = ",".join(map(str, bind_fds))
+    if status_fd is not None:
+        env["TORCHPASS_STATUS_FD"] = str(status_fd)
     if run.profile is not None:
         env["TORCHPASS_PROFILE"] = run.profile
     if seeds:

@@ -1,0 +1,54 @@
+"""Sockets handed over by the launcher: the settings that name them and their adoption."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from torchpass_p2p.agent.settings import SettingsError, load_settings
+from torchpass_p2p.agent.sockets import adopt_socket
+from torchpass_p2p.launch.ports import reserve_ports
+
+KEY = {"TORCHPASS_KEY": "ab" * 32}
+
+
+def test_the_environment_names_the_inherited_descriptors() -> None:
+    settings = load_settings(environ={**KEY, "TORCHPASS_SEEDS": "127.0.0.1:9",
+                                      "TORCHPASS_BIND_FDS": "5,6", "TORCHPASS_STATUS_FD": "7"})
+    assert (settings.bind_fds, settings.status_fd) == ((5, 6), 7)
+    assert load_settings(environ={**KEY, "TORCHPASS_SEEDS": "127.0.0.1:9"}).bind_fds is None
+    for name, bad in (("BIND_FDS", "5"), ("BIND_FDS", "5,6,7"), ("BIND_FDS", "a,b"),
+                      ("BIND_FDS", "-1,4"), ("STATUS_FD", "3,4"), ("STATUS_FD", "x")):
+        with pytest.raises(SettingsError, match=f"TORCHPASS_{name}: .* descriptor"):
+            load_settings(environ={**KEY, "TORCHPASS_SEEDS": "127.0.0.1:9",
+                                   f"TORCHPASS_{name}": bad})
+
+
+def test_an_adopted_socket_is_the_bound_one_non_blocking_and_not_inherited() -> None:
+    [held] = reserve_ports(1)
+    udp_fd, tcp_fd = held.hand_over()
+    udp = adopt_socket(udp_fd, socket.SOCK_DGRAM, ("127.0.0.1", held.port))
+    tcp = adopt_socket(tcp_fd, socket.SOCK_STREAM, ("127.0.0.1", 0))  # 0: any port
+    with udp, tcp:
+        assert (udp.fileno(), tcp.fileno()) == (udp_fd, tcp_fd)
+        assert udp.getsockname()[1] == tcp.getsockname()[1] == held.port
+        assert not udp.getblocking() and not udp.get_inheritable() and not tcp.get_inheritable()
+
+
+def test_a_descriptor_of_the_wrong_kind_or_port_is_refused_and_left_open() -> None:
+    [held] = reserve_ports(1)
+    with pytest.raises(OSError, match=rf"descriptor {held.fds[0]}: not a SOCK_STREAM socket"):
+        adopt_socket(held.fds[0], socket.SOCK_STREAM, ("127.0.0.1", held.port))
+    with pytest.raises(OSError, match=f"not a SOCK_DGRAM socket bound to port {held.port + 1}"):
+        adopt_socket(held.fds[0], socket.SOCK_DGRAM, ("127.0.0.1", held.port + 1))
+    assert held.sockets[0].getsockname()[1] == held.port  # still open: not closed by a refusal
+    held.close()
+    read, write = os.pipe()
+    try:
+        with pytest.raises(OSError, match=f"descriptor {read}: not an open socket"):
+            adopt_socket(read, socket.SOCK_DGRAM, ("127.0.0.1", 0))
+    finally:
+        os.close(read)
+        os.close(write)
