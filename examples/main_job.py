@@ -56,16 +56,19 @@ class Run:
 
     def diagnosis(self, chars: int = 3000) -> str:
         """What to show when the run failed: the output's last ``chars`` characters, or after
-        a launch killed at its deadline, everything the launcher and the children wrote
-        before it (its last ``chars`` characters: who started, who exited and how, their
-        tracebacks), the children's stack dumps and each member's last timeline event."""
+        a launch killed at its deadline, the launcher's lines naming each child's pid, the
+        last ``chars`` characters written before it (who exited and how, tracebacks), the
+        children's stack dumps and each member's last timeline event."""
         if KILLED_MARK not in self.output:
             return self.output[-chars:]
         last: dict[str, dict[str, Any]] = {}
         for record in self.events:
             last[record["member"]] = record
         before, mark, stacks = self.output.partition(KILLED_MARK)
-        return (before[-chars:] + mark + stacks
+        tail = before[-chars:]
+        started = [line for line in before.splitlines() if "] started " in line]
+        head = "".join(f"{line}\n" for line in started if line not in tail)
+        return (head + ("...\n" if head else "") + tail + mark + stacks
                 + "last timeline event of each member:\n"
                 + "".join(f"  {r}\n" for r in sorted(last.values(), key=lambda r: r["t"])))
 

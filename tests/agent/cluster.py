@@ -1,14 +1,14 @@
 """A cluster of live agents on loopback, all on the test's event loop.
 
 Every agent has real UDP and TCP sockets and the real sealing; only the process is shared.
-Each agent's UDP and TCP sockets are bound first, as the launcher does (``reserve_ports``), and
-handed to it: configuration 0 must name every address before any agent starts.
+Ports are reserved for both protocols (the launcher's ``reserve_ports``) and released just
+before the agents bind: configuration 0 must name every address before any agent starts. (The
+launcher hands its children the bound sockets instead; in one process the agents bind at once.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import secrets
 from collections.abc import Callable
@@ -19,14 +19,9 @@ from torchpass_p2p.agent.settings import AgentSettings
 from torchpass_p2p.core.configuration import Configuration
 from torchpass_p2p.core.params import Params
 from torchpass_p2p.core.seal import Keyring
-from torchpass_p2p.launch.ports import Reservation, reserve_ports
+from torchpass_p2p.launch.ports import reserve_ports
 
 HOST = "127.0.0.1"
-
-
-def _sockets(held: Reservation) -> tuple[int, int]:
-    udp, tcp = held.hand_over()
-    return udp, tcp
 
 
 class LocalCluster:
@@ -37,6 +32,8 @@ class LocalCluster:
         ids = list(range(1, ranks + spares + 1))
         held = reserve_ports(len(ids), HOST)
         ports = [r.port for r in held]
+        for r in held:
+            r.close()
         self.key = secrets.token_bytes(32)
         self.keyring = Keyring(self.key)
         self.configuration = Configuration(
@@ -46,9 +43,9 @@ class LocalCluster:
             params=params or Params(), status=(HOST, 0) if status else None, health=False)
         self.seed = seed
         self.agents: dict[int, AgentRuntime] = {
-            m: AgentRuntime(replace(self.template, member_id=m, bind=(HOST, r.port),
-                                    bind_fds=_sockets(r)), rng=random.Random(seed * 1_000 + m))
-            for m, r in zip(ids, held, strict=True)}
+            m: AgentRuntime(replace(self.template, member_id=m, bind=(HOST, p)),
+                            rng=random.Random(seed * 1_000 + m))
+            for m, p in zip(ids, ports, strict=True)}
 
     def __getitem__(self, member: int) -> AgentRuntime:
         return self.agents[member]
@@ -81,7 +78,3 @@ class LocalCluster:
 
     async def stop(self) -> None:
         await asyncio.gather(*(a.stop(leave=False) for a in self.live()))
-        for agent in self.agents.values():
-            if agent.address is None and agent.settings.bind_fds is not None:
-                for fd in agent.settings.bind_fds:  # never started: the sockets are still ours
-                    os.close(fd)

@@ -64,7 +64,8 @@ def test_start_reads_the_launchers_environment(tmp_path, monkeypatch):
     config_file = tmp_path / "configuration.json"
     write_configuration(config_file, cluster.configuration)
     host, port = cluster.configuration.addresses[1]
-    udp, tcp = cluster[1].settings.bind_fds or ()  # bound already, as the launcher hands them
+    [gossip] = reserve_ports(1, ports=[port])  # bound already, as the launcher hands them
+    udp, tcp = gossip.hand_over()
     [status] = reserve_ports(1, udp=False)
     (status_fd,) = status.hand_over()
     for name, value in {"KEY_FILE": str(key_file), "MEMBER_ID": f"{1:016x}",
@@ -78,6 +79,8 @@ def test_start_reads_the_launchers_environment(tmp_path, monkeypatch):
         assert agent.member_id == 1 and agent.rank == 0 and agent.role == "rank"
         assert agent.address == (HOST, port)
         assert agent.status_address == ("127.0.0.1", status.port)
+        # consumed: a subprocess of the script or a second start() never sees them
+        assert not {"TORCHPASS_BIND_FDS", "TORCHPASS_STATUS_FD"} & set(os.environ)
         doc = agent.status()
         assert doc["cluster"] == "t1"
         json.dumps(doc)  # plain data
@@ -91,7 +94,7 @@ def test_start_fails_clearly_when_the_port_is_taken():
     first = Agent(cluster[1].settings)
     first.start()
     try:
-        clash = Agent(replace(cluster[2].settings, bind=first.address, bind_fds=None))
+        clash = Agent(replace(cluster[2].settings, bind=first.address))
         with pytest.raises(AgentError, match="failed to start"):
             clash.start(timeout_s=10)
     finally:

@@ -29,12 +29,16 @@ def test_the_environment_names_the_inherited_descriptors() -> None:
 def test_an_adopted_socket_is_the_bound_one_non_blocking_and_not_inherited() -> None:
     [held] = reserve_ports(1)
     udp_fd, tcp_fd = held.hand_over()
+    for fd in (udp_fd, tcp_fd):
+        os.set_inheritable(fd, True)  # as pass_fds leaves them in the child
     udp = adopt_socket(udp_fd, socket.SOCK_DGRAM, ("127.0.0.1", held.port))
     tcp = adopt_socket(tcp_fd, socket.SOCK_STREAM, ("127.0.0.1", 0))  # 0: any port
     with udp, tcp:
         assert (udp.fileno(), tcp.fileno()) == (udp_fd, tcp_fd)
         assert udp.getsockname()[1] == tcp.getsockname()[1] == held.port
         assert not udp.getblocking() and not udp.get_inheritable() and not tcp.get_inheritable()
+        with socket.create_connection(("127.0.0.1", held.port), timeout=5):
+            pass  # listening already
 
 
 def test_a_descriptor_of_the_wrong_kind_or_port_is_refused_and_left_open() -> None:
@@ -52,3 +56,28 @@ def test_a_descriptor_of_the_wrong_kind_or_port_is_refused_and_left_open() -> No
     finally:
         os.close(read)
         os.close(write)
+
+
+def test_an_address_given_to_start_drops_the_inherited_sockets_of_that_address() -> None:
+    environ = {**KEY, "TORCHPASS_SEEDS": "127.0.0.1:9", "TORCHPASS_BIND_FDS": "5,6",
+               "TORCHPASS_STATUS_FD": "7"}
+    settings = load_settings(environ=environ, bind=("127.0.0.1", 0))
+    assert (settings.bind_fds, settings.status_fd) == (None, 7)
+    settings = load_settings(environ=environ, status=None)
+    assert (settings.bind_fds, settings.status_fd) == ((5, 6), None)
+
+
+def test_a_stream_socket_whose_port_another_socket_listens_on_is_refused_and_closed() -> None:
+    # Two sockets with SO_REUSEADDR may both bind one TCP port while neither listens; the
+    # first to listen wins. adopt_socket listens itself, so the loss is an error, not a
+    # server that silently serves nothing (uvloop's start_server(sock=...)).
+    [held] = reserve_ports(1, udp=False)
+    (fd,) = held.hand_over()
+    with socket.socket() as rival:
+        rival.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        rival.bind(("127.0.0.1", held.port))
+        rival.listen()
+        with pytest.raises(OSError, match="Address already in use"):
+            adopt_socket(fd, socket.SOCK_STREAM, ("127.0.0.1", held.port))
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed, not leaked

@@ -207,4 +207,6 @@ def test_reserving_a_given_port_that_is_taken_fails_and_holds_nothing() -> None:
         r.close()
     [status] = reserve_ports(1, udp=False)
     assert [s.type for s in status.sockets] == [socket.SOCK_STREAM]
+    with pytest.raises(ValueError, match="2 distinct ports"):
+        reserve_ports(2, udp=False, ports=[status.port, status.port])
     status.close()

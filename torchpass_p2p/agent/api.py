@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import queue
 import threading
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from torchpass_p2p.core.configuration import Address, Configuration
 from .lifeline import die_with_launcher
 from .runtime import AgentRuntime, Change, Phase
 from .settings import AgentSettings, load_settings
+from .sockets import INHERITED_VARIABLES
 
 __all__ = ["Agent", "AgentError", "start"]
 
@@ -53,7 +55,10 @@ def start(config: str | PathLike[str] | None = None, **settings: Any) -> Agent:
         AgentError: the agent did not come up within 60 s (bind failed, no seed answered).
     """
     die_with_launcher()
-    agent = Agent(load_settings(config, **settings))
+    loaded = load_settings(config, **settings)
+    for name in INHERITED_VARIABLES:  # the descriptors are this agent's now: no subprocess
+        os.environ.pop(name, None)    # and no second start() may take them again
+    agent = Agent(loaded)
     agent.start()
     return agent
 

@@ -178,6 +178,7 @@ class StatusServer:
         await runner.setup()
         try:
             site: web.BaseSite
+            sock = None
             if fd is None:
                 site = web.TCPSite(runner, self.host, self.port)
             else:
@@ -185,6 +186,8 @@ class StatusServer:
                 site = web.SockSite(runner, sock)
             await site.start()
         except BaseException:
+            if sock is not None:
+                sock.close()
             await runner.cleanup()
             raise
         self._runner = runner

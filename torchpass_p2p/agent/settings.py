@@ -122,6 +122,9 @@ def load_settings(
     if file is not None:
         values.update(_from_toml(file))
     values.update(_from_env(env))
+    for address, fds in (("bind", "bind_fds"), ("status", "status_fd")):
+        if address in overrides and fds not in overrides:
+            values.pop(fds, None)  # the inherited sockets are bound to the launcher's address
     values.update(overrides)
     key = values.pop("key", None)
     key_file = values.pop("key_file", None)

@@ -6,27 +6,46 @@ import socket
 
 from torchpass_p2p.core.configuration import Address
 
-__all__ = ["adopt_socket"]
+__all__ = ["INHERITED_VARIABLES", "adopt_socket"]
+
+INHERITED_VARIABLES = ("TORCHPASS_BIND_FDS", "TORCHPASS_STATUS_FD")
+"""The variables naming inherited descriptors: consumed by the first agent of the process."""
+
+LISTEN_BACKLOG = 128
+"""Pending connections per listening socket (aiohttp's default)."""
+
+_HINT = ("the launcher passes its child these descriptors; a wrapper script must pass them on "
+         "(pass_fds, close_fds=False, or exec), else unset " + " and ".join(INHERITED_VARIABLES))
 
 
 def adopt_socket(fd: int, kind: socket.SocketKind, address: Address) -> socket.socket:
     """The socket of inherited descriptor ``fd``, checked to be of ``kind`` (``SOCK_DGRAM`` or
     ``SOCK_STREAM``) and bound to ``address``'s port (any port when it is 0); made
     non-blocking and not inherited further (a training script's own subprocesses must not
-    hold the agent's ports).
+    hold the agent's ports). A ``SOCK_STREAM`` socket is listening on return: uvloop's
+    ``start_server(sock=...)`` would swallow a failed ``listen()`` (another socket with
+    ``SO_REUSEADDR`` bound to the same port and listening first) instead of raising it.
 
     Raises:
         OSError: ``fd`` is not an open socket, or not of that kind or port (a stale
-            ``TORCHPASS_BIND_FDS`` or ``TORCHPASS_STATUS_FD`` outside the launcher).
+            ``TORCHPASS_BIND_FDS`` or ``TORCHPASS_STATUS_FD``, or a wrapper process that
+            closed the descriptors), or ``listen()`` failed.
     """
     try:
         sock = socket.socket(fileno=fd)
     except OSError as exc:
-        raise OSError(f"descriptor {fd}: not an open socket ({exc.strerror})") from exc
+        raise OSError(f"descriptor {fd}: not an open socket ({exc.strerror}); {_HINT}") from exc
     port = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
     if sock.type != kind or port is None or address[1] not in (0, port):
         sock.detach()  # not ours to close
-        raise OSError(f"descriptor {fd}: not a {kind.name} socket bound to port {address[1]}")
-    sock.set_inheritable(False)
-    sock.setblocking(False)
+        raise OSError(f"descriptor {fd}: not a {kind.name} socket bound to port {address[1]}; "
+                      f"{_HINT}")
+    try:
+        if kind == socket.SOCK_STREAM:
+            sock.listen(LISTEN_BACKLOG)
+        sock.set_inheritable(False)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
     return sock

@@ -183,16 +183,28 @@ class Transport:
         host, port = bind
         if fds is not None:
             sock = adopt_socket(fds[0], socket.SOCK_DGRAM, bind)
+            actual = sock.getsockname()[1]
             try:
-                tcp = adopt_socket(fds[1], socket.SOCK_STREAM, (host, sock.getsockname()[1]))
+                tcp = adopt_socket(fds[1], socket.SOCK_STREAM, (host, actual))
             except OSError:
                 sock.close()
                 raise
-            self._udp, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(self),
-                                                               sock=sock)
-            self._server = await asyncio.start_server(self._serve, sock=tcp,
-                                                      limit=MAX_INBOUND_FRAME + 8)
-            self.address = (host, tcp.getsockname()[1])
+            try:
+                udp, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(self),
+                                                             sock=sock)
+            except BaseException:
+                sock.close()
+                tcp.close()
+                raise
+            try:
+                self._server = await asyncio.start_server(self._serve, sock=tcp,
+                                                          limit=MAX_INBOUND_FRAME + 8)
+            except BaseException:
+                udp.close()
+                tcp.close()
+                raise
+            self._udp = udp
+            self.address = (host, actual)
             return self.address
         for _ in range(20 if port == 0 else 1):
             # Bound here, not by create_datagram_endpoint: uvloop leaks its transport when

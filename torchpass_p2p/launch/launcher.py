@@ -528,8 +528,13 @@ class _Supervisor:
                                                   + self.respawns - 1]
         try:
             gossip = self._reserve(1, o.host, base)[0]
+        except LaunchError as exc:
+            log.warning("not respawning %s: %s", dead.spec.name, exc)
+            return
+        try:
             status = self._reserve(1, "127.0.0.1", None, udp=False)[0]
         except LaunchError as exc:
+            gossip.close()
             log.warning("not respawning %s: %s", dead.spec.name, exc)
             return
         (member,) = new_member_ids(1, taken=(c.spec.member_id for c in self.children))

@@ -55,9 +55,10 @@ def reserve_ports(count: int, host: str = "127.0.0.1", *, udp: bool = True,
     Raises:
         OSError: ``host`` cannot be bound, a port of ``ports`` is taken, or no free number
             was found in a bounded number of tries.
+        ValueError: ``ports`` is not ``count`` distinct numbers.
     """
-    if ports is not None and len(ports) != count:
-        raise ValueError(f"{count} ports to reserve, {len(ports)} given")
+    if ports is not None and (len(ports) != count or len(set(ports)) != count):
+        raise ValueError(f"{count} distinct ports to reserve, {list(ports)} given")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     held: list[Reservation] = []
     with ExitStack() as on_error:
