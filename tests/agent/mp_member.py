@@ -10,6 +10,9 @@ to its agent and appends one JSON line per step and per role change to
   (its sends fail with ENETUNREACH: scenario S07).
 * ``MP_GIL_BURSTS``: ``min,max,duty``: a thread holds the GIL for ``min..max`` seconds at a time,
   about ``duty`` of the time (scenario S01).
+* ``MP_WRAP``: run the member as a subprocess of this one, as a wrapper script would: ``close``
+  (``subprocess``'s default: the sockets the launcher handed over are closed in the member,
+  though the environment still names them) or ``pass`` (``close_fds=False``).
 A removed member exits with code 3: it may only come back as a new spare.
 """
 
@@ -19,6 +22,7 @@ import ctypes
 import json
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -50,6 +54,9 @@ def hold_gil_in_bursts(low: float, high: float, duty: float, seed: int) -> None:
 
 
 def main() -> int:
+    if wrap := os.environ.pop("MP_WRAP", None):
+        return subprocess.run([sys.executable, __file__], close_fds=wrap == "close",
+                              check=False).returncode
     rank = os.environ.get("RANK")
     if rank is not None and os.environ.get("MP_UNSHARE_RANK") == rank:
         if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ class Run:
 
     def __init__(self, tmp_path: Path, ranks: int, spares: int, **env: str) -> None:
         self.logs = tmp_path / "logs"
-        self.logs.mkdir()
+        self.logs.mkdir(parents=True)
         environ = clean_environ() | {"MP_LOG_DIR": str(self.logs), "PYTHONPATH": str(REPO)}
         environ |= env
         self.ranks, self.spares = ranks, spares
@@ -260,3 +261,25 @@ def test_a_sigkilled_rank_is_reported_by_the_launcher_and_replaced(tmp_path):
     print(f"killed -> spare holds the rank: {promoted_at - killed_at:.2f} s")
     assert [(r["rank"], r["config_id"]) for r in events(run.records()[spare], "role")] \
         == [(1, 1)]
+
+
+def test_a_wrapper_must_pass_the_handed_sockets_on(tmp_path):
+    # The launcher hands each child its ports as bound sockets. A wrapper that passes them on
+    # to the real script works; one that closes them (subprocess's default) still holds the
+    # ports, and the script's agent says why it cannot start.
+    run = Run(tmp_path / "pass", 2, 1, MP_WRAP="pass", MP_STEPS="20")
+    try:
+        up = run.started()
+        wait_for(lambda: all(events(run.records()[m], "step") for m, r in up.items()
+                             if r["role"] == "rank"), 20, "both ranks training")
+    finally:
+        run.stop()
+    assert sorted(r["members"] for r in up.values()) == [3, 3, 3]
+
+    run = Run(tmp_path / "close", 2, 1, MP_WRAP="close")
+    code, out = finish(run.launcher, 30)
+    assert code == 1
+    # (the number names nothing, or a file the member opened since: not a socket either way)
+    assert len(re.findall(r"AgentError: the agent failed to start: NotInherited\('descriptor "
+                          r"\d+: not an open socket \([^)]*\); the launcher hands its child "
+                          r"these sockets, bound; a wrapper process must pass them on", out)) == 3

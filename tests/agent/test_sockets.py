@@ -7,8 +7,13 @@ import socket
 
 import pytest
 
+from tests.agent.test_http import FakeSource
+from torchpass_p2p.agent.http import StatusServer
+from torchpass_p2p.agent.metrics import AgentMetrics
 from torchpass_p2p.agent.settings import SettingsError, load_settings
-from torchpass_p2p.agent.sockets import adopt_socket
+from torchpass_p2p.agent.sockets import NotInherited, adopt_socket
+from torchpass_p2p.agent.transport import Transport
+from torchpass_p2p.core.seal import Keyring
 from torchpass_p2p.launch.ports import reserve_ports
 
 KEY = {"TORCHPASS_KEY": "ab" * 32}
@@ -43,15 +48,16 @@ def test_an_adopted_socket_is_the_bound_one_non_blocking_and_not_inherited() -> 
 
 def test_a_descriptor_of_the_wrong_kind_or_port_is_refused_and_left_open() -> None:
     [held] = reserve_ports(1)
-    with pytest.raises(OSError, match=rf"descriptor {held.fds[0]}: not a SOCK_STREAM socket"):
+    with pytest.raises(NotInherited, match=rf"descriptor {held.fds[0]}: not a SOCK_STREAM socket"):
         adopt_socket(held.fds[0], socket.SOCK_STREAM, ("127.0.0.1", held.port))
-    with pytest.raises(OSError, match=f"not a SOCK_DGRAM socket bound to port {held.port + 1}"):
+    wrong_port = f"not a SOCK_DGRAM socket bound to port {held.port + 1}"
+    with pytest.raises(NotInherited, match=wrong_port):
         adopt_socket(held.fds[0], socket.SOCK_DGRAM, ("127.0.0.1", held.port + 1))
     assert held.sockets[0].getsockname()[1] == held.port  # still open: not closed by a refusal
     held.close()
     read, write = os.pipe()
     try:
-        with pytest.raises(OSError, match=f"descriptor {read}: not an open socket"):
+        with pytest.raises(NotInherited, match=f"descriptor {read}: not an open socket"):
             adopt_socket(read, socket.SOCK_DGRAM, ("127.0.0.1", 0))
     finally:
         os.close(read)
@@ -81,3 +87,25 @@ def test_a_stream_socket_whose_port_another_socket_listens_on_is_refused_and_clo
             adopt_socket(fd, socket.SOCK_STREAM, ("127.0.0.1", held.port))
     with pytest.raises(OSError):
         os.fstat(fd)  # closed, not leaked
+
+
+async def test_descriptors_that_are_not_the_handed_sockets_fail_the_start_and_stay_open() -> None:
+    # E.g. a Python wrapper between the launcher and the script closed them (subprocess's
+    # close_fds) but passed the environment on: the numbers name nothing, or another file.
+    read, write = os.pipe()
+    transport = Transport("t", Keyring(b"k" * 32), 1, on_message=lambda m: None,
+                          on_send_error=lambda *e: None, on_request=lambda k, b: None)
+    server = StatusServer(FakeSource(), AgentMetrics(), token="x")
+    hint = "a wrapper process must pass them on"
+    try:
+        with pytest.raises(NotInherited, match=f"descriptor {read}: not an open socket .*{hint}"):
+            await transport.start(("127.0.0.1", 0), (read, write))
+        with pytest.raises(NotInherited, match=f"descriptor {write}: not an open socket"):
+            await server.start(fd=write)
+        os.fstat(read)  # never the agent's: left open
+        os.fstat(write)
+    finally:
+        await transport.close()
+        await server.stop()
+        os.close(read)
+        os.close(write)

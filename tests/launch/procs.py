@@ -112,13 +112,16 @@ def gone(pid: int) -> bool:
 
 def free_ports_block(count: int, hosts: Sequence[str]) -> int:
     """A base port ``p`` such that ``p .. p + count - 1`` are free for UDP and TCP on every
-    host of ``hosts`` right now (a launcher with ``--base-port`` binds exactly those)."""
+    host of ``hosts`` right now (a launcher with ``--base-port`` binds exactly those). The
+    block lies below the kernel's ephemeral range, so that no ``bind(0)`` or ``connect()`` of
+    another process takes one of them before that launcher does."""
     import random
     import socket
 
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     rng = random.Random()
     for _ in range(200):
-        base = rng.randrange(20000, 60000)
+        base = rng.randrange(10000, max(10001, ephemeral_low - count))
         held = []
         try:
             for host in hosts:

@@ -158,7 +158,8 @@ class StatusServer:
 
         Raises:
             RuntimeError: already started.
-            OSError: the address cannot be bound, or ``fd`` is not such a socket.
+            OSError: the address cannot be bound, or listening on ``fd`` failed.
+            :class:`.sockets.NotInherited`: ``fd`` is not such a socket (left open).
         """
         if self._runner is not None:
             raise RuntimeError("status server already started")
@@ -177,13 +178,11 @@ class StatusServer:
         )
         await runner.setup()
         try:
-            site: web.BaseSite
             sock = None
-            if fd is None:
-                site = web.TCPSite(runner, self.host, self.port)
-            else:
+            if fd is not None:
                 sock = adopt_socket(fd, socket.SOCK_STREAM, (self.host, self.port))
-                site = web.SockSite(runner, sock)
+            site: web.BaseSite = (web.TCPSite(runner, self.host, self.port) if sock is None
+                                  else web.SockSite(runner, sock))
             await site.start()
         except BaseException:
             if sock is not None:

@@ -177,7 +177,8 @@ class Transport:
         inherited UDP and TCP sockets ``fds`` already bound to it; return the address.
 
         Raises:
-            OSError: the address cannot be bound, or ``fds`` are not such sockets.
+            OSError: the address cannot be bound, or listening on ``fds`` failed.
+            :class:`.sockets.NotInherited`: ``fds`` are not such sockets (left open).
         """
         loop = asyncio.get_running_loop()
         host, port = bind
