@@ -32,6 +32,8 @@ from torchpass_p2p.transfer import TransferError
 ME, PEER, SPARE, LATE = 0xA1, 0xB2, 0xC3, 0xD4
 ZERO = Configuration(0, [PEER, ME], [SPARE], {m: ("127.0.0.1", 9000 + m) for m in
                                              (ME, PEER, SPARE)})
+ZERO_AS_SPARE = Configuration(0, [PEER, SPARE], [ME], ZERO.addresses)
+"""Configuration 0 of a run in which this member started as the spare."""
 
 
 def change(config: Configuration, cut: Cut, committed: int, group_id: int | None = None
@@ -192,6 +194,7 @@ def test_a_spare_that_reaches_no_majority_gives_up_after_its_deadline(
     monkeypatch.setattr("torchpass_p2p.trainer.loop.WAIT_SLICE_S", 0.01)
     agent = trainer.agent
     agent.role, trainer.give_up_s = role, 0.05
+    agent.settings.configuration = ZERO_AS_SPARE if role == "spare" else None
     agent.fenced_for = [fenced] * 100
     with pytest.raises(Stopped, match=f"^{why}$"):
         trainer.run(lambda step, rank: torch.zeros(()), steps=1)
@@ -209,6 +212,7 @@ def test_a_spare_fenced_for_a_while_waits_on(trainer: Trainer, tmp_path: Path,
     monkeypatch.setattr("torchpass_p2p.trainer.loop.WAIT_SLICE_S", 0.02)
     agent = trainer.agent
     agent.role, trainer.give_up_s = "spare", 0.1
+    agent.settings.configuration = ZERO_AS_SPARE
     agent.fenced_for = ([True] * 3 + [False]) * 3
     agent.assigned = JOINED
     entered: list[int] = []
@@ -260,9 +264,26 @@ def test_the_last_resort_counts_from_the_collective_failure(trainer: Trainer) ->
         trainer._await_change(since=time.monotonic() - 59.9)
 
 
+def test_a_spare_already_holding_a_rank_when_its_trainer_starts_still_fetches_its_state(
+        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slow start: a rank died before this spare's trainer began, and its agent already holds
+    # the rank. It must take the spare's way in (fetch the state, enter configuration 1), not
+    # the ranks' (enter configuration 0, where it holds no rank).
+    first = change(ZERO_AS_SPARE, Cut(removed=(SPARE,)), 9)  # this spare takes rank 1
+    agent = trainer.agent
+    agent.settings.configuration, agent.configuration = ZERO_AS_SPARE, first.configuration
+    agent.role, agent.assigned = "rank", first
+    entered = []
+    monkeypatch.setattr(trainer, "_enter", lambda change: entered.append(change))
+    trainer._begin()
+    assert entered == [first]
+    assert [r["event"] for r in read_events(tmp_path)] == ["start", "spare_waiting"]
+    assert events(tmp_path, "start")[0]["role"] == "rank"
+
+
 def test_a_spare_whose_first_entry_fails_enters_the_next_configuration(
         trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    start = Configuration(0, [PEER, SPARE], [ME], ZERO.addresses)
+    start = ZERO_AS_SPARE
     first = change(start, Cut(removed=(SPARE,)), 9)  # this spare takes rank 1
     second = change(first.configuration, Cut(removed=(PEER,)), 9)  # a source failed
     agent = trainer.agent

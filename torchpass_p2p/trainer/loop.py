@@ -289,7 +289,11 @@ class Trainer:
         self.log("start", role=agent.role, config_id=agent.config_id, rank=agent.rank,
                  address=format_address(agent.address),
                  status=None if status is None else format_address(status))
-        if agent.role in ("spare", "joining"):  # joining: a late spare, not admitted yet
+        # Started as a spare (or joining: a late spare) by the configuration it was started in,
+        # not by its role now: a slow start may find it already holding a dead rank's place
+        # in a later configuration; it then takes the spare's way in all the same.
+        started_in = agent.settings.configuration
+        if started_in is None or agent.member_id not in started_in.ranks:
             self.log("spare_waiting", config_id=agent.config_id)
             change = self._wait_for_rank()
             self._latest = change
@@ -299,8 +303,7 @@ class Trainer:
         # Every rank enters the configuration it was started in, never "the current one": a
         # change decided while the ranks start up (a spare joined) would otherwise put them in
         # different groups' rendezvous. A later change arrives as usual (``_poll``).
-        configuration = agent.settings.configuration or agent.configuration
-        self._enter_configuration(configuration, group_id=configuration.config_id, resume=0,
+        self._enter_configuration(started_in, group_id=started_in.config_id, resume=0,
                                   fetch_from=None)
 
     def _wait_for_rank(self) -> Any:
