@@ -109,3 +109,21 @@ async def test_descriptors_that_are_not_the_handed_sockets_fail_the_start_and_st
         await server.stop()
         os.close(read)
         os.close(write)
+
+
+async def test_a_failed_start_closes_what_it_took_and_leaves_the_rest() -> None:
+    [a, b] = reserve_ports(2)
+    udp_a, tcp_a = a.hand_over()
+    udp_b, tcp_b = b.hand_over()
+    transport = Transport("t", Keyring(b"k" * 32), 1, on_message=lambda m: None,
+                          on_send_error=lambda *e: None, on_request=lambda k, b: None)
+    try:
+        with pytest.raises(NotInherited, match=f"not a SOCK_STREAM socket bound to port {a.port}"):
+            await transport.start(("127.0.0.1", a.port), (udp_a, tcp_b))  # B's TCP socket
+        with pytest.raises(OSError):
+            os.fstat(udp_a)  # taken, then closed
+        with socket.socket(fileno=os.dup(tcp_b)) as left_alone:
+            assert left_alone.getsockname()[1] == b.port
+    finally:
+        for fd in (tcp_a, udp_b, tcp_b):
+            os.close(fd)

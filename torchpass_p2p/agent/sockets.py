@@ -15,7 +15,6 @@ LISTEN_BACKLOG = 128
 """Pending connections per listening socket (aiohttp's default)."""
 
 
-
 class NotInherited(OSError):
     """The descriptor is not the socket the launcher handed over: a wrapper process between
     the launcher and the training script did not pass it on (Python's ``subprocess`` closes

@@ -35,6 +35,7 @@ import socket
 import struct
 from collections import Counter
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 from torchpass_p2p.core.codec import DecodeError, decode, encode
@@ -185,25 +186,16 @@ class Transport:
         if fds is not None:
             sock = adopt_socket(fds[0], socket.SOCK_DGRAM, bind)
             actual = sock.getsockname()[1]
-            try:
+            with ExitStack() as on_error:  # whatever was taken is closed if a step fails
+                on_error.callback(sock.close)
                 tcp = adopt_socket(fds[1], socket.SOCK_STREAM, (host, actual))
-            except OSError:
-                sock.close()
-                raise
-            try:
+                on_error.callback(tcp.close)
                 udp, _ = await loop.create_datagram_endpoint(lambda: _Datagrams(self),
                                                              sock=sock)
-            except BaseException:
-                sock.close()
-                tcp.close()
-                raise
-            try:
+                on_error.callback(udp.close)
                 self._server = await asyncio.start_server(self._serve, sock=tcp,
                                                           limit=MAX_INBOUND_FRAME + 8)
-            except BaseException:
-                udp.close()
-                tcp.close()
-                raise
+                on_error.pop_all()
             self._udp = udp
             self.address = (host, actual)
             return self.address
