@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from typing import IO, Any
 
 from torchpass_p2p.agent.lifeline import STACKS_SIGNAL
 from torchpass_p2p.launch.children import children_of
+from torchpass_p2p.launch.keyfile import remove_run_dir
 from torchpass_p2p.trainer.timeline import FaultTimeline, final_states, read_events, recoveries
 
 REPO = Path(__file__).resolve().parents[1]
@@ -116,7 +118,8 @@ def _read_all(stream: IO[bytes], chunks: list[bytes]) -> None:
 def _stacks_then_kill(proc: subprocess.Popen[bytes], chunks: list[bytes]) -> None:
     """A launch past its deadline: each child in turn prints its threads' stacks (into the
     launcher's output: :mod:`torchpass_p2p.agent.lifeline`) under a line naming its pid; then
-    the launcher is SIGKILLed, which takes its children with it."""
+    the launcher is SIGKILLed, which takes its children with it, and its run directory is
+    removed."""
     chunks.append(KILLED_MARK.encode())
     for pid in children_of(proc.pid):
         chunks.append(f"--- stacks of pid {pid} ---\n".encode())
@@ -125,6 +128,10 @@ def _stacks_then_kill(proc: subprocess.Popen[bytes], chunks: list[bytes]) -> Non
         time.sleep(STACKS_WAIT_S)
     proc.kill()
     proc.wait()
+    # A killed launcher cannot remove its run directory (the cluster key is in it).
+    output = b"".join(chunks).decode(errors="replace")
+    if found := re.search(r" in (\S+)/configuration-0\.json", output):
+        remove_run_dir(found.group(1))
 
 
 def loss_curve(final: dict[str, Any], points: int = 8) -> str:
@@ -176,10 +183,13 @@ def report(clean: Run, faulty: Run, steps: int) -> tuple[list[str], bool]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--spares", type=int, default=2)
-    ap.add_argument("--faults", default=DEFAULT_FAULTS)
+    ap.add_argument("--steps", type=int, default=120, help="training steps of each run")
+    ap.add_argument("--nproc", type=int, default=4, help="ranks")
+    ap.add_argument("--spares", type=int, default=2, help="hot spares (one per fault)")
+    ap.add_argument("--faults", default=DEFAULT_FAULTS,
+                    help="KIND@STEP:POINT:rank=R[:N],... with KIND kill, stop, orphan or "
+                         "reset and POINT compute, grad, commit or serve (the spec: "
+                         "torchpass_p2p/trainer/faults.py); default: %(default)s")
     ap.add_argument("--keep", help="directory to keep the runs' logs in")
     ap.add_argument("--state-transport", choices=("auto", "tcp", "pg"), default="auto",
                     help="how the spares get the state (examples/char_lm.py)")

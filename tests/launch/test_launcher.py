@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -610,6 +611,7 @@ def test_children_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     launcher.kill()  # no chance to forward anything
     launcher.communicate()
     wait_for(lambda: all(gone(e["pid"]) for e in envs), 5, "every child gone")
+    shutil.rmtree(envs[0]["TORCHPASS_RUN_DIR"])  # left behind by a killed launcher, key and all
 
 
 def test_die_with_launcher_leaves_a_process_alone_unless_its_parent_is_the_launcher() -> None:

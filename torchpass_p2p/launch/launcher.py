@@ -359,7 +359,8 @@ class _Supervisor:
             status.close()
         self.children.append(child)
         self.tasks.create_task(self._watch(child), name=f"watch {spec.name}")
-        log.info("started %s: pid %d, %s:%d", spec.name, child.process.pid, *spec.bind)
+        log.info("started %s: pid %d, %s:%d, status page 127.0.0.1:%d", spec.name,
+                 child.process.pid, *spec.bind, spec.status_port)
 
     async def _watch(self, child: Child) -> None:
         returncode = await child.wait()
