@@ -8,7 +8,7 @@ optionally respawns it as a new spare, forwards signals and reaps everything at 
 Modules, one job each:
 
 - :mod:`.keyfile`: the run directory, the cluster key file and the HTTP bearer token.
-- :mod:`.ports`: free UDP+TCP ports on the bind host.
+- :mod:`.ports`: the children's ports, bound before they start and handed over.
 - :mod:`.plan`: pure: member ids, roles, addresses, configuration 0, each child's environment.
 - :mod:`.outcome`: pure: when the launcher is done and with which exit code.
 - :mod:`.children`: one child process in its own process group.

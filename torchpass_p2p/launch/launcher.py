@@ -214,7 +214,6 @@ class _Supervisor:
         self.evidence: set[asyncio.Task[int]] = set()
         self.reserved: dict[MemberId, tuple[Reservation, Reservation]] = {}
         """Each child's gossip and status ports, bound until the child holds them (ports.py)."""
-        self.held: list[Reservation] = []  # every reservation, closed at the end at the latest
 
     # --- setup ---
 
@@ -241,8 +240,9 @@ class _Supervisor:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             await self._kill_all()  # only does something when an error cut the run short
-            for reservation in self.held:
-                reservation.close()
+            for held in self.reserved.values():  # children never started
+                for reservation in held:
+                    reservation.close()
             strays = self._kill_strays()
             if strays:
                 log.warning("killed %d stray process(es) left by the children: pid(s) %s",
@@ -286,14 +286,11 @@ class _Supervisor:
         total = o.nproc + o.spares
         if o.nodes:
             return self._plan_nodes(params, profile)
-        base = None if o.base_port is None else [o.base_port + i for i in range(total)]
-        gossip = self._reserve(total, o.host, base)
-        status = self._reserve(total, "127.0.0.1", None, udp=False)
-        specs = initial_children(new_member_ids(total), o.host, [r.port for r in gossip],
-                                 [r.port for r in status], o.nproc, joining=o.joining)
-        self.reserved = {spec.member_id: held
-                         for spec, held in zip(specs, zip(gossip, status, strict=True),
-                                               strict=True)}
+        ports = [0 if o.base_port is None else o.base_port + i for i in range(total)]
+        held = self._reserve([(o.host, port) for port in ports])
+        specs = initial_children(new_member_ids(total), o.host, [g.port for g, _ in held],
+                                 [s.port for _, s in held], o.nproc, joining=o.joining)
+        self.reserved = {spec.member_id: h for spec, h in zip(specs, held, strict=True)}
         configuration = None
         if not o.joining:
             configuration = str(self.run_dir / CONFIGURATION_FILE)
@@ -323,26 +320,33 @@ class _Supervisor:
                  config.world_size, len(config.spares), len(o.nodes), o.node_rank,
                  o.nodes[o.node_rank])
         specs = per_node[o.node_rank]
-        gossip = [self._reserve(1, spec.bind[0], [spec.bind[1]])[0] for spec in specs]
-        status = self._reserve(len(specs), "127.0.0.1", None, udp=False)
-        mine = [replace(spec, status_port=r.port) for spec, r in zip(specs, status, strict=True)]
-        self.reserved = {spec.member_id: held
-                         for spec, held in zip(mine, zip(gossip, status, strict=True),
-                                               strict=True)}
+        held = self._reserve([spec.bind for spec in specs])
+        mine = [replace(spec, status_port=s.port) for spec, (_, s) in zip(specs, held, strict=True)]
+        self.reserved = {spec.member_id: h for spec, h in zip(mine, held, strict=True)}
         run = RunContext(o.cluster, self.key_file, str(self.run_dir),
                          Topology(o.nodes[o.node_rank]), config.world_size,
                          configuration=configuration, profile=profile, local_world_size=o.nproc)
         return run, mine
 
-    def _reserve(self, count: int, host: str, ports: list[int] | None, *,
-                 udp: bool = True) -> list[Reservation]:
-        """Ports held for children not started yet; closed by :meth:`run` if never handed over."""
+    @staticmethod
+    def _reserve(binds: Sequence[Address]) -> list[tuple[Reservation, Reservation]]:
+        """For each child to start at ``(host, port)`` (port 0: any free one), its gossip port
+        there and a status port on loopback, held until :meth:`_start` hands them over (or
+        :meth:`run` ends). Nothing stays held when one cannot be had.
+
+        Raises:
+            LaunchError: a port is taken or none is free.
+        """
+        held: list[Reservation] = []
         try:
-            held = reserve_ports(count, host, udp=udp, ports=ports)
+            for host, port in binds:
+                held += reserve_ports(1, host, ports=None if port == 0 else [port])
+            held += reserve_ports(len(binds), "127.0.0.1", udp=False)
         except OSError as exc:
-            raise LaunchError(f"ports on {host}: {exc}") from exc
-        self.held.extend(held)
-        return held
+            for reservation in held:
+                reservation.close()
+            raise LaunchError(f"ports: {exc}") from exc
+        return list(zip(held[:len(binds)], held[len(binds):], strict=True))
 
     async def _start(self, spec: ChildSpec, *, seeds: Sequence[Address]) -> None:
         """Start ``spec``'s process with its reserved sockets (then released here)."""
@@ -525,17 +529,10 @@ class _Supervisor:
             log.warning("not respawning %s: no live member to join through", dead.spec.name)
             return
         self.respawns += 1
-        base = None if o.base_port is None else [o.base_port + o.nproc + o.spares
-                                                  + self.respawns - 1]
+        port = 0 if o.base_port is None else o.base_port + o.nproc + o.spares + self.respawns - 1
         try:
-            gossip = self._reserve(1, o.host, base)[0]
+            [(gossip, status)] = self._reserve([(o.host, port)])
         except LaunchError as exc:
-            log.warning("not respawning %s: %s", dead.spec.name, exc)
-            return
-        try:
-            status = self._reserve(1, "127.0.0.1", None, udp=False)[0]
-        except LaunchError as exc:
-            gossip.close()
             log.warning("not respawning %s: %s", dead.spec.name, exc)
             return
         (member,) = new_member_ids(1, taken=(c.spec.member_id for c in self.children))
