@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import time
 
+import msgpack
 import pytest
 
 from benchmarks.agent_vs_sim import simulated_decided_all_p50
 from tests.agent.cluster import LocalCluster
-from torchpass_p2p.agent.transport import TransportError
+from torchpass_p2p.agent.transport import Kind, TransportError
 from torchpass_p2p.core import events as ev
 
 RANKS, SPARES = 12, 4
@@ -155,11 +156,49 @@ async def test_a_service_registered_by_one_member_is_found_by_another_with_the_k
     await cluster.start()
     try:
         lookup = asyncio.create_task(cluster[2].lookup_service(1, "store", 0, timeout_s=5))
-        await asyncio.sleep(0.2)  # asked before it exists: the lookup keeps asking
+        await asyncio.sleep(0.2)  # asked before it exists: member 1 holds the request
         cluster[1].register_service("store", 0, 4242)
         assert await lookup == (cluster[1].address[0], 4242)
+        # One request, held until the registration answered it (SERVICE_HOLD_S = 1 s), not
+        # one every 50 ms.
+        assert cluster[1].transport.traffic["requests_held"] == 1
         with pytest.raises(TransportError):
             await cluster[2].lookup_service(1, "store", 1, timeout_s=0.3)
+    finally:
+        await cluster.stop()
+
+
+async def test_a_held_service_request_is_answered_not_registered_when_its_hold_ends():
+    cluster = LocalCluster(2, 0, seed=6)
+    await cluster.start()
+    try:
+        ask = cluster[2].transport.request
+        body = msgpack.packb(["store", 0, 0.1])
+        assert await ask(cluster[1].address, Kind.SERVICE_REQUEST, body) == \
+            (Kind.SERVICE_REPLY, msgpack.packb(None))
+        # The asker's hold is capped at SERVICE_HOLD_S; a registered port needs no hold.
+        cluster[1].register_service("store", 0, 4242)
+        body = msgpack.packb(["store", 0, 1e9])
+        assert await ask(cluster[1].address, Kind.SERVICE_REQUEST, body) == \
+            (Kind.SERVICE_REPLY, msgpack.packb(4242))
+        assert cluster[1].transport.traffic["requests_held"] == 1
+    finally:
+        await cluster.stop()
+
+
+@pytest.mark.parametrize("body", [
+    ["store", 0, 0.1, 1], "s0", ["store"], ["store", "zero"], ["store", 0, "soon"],
+    ["store", 0, float("nan")], ["store", 0, -1.0], {"store": 0}, ["store", float("inf")]])
+async def test_a_malformed_service_request_is_refused_and_counted(body):
+    cluster = LocalCluster(2, 0, seed=6)
+    await cluster.start()
+    try:
+        cluster[1].register_service("store", 0, 4242)
+        with pytest.raises(TransportError):  # no reply: the connection is closed
+            await cluster[2].transport.request(cluster[1].address, Kind.SERVICE_REQUEST,
+                                               msgpack.packb(body))
+        assert cluster[1].transport.rejected_frames["bad_service_request"] == 1
+        assert cluster[1].transport.traffic["requests_held"] == 0
     finally:
         await cluster.stop()
 

@@ -1,10 +1,13 @@
 """A ManagedGroup in one process (world size 1, gloo): its operations keep the input's device,
-and interrupting it while an operation of the caller's own is in flight retires it as stuck.
-The NCCL wait (completion polled, never the future) against a scripted work object."""
+and interrupting it while an operation of the caller's own is in flight retires it as stuck;
+``wake()`` ends the wait slice of an operation hung on a silent peer (world size 2 in two
+threads). The NCCL wait (completion polled, never the future) against a scripted work
+object."""
 
 from __future__ import annotations
 
 import datetime
+import threading
 from typing import Any
 
 import pytest
@@ -40,6 +43,35 @@ def test_interrupt_retires_a_ready_group_as_stuck_and_keeps_it_referenced() -> N
     assert len(group_module._STUCK) == before + 1 and group_module._STUCK[-1][0] is pg
     g.interrupt()  # once
     assert len(group_module._STUCK) == before + 1
+
+
+@pytest.mark.timeout(60)  # a wake that did not end the hour-long slice fails here
+def test_wake_runs_the_watch_of_an_operation_hung_on_a_silent_peer_at_once() -> None:
+    store, pgs = dist.HashStore(), [None, None]
+
+    def connect(rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    g = ManagedGroup(pgs[0], GroupSpec(8, 0, 2, 1), "gloo")
+    changed, watched = threading.Event(), []
+
+    def watch() -> bool:
+        watched.append(changed.is_set())
+        return changed.is_set()
+
+    def decide() -> None:  # what the agent's thread does when a change is ready
+        changed.set()
+        g.wake()
+
+    threading.Timer(0.2, decide).start()
+    with pytest.raises(Superseded):  # rank 1 never joins the all-reduce
+        g.allreduce_sum(torch.ones(2), watch=watch, slice_s=3600.0)
+    assert watched == [True] and g.state == "stuck"
 
 
 class _NcclLikeWork:
@@ -100,6 +132,16 @@ def test_nccl_wait_for_a_hung_peer_is_superseded_and_aborts_the_group() -> None:
     assert len(watched) == 3 and watched[0] > 1  # polled between watches
     assert g.state == "stuck" and pg.aborted
     assert len(group_module._STUCK) == before + 1 and group_module._STUCK[-1][1] is work
+
+
+@pytest.mark.timeout(60)
+def test_nccl_wait_runs_the_watch_at_the_first_poll_after_a_wake() -> None:
+    work = _NcclLikeWork(polls=None)
+    g, _ = _nccl_group(work)
+    g.wake()  # a change became ready between two operations
+    with pytest.raises(Superseded):
+        g.allreduce_sum(torch.ones(2), watch=lambda: True, slice_s=3600.0)
+    assert work.queries == 1
 
 
 def test_nccl_error_seen_at_completion_fails_the_group() -> None:

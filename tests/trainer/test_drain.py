@@ -65,6 +65,7 @@ class ScriptedAgent:
         self.waited = 0
         self.assigned: Change | None = None
         self.fenced_for: list[bool] = []  # `fenced` after each empty wait, then a rank
+        self.callbacks: list[Any] = []
 
     @property
     def config_id(self) -> int:
@@ -75,7 +76,13 @@ class ScriptedAgent:
         return self.configuration.rank_of(ME)
 
     def next_change(self, timeout_s: float | None = None) -> Change | None:
-        return self.changes.pop(0) if self.changes else None
+        if self.changes:
+            return self.changes.pop(0)
+        time.sleep(timeout_s or 0.0)  # the agent waits this long for one
+        return None
+
+    def on_change(self, callback: Any) -> None:
+        self.callbacks.append(callback)
 
     def register_service(self, name: str, config_id: int, port: int) -> None:
         self.services.append((name, config_id))

@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,15 @@ RECENT_EVENTS = 64
 """Events kept for ``/status``."""
 MAX_GROUP_IDS = 256
 """Group ids of recent configurations kept; a change is handed over within a few decisions."""
+SERVICE_HOLD_S = 1.0
+"""Seconds a service request waits at the serving member for a registration before it is
+answered "not registered" (the asker then asks again). A promoted spare asks its sources for
+their state servers as soon as the change is decided, often before they have registered: held,
+the answer leaves the moment the port is registered (polling every 50 ms cost 25 ms per fault
+on average, in the recovery's critical path). Ours; inbound connections are bounded, and so
+are the requests held."""
+SERVICE_RETRY_S = 0.05
+"""Pause before asking again after a failed service request (no connection, a bad reply)."""
 
 
 class Phase:
@@ -115,6 +124,8 @@ class AgentRuntime:
         from a datagram's source address (a replayed datagram would move a member)."""
         self.services: dict[tuple[str, int], int] = {}
         """(name, config_id) -> port this process serves it on (:meth:`register_service`)."""
+        self._registered = asyncio.Event()
+        """Set (and replaced) by every registration: wakes the requests held for one."""
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self._listeners: list[Listener] = []
         self._changes: deque[Change] = deque(maxlen=64)
@@ -437,7 +448,8 @@ class AgentRuntime:
             member.report_send_error(self._clock(), dest)
             self._flush()
 
-    def _on_request(self, kind: int, body: bytes) -> tuple[int, bytes] | None:
+    def _on_request(self, kind: int, body: bytes
+                    ) -> tuple[int, bytes] | Coroutine[Any, Any, tuple[int, bytes]] | None:
         if self.member is None:
             return None
         if kind == Kind.CONFIG_REQUEST:
@@ -445,29 +457,54 @@ class AgentRuntime:
             return Kind.CONFIG_REPLY, msgpack.packb(data)
         if kind == Kind.SERVICE_REQUEST:
             try:
-                name, config_id = msgpack.unpackb(body, max_str_len=64, max_array_len=2)
-                port = self.services.get((str(name), int(config_id)))
-            except (ValueError, TypeError, msgpack.UnpackException):
+                request = msgpack.unpackb(body, max_str_len=64, max_array_len=3)
+                if type(request) is not list or len(request) < 2:
+                    raise ValueError("not [name, config_id, hold_s]")
+                name, config_id, *hold = request
+                key = (str(name), int(config_id))
+                hold_s = min(float(hold[0]), SERVICE_HOLD_S) if hold else 0.0
+                if not hold_s >= 0.0:  # also NaN
+                    raise ValueError(f"hold of {hold_s} s")
+            except (ValueError, TypeError, OverflowError, msgpack.UnpackException):
                 self.transport.rejected_frames["bad_service_request"] += 1
                 return None
+            port = self.services.get(key)
+            if port is None and hold_s > 0.0:
+                return self._held_service_reply(key, hold_s)
             return Kind.SERVICE_REPLY, msgpack.packb(port)
         return None
+
+    async def _held_service_reply(self, key: tuple[str, int],
+                                  hold_s: float) -> tuple[int, bytes]:
+        """The reply to a service request once ``key`` is registered, or ``None`` (not
+        registered) after ``hold_s`` seconds."""
+        try:
+            async with asyncio.timeout(hold_s):
+                while (port := self.services.get(key)) is None:
+                    await self._registered.wait()
+        except TimeoutError:
+            port = None
+        return Kind.SERVICE_REPLY, msgpack.packb(port)
 
     def register_service(self, name: str, config_id: int, port: int) -> None:
         """Announce that this process serves ``name`` for ``config_id`` on ``port`` of this
         member's host (e.g. the rendezvous store of a configuration; DESIGN section 8). Peers
-        find it with :meth:`lookup_service`, over the authenticated TCP port."""
+        find it with :meth:`lookup_service`, over the authenticated TCP port; requests that
+        were waiting for it are answered at once."""
         self.services[(name, config_id)] = port
         for old in [k for k in self.services if k[0] == name and k[1] < config_id - 2]:
             del self.services[old]  # keep the last few configurations only
+        self._registered.set()
+        self._registered = asyncio.Event()
 
     async def lookup_service(self, member: MemberId, name: str, config_id: int, *,
                              timeout_s: float = 30.0) -> Address:
-        """(host, port) where ``member`` serves ``name`` for ``config_id``; asks again every
-        50 ms until it is registered.
+        """(host, port) where ``member`` serves ``name`` for ``config_id``. Each request is
+        held by ``member`` until the port is registered or ``SERVICE_HOLD_S`` passed; then
+        this asks again, until ``timeout_s`` seconds passed.
 
         Raises:
-            TransportError: no answer within ``timeout_s`` seconds, or ``member`` has no
+            TransportError: not registered within ``timeout_s`` seconds, or ``member`` has no
                 known address.
         """
         address = self.configuration.addresses.get(member) or self._joiner_addresses.get(member)
@@ -476,21 +513,22 @@ class AgentRuntime:
         if member == self.member_id:
             address = self.address or address
         deadline = self._clock() + timeout_s
-        body = msgpack.packb([name, config_id])
         while True:
             left = deadline - self._clock()
             if left <= 0:
                 raise TransportError(f"member {member:016x} serves no {name!r} for config "
                                      f"{config_id} after {timeout_s} s")
+            hold_s = min(SERVICE_HOLD_S, 0.8 * left)  # the reply comes before our deadline
+            body = msgpack.packb([name, config_id, hold_s])
             try:
-                kind, reply = await self.transport.request(address, Kind.SERVICE_REQUEST,
-                                                           body, timeout_s=min(left, 2.0))
+                kind, reply = await self.transport.request(address, Kind.SERVICE_REQUEST, body,
+                                                           timeout_s=min(left, hold_s + 2.0))
                 port = msgpack.unpackb(reply) if kind == Kind.SERVICE_REPLY else None
             except (TransportError, ValueError, msgpack.UnpackException):
-                port = None
+                await asyncio.sleep(SERVICE_RETRY_S)
+                continue
             if type(port) is int and 0 < port < 65536:
                 return address[0], port
-            await asyncio.sleep(0.05)
 
     def _member_at(self, address: Address) -> MemberId | None:
         if self.member is not None:

@@ -30,11 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import inspect
 import logging
 import socket
 import struct
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 
@@ -115,7 +116,8 @@ class Received:
 
 OnMessage = Callable[[Received], None]
 OnSendError = Callable[[Address, OSError], None]
-OnRequest = Callable[[int, bytes], "tuple[int, bytes] | None"]
+Reply = tuple[int, bytes]
+OnRequest = Callable[[int, bytes], "Reply | Awaitable[Reply | None] | None"]
 
 
 class Transport:
@@ -123,11 +125,13 @@ class Transport:
 
     Callbacks run on the event loop: ``on_message`` for every authenticated core message,
     ``on_send_error`` when a send to an address fails at once (e.g. ENETUNREACH),
-    ``on_request(kind, body)`` for a TCP request, returning ``(kind, body)`` to reply or None.
+    ``on_request(kind, body)`` for a TCP request, returning ``(kind, body)`` to reply or None,
+    or an awaitable of either to hold the request until the answer exists (the handler bounds
+    that wait; the connection is the requester's own, so nothing else waits behind it).
 
     Counters: ``rejected`` (datagrams, by reason), ``rejected_frames`` (TCP, by reason),
     ``traffic`` (``datagrams_sent``, ``bytes_sent``, ``datagrams_received``,
-    ``bytes_received``, ``frames_sent``, ``frames_received``, ``dropped_*``).
+    ``bytes_received``, ``frames_sent``, ``frames_received``, ``requests_held``, ``dropped_*``).
     """
 
     def __init__(
@@ -439,6 +443,10 @@ class Transport:
         except OpenError as exc:
             return exc.reason
         reply = self._on_request(plain[0], plain[1:])
+        if inspect.isawaitable(reply):
+            self.traffic["requests_held"] += 1
+            self._unproven.pop(writer, None)  # it opened under the key: not a stranger to evict
+            reply = await reply
         if reply is None:
             return "unknown_kind"
         writer.write(self._frame(Channel.REQUEST, self._request_sealer.seal(

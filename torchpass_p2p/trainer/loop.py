@@ -239,6 +239,7 @@ class Trainer:
         self._reduced: tuple[int, torch.Tensor] | None = None
         self._draining = False  # the "draining" event is logged once
         self.result = TrainResult(0)
+        agent.on_change(self._wake_group)
 
     # ------------------------------------------------------------------ public
 
@@ -434,9 +435,12 @@ class Trainer:
 
     def _drain_changes(self) -> None:
         while (change := self.agent.next_change(0)) is not None:
-            if self._latest is None or change.configuration.config_id > \
-                    self._latest.configuration.config_id:
-                self._latest = change
+            self._take(change)
+
+    def _take(self, change: Any) -> None:
+        if self._latest is None or change.configuration.config_id > \
+                self._latest.configuration.config_id:
+            self._latest = change
 
     def _changes_ranks(self) -> bool:
         latest = self._latest
@@ -473,6 +477,14 @@ class Trainer:
     def _watch(self) -> bool:
         return self._poll()
 
+    def _wake_group(self, _change: Any) -> None:
+        """On the agent's thread, for every ready change: the group's operation in flight
+        runs :meth:`_watch` at once (a survivor stuck with a paused peer learns of the
+        change that replaces it then, not up to a wait slice later)."""
+        group = self.group
+        if group is not None:
+            group.wake()
+
     def _announce(self, config_id: int) -> None:
         self.agent.register_service(TRANSFER_SERVICE, config_id, self.service.port)
 
@@ -492,7 +504,10 @@ class Trainer:
                 log.warning("member %s: fenced at step %d (no majority of configuration %d "
                             "reachable); waiting for a decided configuration", self.log.member,
                             self.step, self.config_id)
-            time.sleep(SLICE_S)
+            # Block on the agent's next change, not a sleep: the decision that ends this wait
+            # is in the recovery's critical path (a 50 ms sleep cost 25 ms per fault).
+            if (change := self.agent.next_change(SLICE_S)) is not None:
+                self._take(change)
             if within_s is not None and time.monotonic() - waited > within_s:
                 return None
             if time.monotonic() > give_up_at:
