@@ -592,6 +592,65 @@ def test_sigterm_is_forwarded_then_escalated_and_the_run_dir_removed(tmp_path: P
     assert not Path(envs[0]["TORCHPASS_RUN_DIR"]).exists()
 
 
+UNKILLABLE_LAUNCH = '''
+import asyncio, os, signal, sys
+from torchpass_p2p.launch import launcher
+from torchpass_p2p.launch.children import Child
+
+launcher.KILL_WAIT_S = 0.5
+real_send = Child.send
+
+
+def send(self, sig):  # a process in uninterruptible sleep: SIGKILL does nothing yet
+    if sig != signal.SIGKILL:
+        real_send(self, sig)
+
+
+Child.send = send
+
+
+async def main():
+    options = launcher.LaunchOptions(script=sys.argv[1], nproc=1, grace_s=0.5,
+                                     script_args=[sys.argv[2]])
+    run = asyncio.ensure_future(launcher.launch(options))
+    while not os.listdir(sys.argv[2]):  # the child is up
+        await asyncio.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGTERM)  # a person stops the job
+    print("launch returned", await run, flush=True)
+
+
+asyncio.run(main())
+'''
+
+
+def test_a_child_that_survives_sigkill_is_abandoned_and_the_launch_still_ends(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", """
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+dump(Path(sys.argv[1]))
+time.sleep(60)
+""")
+    driver = tmp_path / "driver.py"
+    driver.write_text(UNKILLABLE_LAUNCH)
+    log_path = tmp_path / "launch.log"
+    with open(log_path, "wb") as log_file:  # not a pipe: the surviving child holds it open
+        launch = subprocess.Popen([sys.executable, str(driver), str(script), str(out)],
+                                  stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        code = launch.wait(20)
+    finally:
+        launch.kill()
+        [env] = reports(out, 1)
+        os.kill(env["pid"], signal.SIGKILL)  # what the launcher's SIGKILL could not do
+    log = log_path.read_text()
+    assert code == 0, log
+    assert "survived SIGKILL for 0 s; abandoned" in log
+    assert f"launch returned {128 + signal.SIGTERM}" in log
+
+
 ORPHAN_GUARD = '''
 import time
 from torchpass_p2p.agent.lifeline import die_with_launcher

@@ -205,6 +205,7 @@ class _Supervisor:
         # Unbounded but finite: at most one exit per child (N + S + max_respawns) plus the
         # signals a person sends.
         self.children: list[Child] = []
+        self.watchers: dict[Child, asyncio.Task[None]] = {}
         self.exits: list[ChildExit] = []
         self.recorded: set[int] = set()  # pids whose exit is in ``exits``
         self.said: set[str] = set()  # hints logged once
@@ -362,7 +363,8 @@ class _Supervisor:
             gossip.close()
             status.close()
         self.children.append(child)
-        self.tasks.create_task(self._watch(child), name=f"watch {spec.name}")
+        self.watchers[child] = self.tasks.create_task(self._watch(child),
+                                                      name=f"watch {spec.name}")
         log.info("started %s: pid %d, %s:%d, status page 127.0.0.1:%d", spec.name,
                  child.process.pid, *spec.bind, spec.status_port)
 
@@ -590,6 +592,9 @@ class _Supervisor:
             if returncode is None:
                 log.error("%s (pid %d) survived SIGKILL for %.0f s; abandoned",
                           child.spec.name, child.process.pid, KILL_WAIT_S)
+                watcher = self.watchers.get(child)
+                if watcher is not None:  # else the launch would wait for it forever
+                    watcher.cancel()
             else:
                 self._record(_Exited(child, returncode))
 
