@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,8 +26,9 @@ from torchpass_p2p.trainer import (
     step_generator,
     step_seed,
 )
+from torchpass_p2p.trainer.service import StateService
 from torchpass_p2p.trainer.timeline import read_events, recoveries
-from torchpass_p2p.transfer import Snapshot, TransferKeys, fetch
+from torchpass_p2p.transfer import Snapshot, TransferFailed, TransferKeys, fetch
 from torchpass_p2p.transfer.server import TransferServer
 
 
@@ -183,6 +185,23 @@ async def test_the_transfer_server_reports_each_chunk_served() -> None:
             got = await fetch([server.address], keys, 3, step=9, window=1)
             assert got.fingerprint == snap.fingerprint()
     assert calls == [(9, n, 12000) for n in (4096, 8192, 12000)] * 2
+
+
+def test_a_fetch_past_its_deadline_is_cancelled_and_fails_typed() -> None:
+    """A source that accepts and then says nothing (a stopped process): the state service's
+    backstop cancels the fetch on its loop and raises TransferFailed("timeout"), which the
+    trainer retries, not a bare TimeoutError; the target is untouched."""
+    service = StateService(TransferKeys(os.urandom(32)), lambda: 0)
+    service.start()
+    target = {"w": {"t": torch.zeros(1000)}}
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        try:
+            with pytest.raises(TransferFailed) as caught:
+                service.fetch([silent.getsockname()], 0, step=1, into=target, timeout_s=0.5)
+            assert caught.value.reason == "timeout"
+            assert not target["w"]["t"].any()
+        finally:
+            service.close()
 
 
 STOPPED_RANK = """

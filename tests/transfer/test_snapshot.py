@@ -102,6 +102,9 @@ def test_manifest_fingerprint_is_recomputed():
     ({"tree": b"\x80\x04\x95"}, "bad_manifest"),   # a pickle where the tree goes
     ({"table": msgpack.packb([["w", "float32", [1 << 40], 4, 0]])}, "bad_manifest"),
     ({"v": 2}, "bad_manifest"),
+    ({"algo": ["xxh3"]}, "bad_manifest"),  # unhashable where a name goes
+    ({"table": msgpack.packb([["w", ["float32"], [1], 4, 0]])}, "bad_manifest"),
+    ({"table": msgpack.packb([["w", {"f": 1}, [1], 4, 0]])}, "bad_manifest"),
 ])
 def test_bad_manifest_is_refused(overrides, reason):
     data, _ = _manifest(**overrides)

@@ -13,11 +13,22 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torchpass_p2p.transfer import FetchResult, Snapshot, TransferKeys, TransferServer, fetch
+from torchpass_p2p.transfer import (
+    FetchResult,
+    Snapshot,
+    TransferFailed,
+    TransferKeys,
+    TransferServer,
+    fetch,
+)
+from torchpass_p2p.transfer.client import STOP_TIMEOUT_S
 
 __all__ = ["StateService"]
 
 START_TIMEOUT_S = 10.0
+CANCEL_GRACE_S = 2 * STOP_TIMEOUT_S
+"""Seconds past a fetch's ``timeout_s`` that its cancellation may take (the client ends its
+receiving threads within ``STOP_TIMEOUT_S``)."""
 
 
 class StateService:
@@ -56,12 +67,23 @@ class StateService:
         (see :func:`~torchpass_p2p.transfer.fetch`); blocks the calling thread.
 
         Raises:
-            TransferFailed: no source could serve it.
-            TimeoutError: no result within ``timeout_s`` seconds (a backstop: the client's own
-                deadline is "no progress for 10 s").
+            TransferFailed: no source could serve it, or (reason ``timeout``) no result within
+                ``timeout_s`` seconds (a backstop: the client's own deadline is "no progress
+                for 10 s"); the fetch was cancelled first, so nothing writes into ``into``
+                any more.
         """
-        coro = fetch(list(sources), self.keys, config_id, step=step, into=into)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)
+        async def bounded() -> FetchResult:
+            # The deadline runs on the loop: cancelling there shuts the sources' sockets and
+            # waits for the receiving threads, so no late chunk lands in live tensors.
+            async with asyncio.timeout(timeout_s):
+                return await fetch(list(sources), self.keys, config_id, step=step, into=into)
+
+        future = asyncio.run_coroutine_threadsafe(bounded(), self._loop)
+        try:
+            return future.result(timeout_s + CANCEL_GRACE_S)
+        except TimeoutError:
+            future.cancel()
+            raise TransferFailed("timeout", f"no state within {timeout_s:g} s") from None
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Close the server, stop the loop thread (bounded by ``timeout_s``) and close the loop

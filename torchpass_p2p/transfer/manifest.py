@@ -101,7 +101,8 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     step, algo = m.get("step"), m.get("algo")
     total, chunk = m.get("total_bytes"), m.get("chunk_bytes")
     tree, digests = m.get("tree"), m.get("digests")
-    if (type(step) is not int or algo not in fp.ALGORITHMS or type(total) is not int
+    if (type(step) is not int or type(algo) is not str or algo not in fp.ALGORITHMS
+            or type(total) is not int
             or type(chunk) is not int or type(tree) is not bytes or type(digests) is not bytes):
         raise _bad("fields")
     if not 0 <= total <= max_state_bytes:
@@ -115,7 +116,8 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
         if type(r) is not list or len(r) != 5:
             raise _bad("table row")
         name, dtype, shape, nbytes, off = r
-        if (type(name) is not str or len(name) > MAX_NAME_BYTES or dtype not in DTYPES
+        if (type(name) is not str or len(name) > MAX_NAME_BYTES or type(dtype) is not str
+                or dtype not in DTYPES
                 or type(shape) is not list or len(shape) > MAX_DIMS
                 or any(type(d) is not int or d < 0 for d in shape) or off != offset):
             raise _bad(f"table row {name!r}")
@@ -136,7 +138,7 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     # The tree must decode against this table (tensor references in range, plain data).
     try:
         decode_tree(tree, [torch.empty(0)] * len(table), len(data))
-    except (ValueError, RecursionError) as e:
+    except (ValueError, TypeError, RecursionError) as e:
         raise _bad(f"tree: {e}") from None
     fpr = fp.fingerprint(algo, step, total, chunk, m["table"], tree, digests)
     return Manifest(step, algo, total, chunk, tuple(table), m["table"], tree, digests, fpr)

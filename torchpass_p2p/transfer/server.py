@@ -229,7 +229,7 @@ class TransferServer:
                 if snap is None:
                     raise PeerError("bad_request", "get before manifest")
                 if withdrawals != self._withdrawals:
-                    await conn.send(encode_frame("error", reason="withdrawn"))
+                    await self._send(conn, encode_frame("error", reason="withdrawn"))
                     raise PeerError("withdrawn")
                 i = field(msg, "i", int)
                 if i >= snap.num_chunks:
@@ -254,22 +254,29 @@ class TransferServer:
                     raise PeerError("bad_request", "manifest request")
                 snap, served, withdrawals = self._snapshot, 0, self._withdrawals
                 if snap is None:
-                    await conn.send(encode_frame("error", reason="no_snapshot"))
+                    await self._send(conn, encode_frame("error", reason="no_snapshot"))
                     raise PeerError("no_snapshot")
                 if step is not None and step != snap.step:
-                    await conn.send(encode_frame("error", reason="step_mismatch"))
+                    await self._send(conn, encode_frame("error", reason="step_mismatch"))
                     raise PeerError("step_mismatch", f"asked {step}, have {snap.step}")
                 body = await asyncio.to_thread(encode_manifest, snap, algo)
                 mac_key, inner = await asyncio.to_thread(snap.chunk_macs)
                 wrapped = chunkmac.wrap_key(session, mac_key)
                 tag = fp.frame_tag(session, b"manifest", wrapped + body)
-                await conn.send(encode_frame("manifest", size=len(body), key=wrapped, tag=tag))
-                await conn.send(body)
+                await self._send(conn, encode_frame("manifest", size=len(body), key=wrapped,
+                                                    tag=tag), body)
                 self.stats["transfers"] += 1
             elif op == "bye":
                 return
             else:
                 raise PeerError("bad_request", f"op {op!r}")
+
+    async def _send(self, conn: Conn, *data: bytes) -> None:
+        """Send ``data`` within ``send_timeout_s``: a receiver that stops reading is dropped
+        (``TimeoutError``) instead of holding its connection and the snapshot."""
+        async with asyncio.timeout(self.send_timeout_s):
+            for d in data:
+                await conn.send(d)
 
 
 def _remote(sock: socket.socket) -> bool:
