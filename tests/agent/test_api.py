@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import replace
 
 import pytest
@@ -38,6 +39,37 @@ def test_a_spare_blocks_until_it_is_assigned_the_crashed_rank_and_learns_the_res
         assert seen is not None and seen.plan.hash == change.plan.hash
         status = agents[1].status()
         assert status["config_id"] == 1 and status["step"] == 41
+    finally:
+        for agent in agents.values():
+            agent.stop()
+
+
+def test_an_agent_whose_timer_task_fails_stops_as_if_crashed_and_is_replaced(caplog):
+    agents = threaded(LocalCluster(3, 1, seed=7))
+    for agent in agents.values():
+        agent.start()
+    try:
+        def callback(change):
+            raise ValueError("a bug in the host's callback")
+
+        def timer_bug(now):
+            raise RuntimeError("a bug in the timer task")
+
+        agents[1].on_change(callback)  # raises on every change: it must end nothing
+        agents[2]._runtime._watch_hang = timer_bug  # runs on member 2's next timer
+        change = agents[4].wait_for_rank(timeout_s=20)
+        assert change.plan.removed == (2,) and change.plan.assignments == ((1, 4),)
+        assert agents[2].role == "failed" and agents[2].fenced
+        assert not agents[2]._thread.is_alive()
+        assert agents[2].next_change() is None  # no wait forever on a stopped agent
+        seen = agents[1].next_change(timeout_s=5)
+        assert seen is not None and seen.plan.hash == change.plan.hash
+        assert agents[1].role == "rank" and not agents[1].fenced
+        assert "the agent's timer task failed" in caplog.text
+        deadline = time.monotonic() + 5  # the callbacks run just after the change is queued
+        while "a bug in the host's" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "on_change callback" in caplog.text and "a bug in the host's" in caplog.text
     finally:
         for agent in agents.values():
             agent.stop()

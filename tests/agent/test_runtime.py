@@ -17,6 +17,7 @@ import pytest
 
 from benchmarks.agent_vs_sim import simulated_decided_all_p50
 from tests.agent.cluster import LocalCluster
+from torchpass_p2p.agent.runtime import AgentRuntime
 from torchpass_p2p.agent.transport import Kind, TransportError
 from torchpass_p2p.core import events as ev
 
@@ -222,3 +223,24 @@ async def test_hang_watchdog_drains_a_rank_stuck_in_compute_but_not_one_waiting_
             == ["compute"]
     finally:
         await cluster.stop()
+
+
+async def test_a_start_that_finds_no_seed_leaves_nothing_bound():
+    from dataclasses import replace
+
+    from tests.agent.cluster import HOST
+
+    cluster = LocalCluster(1, 0, seed=3)  # never started: member 1's address is silent
+    settings = replace(cluster.template, member_id=9, configuration=None,
+                       seeds=(cluster.configuration.addresses[1],), bind=(HOST, 0),
+                       join_timeout_s=0.3)
+    agent = AgentRuntime(settings)
+    with pytest.raises(TransportError, match="no seed gave a configuration within 0.3 s"):
+        await agent.start()
+    assert agent.stopped and agent.finished.is_set()
+    port = agent.address[1]
+    again = AgentRuntime(replace(settings, bind=(HOST, port)))  # UDP and TCP both free again
+    with pytest.raises(TransportError):
+        await again.start()
+    assert again.address == (HOST, port)
+

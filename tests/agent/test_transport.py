@@ -211,3 +211,52 @@ async def test_idle_connections_without_the_key_cannot_take_every_slot():
             writer.close()
         await a.close()
         await b.close()
+
+
+async def test_a_failing_request_handler_closes_only_that_connection(caplog):
+    def handler(kind: int, body: bytes):
+        if body == b"bug":
+            raise OverflowError("a bug in the handler")
+        return Kind.CONFIG_REPLY, b"pong:" + body
+
+    keyring = Keyring(secrets.token_bytes(32))
+    a = Transport("t", keyring, 1, on_message=print, on_send_error=print, on_request=handler)
+    b = Transport("t", keyring, 2, on_message=print, on_send_error=print,
+                  on_request=lambda k, body: None)
+    await a.start(("127.0.0.1", 0))
+    await b.start(("127.0.0.1", 0))
+    try:
+        try:
+            await b.request(a.address, Kind.CONFIG_REQUEST, b"bug")
+            raise AssertionError("a reply to a request whose handler failed")
+        except TransportError:
+            pass
+        assert await b.request(a.address, Kind.CONFIG_REQUEST, b"ok") == \
+            (Kind.CONFIG_REPLY, b"pong:ok")
+        assert a.traffic["handler_errors"] == 1 and a.rejected_frames == {"handler_error": 1}
+        assert "handling a request of kind 1 failed" in caplog.text
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_a_requester_that_never_reads_its_reply_is_dropped(monkeypatch):
+    from torchpass_p2p.agent import transport as transport_module
+
+    monkeypatch.setattr(transport_module, "REPLY_TIMEOUT_S", 0.3)
+    keyring = Keyring(secrets.token_bytes(32))
+    big = b"x" * (32 << 20)  # far above what the socket buffers take
+    a = Transport("t", keyring, 1, on_message=print, on_send_error=print,
+                  on_request=lambda k, body: (Kind.CONFIG_REPLY, big))
+    await a.start(("127.0.0.1", 0))
+    try:
+        reader, writer = await asyncio.open_connection(*a.address)
+        writer.write(frame(keyring, REQUEST_LABEL, 2, Kind.CONFIG_REQUEST, b""))
+        await writer.drain()  # and never read
+        async with asyncio.timeout(30):
+            while not a.rejected_frames:
+                await asyncio.sleep(0.05)
+        assert a.rejected_frames == {"reply_not_taken": 1}
+        writer.close()
+    finally:
+        await a.close()

@@ -152,6 +152,13 @@ def test_leaving_or_removed_without_a_drain_is_a_plain_removal(trainer: Trainer)
         assert type(caught.value) is Removed
 
 
+def test_a_member_whose_agent_failed_stops_training_even_while_draining(trainer: Trainer) -> None:
+    in_zero(trainer)
+    trainer.agent.role, trainer.agent.draining = "failed", True
+    with pytest.raises(RuntimeError, match="^this member's agent failed"):
+        trainer._poll()
+
+
 def test_a_join_keeps_the_group_and_its_plan_is_logged(trainer: Trainer, tmp_path: Path) -> None:
     in_zero(trainer)
     trainer.agent.changes.append(JOINED)

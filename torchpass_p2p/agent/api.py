@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import os
 import queue
 import threading
@@ -26,6 +27,8 @@ from .settings import AgentSettings, load_settings
 from .sockets import INHERITED_VARIABLES
 
 __all__ = ["Agent", "AgentError", "start"]
+
+log = logging.getLogger("torchpass_p2p.agent")
 
 START_TIMEOUT_S = 60.0
 """Longest :func:`start` waits for the agent to be up (a joiner asks its seeds up to 30 s)."""
@@ -92,6 +95,7 @@ class Agent:
         self._thread = threading.Thread(target=self._run, name="torchpass-agent", daemon=True)
         self._thread.start()
         if not self._ready.wait(timeout_s):
+            self.stop(leave=False, timeout_s=0)  # if it comes up later, it stops at once
             raise AgentError(f"the agent did not start within {timeout_s} s")
         if self._error is not None:
             raise AgentError(f"the agent failed to start: {self._error!r}") from self._error
@@ -129,7 +133,8 @@ class Agent:
 
     @property
     def role(self) -> str:
-        """``rank``, ``spare``, ``joining``, ``leaving`` or ``removed``."""
+        """``rank``, ``spare``, ``joining``, ``leaving``, ``removed``, or ``failed`` (the
+        agent's timer task failed: it stopped as if crashed, and its peers replace it)."""
         return self._live().role
 
     @property
@@ -222,11 +227,19 @@ class Agent:
 
     def next_change(self, timeout_s: float | None = None) -> Change | None:
         """The next decided change whose plan is ready (``plan.resume_step`` set), oldest first;
-        None if none came within ``timeout_s`` seconds (None: wait forever)."""
-        try:
-            return self._changes.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+        None if none came within ``timeout_s`` seconds (None: until one comes, or None once
+        the agent has stopped)."""
+        if timeout_s is not None:
+            try:
+                return self._changes.get(timeout=timeout_s)
+            except queue.Empty:
+                return None
+        while True:  # in slices: a stopped agent queues nothing more
+            try:
+                return self._changes.get(timeout=1.0)
+            except queue.Empty:
+                if self._thread is None or not self._thread.is_alive():
+                    return None
 
     def changes(self, timeout_s: float | None = None) -> Iterator[Change]:
         """Iterate over ready changes until none arrives within ``timeout_s`` seconds."""
@@ -287,10 +300,16 @@ class Agent:
         runtime.add_listener(self._on_change)
         self._runtime = runtime
         self._ready.set()
+        asked = asyncio.ensure_future(self._stopping.wait())
+        ended = asyncio.ensure_future(runtime.finished.wait())  # stopped by its own failure
         try:
-            await self._stopping.wait()
+            await asyncio.wait((asked, ended), return_when=asyncio.FIRST_COMPLETED)
         finally:
+            asked.cancel()
+            ended.cancel()
             await runtime.stop(leave=self._leave)
+        if runtime.failure is not None:
+            raise AgentError("the agent's timer task failed") from runtime.failure
 
     def _on_change(self, change: Change) -> None:
         if self._changes.full():
@@ -300,7 +319,10 @@ class Agent:
         with self._rank_assigned:
             self._rank_assigned.notify_all()
         for callback in list(self._callbacks):
-            callback(change)
+            try:
+                callback(change)
+            except Exception:  # the host's code: it must not stop the agent
+                log.exception("on_change callback %r failed", callback)
 
     def _assignment(self) -> Change | None:
         change = self._last_change

@@ -44,7 +44,8 @@ MAX_JOINER_ADDRESSES = 1024
 RECENT_EVENTS = 64
 """Events kept for ``/status``."""
 MAX_GROUP_IDS = 256
-"""Group ids of recent configurations kept; a change is handed over within a few decisions."""
+"""Group ids (and decision times) of recent configurations kept; a change is handed over
+within a few decisions."""
 SERVICE_HOLD_S = 1.0
 """Seconds a service request waits at the serving member for a registration before it is
 answered "not registered" (the asker then asks again). A promoted spare asks its sources for
@@ -149,6 +150,13 @@ class AgentRuntime:
         self._hang_reported = False
         self.stopped = False
         self.draining = False
+        self.failure: BaseException | None = None
+        """What ended the timer task other than :meth:`stop` (a bug in the core or in a
+        callback). The member then stops as if it had crashed, so that its peers replace it,
+        instead of living on unable to probe and fenced for good; ``role`` is ``failed``."""
+        self.finished = asyncio.Event()
+        """Set once :meth:`stop` completed, asked for or after a failure."""
+        self._tasks: set[asyncio.Task[Any]] = set()  # drains and the failure's stop
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -163,6 +171,17 @@ class AgentRuntime:
         """
         s = self.settings
         self.address = await self.transport.start(s.bind, s.bind_fds)
+        try:
+            await self._start_member()
+        except BaseException:  # also cancelled: nothing stays bound (a retry must bind again)
+            await self.stop(leave=False)
+            raise
+        log.info("member %016x up on %s:%d, config %d, role %s", self.member_id,
+                 *self.address, self.member.configuration.config_id, self.role)
+
+    async def _start_member(self) -> None:
+        s = self.settings
+        assert self.address is not None
         if s.configuration is not None:
             self.member = Member(s.member_id, s.configuration, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy)
@@ -179,9 +198,8 @@ class AgentRuntime:
         if s.health:
             self._start_health()
         self._driver = asyncio.create_task(self._drive(), name=f"agent-{self.member_id:016x}")
+        self._driver.add_done_callback(self._driver_ended)
         self._flush()
-        log.info("member %016x up on %s:%d, config %d, role %s", self.member_id,
-                 *self.address, self.member.configuration.config_id, self.role)
 
     async def stop(self, *, leave: bool = True) -> None:
         """Stop: announce a graceful leave first (``leave``), then close everything. Bounded."""
@@ -200,6 +218,24 @@ class AgentRuntime:
         if self._status_server is not None:
             await self._status_server.stop()
         await self.transport.close()
+        for task in self._tasks:
+            if task is not asyncio.current_task():
+                task.cancel()
+        self.finished.set()
+
+    def _driver_ended(self, task: asyncio.Task[None]) -> None:
+        if self.stopped or task.cancelled():
+            return
+        self.failure = task.exception() or RuntimeError("the timer task returned")
+        log.critical("member %016x: the agent's timer task failed; stopping as if crashed so "
+                     "that the peers replace this member", self.member_id,
+                     exc_info=self.failure)
+        self._own(self.stop(leave=False))
+
+    def _own(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     # ------------------------------------------------------------------ queries
 
@@ -211,6 +247,8 @@ class AgentRuntime:
     @property
     def role(self) -> str:
         m = self.member
+        if self.failure is not None:
+            return "failed"
         if m is None or m.joining is not None:
             return "joining"
         if m.removed:
@@ -230,7 +268,7 @@ class AgentRuntime:
         probe of ours answered for ``lease_s`` (after a SIGSTOP this holds from the first
         instant the process runs again, before any timer has fired)."""
         m = self.member
-        if m is None or m.removed or m.fenced:
+        if m is None or m.removed or m.fenced or self.failure is not None:
             return True
         return m.joining is None and self._clock() - m.last_ack_at > m.params.lease_s
 
@@ -554,17 +592,22 @@ class AgentRuntime:
         if isinstance(event, (ev.MemberSuspected, ev.AlertRaised)):
             subject = event.member if isinstance(event, ev.MemberSuspected) else event.subject
             self._accused_at.setdefault(subject, event.at)
+        elif isinstance(event, ev.MemberAlive):
+            self._accused_at.pop(event.member, None)  # refuted: a later accusation starts anew
         elif isinstance(event, ev.ConfigurationDecided):
             self._track_group(event.configuration)
             self._remember_former(event.configuration)
             self._decided[event.configuration.config_id] = event
             self.decided_at[event.configuration.config_id] = event.at
+            while len(self.decided_at) > MAX_GROUP_IDS:
+                self.decided_at.pop(next(iter(self.decided_at)))
             if self.metrics is not None:
                 self.metrics.decided("fast" if event.round == 0 else "classic")
                 self.metrics.set_config(event.configuration.config_id)
-                for gone in event.plan.removed:
-                    if gone in self._accused_at:
-                        self.metrics.observe_detection(event.at - self._accused_at.pop(gone))
+            for gone in event.plan.removed:
+                accused = self._accused_at.pop(gone, None)
+                if accused is not None and self.metrics is not None:
+                    self.metrics.observe_detection(event.at - accused)
         elif isinstance(event, ev.PlanReady):
             decided = self._decided.pop(event.plan.config_id, None)
             if decided is not None:
@@ -573,7 +616,11 @@ class AgentRuntime:
                                                               event.plan.config_id))
                 self._changes.append(change)
                 for listener in list(self._listeners):
-                    listener(change)
+                    try:
+                        listener(change)
+                    except Exception:  # the host's code: it must not end the timer task
+                        log.exception("a change listener failed on configuration %d",
+                                      change.configuration.config_id)
 
     def _track_group(self, new: Configuration) -> None:
         """``group_id`` of ``new`` (see :class:`Change`); decisions come in config_id order."""
@@ -615,7 +662,7 @@ class AgentRuntime:
         log.error("training loop made no progress for %.1f s in %s: asking to be replaced",
                   timeout, self.phase)
         self._recent.append({"at": now, "type": "HangDetected", "detail": self.phase})
-        asyncio.get_running_loop().create_task(self.drain())
+        self._own(self.drain())
 
     def _start_health(self) -> None:
         if self._health is None:
@@ -633,7 +680,7 @@ class AgentRuntime:
         self._health_faults[str(fault.kind)] += 1
         if fault.severity == "migrate" and self.role == "rank":
             log.error("GPU fault %s (%s): asking to be migrated", fault.kind, fault.detail)
-            asyncio.get_running_loop().create_task(self.drain())
+            self._own(self.drain())
 
     # ------------------------------------------------------------------ pieces built on demand
 
@@ -657,8 +704,12 @@ class AgentRuntime:
         last: Exception | None = None
         while self._clock() < deadline:
             for seed in self.settings.seeds:
+                left = deadline - self._clock()
+                if left <= 0:
+                    break
                 try:
-                    kind, body = await self.transport.request(seed, Kind.CONFIG_REQUEST, b"")
+                    kind, body = await self.transport.request(seed, Kind.CONFIG_REQUEST, b"",
+                                                              timeout_s=min(5.0, left))
                     if kind != Kind.CONFIG_REPLY:
                         raise TransportError(f"unexpected reply kind {kind}")
                     return configuration_from_data(msgpack.unpackb(

@@ -71,6 +71,9 @@ OUTBOUND_QUEUE = 256
 CONNECT_TIMEOUT_S = 2.0
 IDLE_TIMEOUT_S = 30.0
 """An inbound or outbound connection with no frame for this long is closed."""
+REPLY_TIMEOUT_S = 10.0
+"""A requester must take its reply within this (seconds; a 20 MB configuration takes
+milliseconds on loopback), or the connection is closed and the reply dropped."""
 
 
 class Channel:
@@ -442,16 +445,25 @@ class Transport:
             _, _, plain = self._request_opener.open(sealed)
         except OpenError as exc:
             return exc.reason
-        reply = self._on_request(plain[0], plain[1:])
-        if inspect.isawaitable(reply):
-            self.traffic["requests_held"] += 1
-            self._unproven.pop(writer, None)  # it opened under the key: not a stranger to evict
-            reply = await reply
+        try:
+            reply = self._on_request(plain[0], plain[1:])
+            if inspect.isawaitable(reply):
+                self.traffic["requests_held"] += 1
+                self._unproven.pop(writer, None)  # it opened under the key: no stranger
+                reply = await reply
+        except Exception:  # a bug in our handler must not escape into asyncio's callback
+            self.traffic["handler_errors"] += 1
+            log.exception("handling a request of kind %d failed", plain[0])
+            return "handler_error"
         if reply is None:
             return "unknown_kind"
-        writer.write(self._frame(Channel.REQUEST, self._request_sealer.seal(
-            bytes((reply[0],)) + reply[1], 0, reply_tag(sealed))))
-        await writer.drain()
+        try:
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                writer.write(self._frame(Channel.REQUEST, self._request_sealer.seal(
+                    bytes((reply[0],)) + reply[1], 0, reply_tag(sealed))))
+                await writer.drain()
+        except (OSError, TimeoutError):
+            return "reply_not_taken"
         return None
 
     def _serve_message(self, sealed: bytes, peer: Address) -> str | None:

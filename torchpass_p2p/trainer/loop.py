@@ -449,12 +449,15 @@ class Trainer:
 
     def _poll(self) -> bool:
         """Take in the agent's changes; True when the newest one changes the rank map (the
-        group must be rebuilt). Raises :class:`Removed` if this member was removed.
+        group must be rebuilt). Raises :class:`Removed` if this member was removed,
+        ``RuntimeError`` if its agent failed.
 
         A draining member (role ``leaving``) trains on: it holds its rank until the decision
         that removes it (module docstring)."""
         self._drain_changes()
         role = self.agent.role
+        if role == "failed":  # it stopped as if crashed; its log says why
+            raise RuntimeError("this member's agent failed: the member is being replaced")
         draining = self.agent.draining
         if role == "removed" or (role == "leaving" and not draining):
             raise self._out(f"this member is {role}")
