@@ -480,3 +480,23 @@ async def test_cli_wrong_server_exits_1(h: Harness, capsys: pytest.CaptureFixtur
     code = await asyncio.to_thread(status_cli.run, cli_args(h.hostport))
     assert code == 1
     assert "HTTP 500" in capsys.readouterr().err
+
+
+async def test_connections_past_the_cap_close_the_oldest(h: Harness) -> None:
+    host, port = h.server.address
+    opened = http.MAX_CONNECTIONS + 5
+    idle = [await asyncio.open_connection(host, port) for _ in range(opened)]  # say nothing
+    server = h.server._runner.server
+    async with asyncio.timeout(10):  # until the server accepted every one of them
+        while len(server.connections) + h.server.rejected["evicted_connection"] < opened:
+            await asyncio.sleep(0.01)
+    assert len(server.connections) == http.MAX_CONNECTIONS
+    assert h.server.rejected["evicted_connection"] == 5
+    status, body, _ = await h.get("/healthz")  # a newcomer is served
+    assert (status, body) == (200, b"ok")
+    assert h.server.rejected["evicted_connection"] == 6
+    for reader, _ in idle[:6]:  # the six oldest were closed
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+    for _, writer in idle:
+        writer.close()
+

@@ -47,6 +47,7 @@ from .sockets import adopt_socket
 __all__ = [
     "DRAIN_TIMEOUT_S",
     "MAX_BODY_BYTES",
+    "MAX_CONNECTIONS",
     "MAX_REASON_CHARS",
     "STOP_TIMEOUT_S",
     "StatusServer",
@@ -56,6 +57,14 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+MAX_CONNECTIONS = 64
+"""Open connections served at once; a new one past this closes the oldest. A scraper, the
+launcher and ``torchpass-p2p status`` need a handful; unbounded, a flood of idle connections
+from a local process would take the file descriptors that the agent, the state transfer and the
+process group share."""
+KEEPALIVE_TIMEOUT_S = 15.0
+"""An idle kept-alive connection is closed after this (seconds; aiohttp's default is an
+hour). Prometheus scrapes every 15 s or more and reconnects at no cost on loopback."""
 MAX_BODY_BYTES = 4096
 """Largest POST body read. The largest valid body (evidence with a 64-character reason) is under
 120 bytes; 4 KiB leaves room for whitespace and keeps a flood of requests cheap."""
@@ -149,6 +158,7 @@ class StatusServer:
         self.rejected: Counter[str] = Counter()
         self._token = token.encode("utf-8")
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self.address: tuple[str, int] | None = None
         """The bound ``(host, port)`` once started."""
 
@@ -174,23 +184,27 @@ class StatusServer:
         # access_log=None: no line per request (a Prometheus scrape every few seconds would
         # drown the event log).
         runner = web.AppRunner(
-            app, access_log=None, shutdown_timeout=STOP_TIMEOUT_S, logger=_ProtocolLog(self)
+            app, access_log=None, shutdown_timeout=STOP_TIMEOUT_S, logger=_ProtocolLog(self),
+            keepalive_timeout=KEEPALIVE_TIMEOUT_S,
         )
         await runner.setup()
+        # Served through our own listener rather than an aiohttp site, to bound connections.
+        loop = asyncio.get_running_loop()
+        sock = None
         try:
-            sock = None
             if fd is not None:
                 sock = adopt_socket(fd, socket.SOCK_STREAM, (self.host, self.port))
-            site: web.BaseSite = (web.TCPSite(runner, self.host, self.port) if sock is None
-                                  else web.SockSite(runner, sock))
-            await site.start()
+                listener = await loop.create_server(self._capped(runner.server), sock=sock)
+            else:
+                listener = await loop.create_server(self._capped(runner.server), self.host,
+                                                    self.port, reuse_address=True)
         except BaseException:
             if sock is not None:
                 sock.close()
             await runner.cleanup()
             raise
-        self._runner = runner
-        host, port = runner.addresses[0][:2]
+        self._runner, self._listener = runner, listener
+        host, port = listener.sockets[0].getsockname()[:2]
         self.address = (host, port)
         log.debug("status server on %s:%d", host, port)
         return self.address
@@ -201,11 +215,25 @@ class StatusServer:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        if self._listener is not None:
+            self._listener.close()  # no new connections; the runner closes the open ones
+            self._listener = None
         try:
             async with asyncio.timeout(STOP_TIMEOUT_S + 1.0):
                 await runner.cleanup()
         except TimeoutError:
             log.warning("status server did not stop within %.1f s", STOP_TIMEOUT_S + 1.0)
+
+    def _capped(self, server: Any) -> Callable[[], Any]:
+        """aiohttp's protocol factory, closing the oldest open connection first once
+        :data:`MAX_CONNECTIONS` are open (counted as ``evicted_connection``)."""
+        def factory() -> Any:
+            open_now = server.connections  # oldest first
+            if len(open_now) >= MAX_CONNECTIONS:
+                self.rejected["evicted_connection"] += 1
+                open_now[0].force_close()
+            return server()
+        return factory
 
     # middleware: every refusal is answered and counted in one place
 
