@@ -188,7 +188,7 @@ def main() -> int:
     ap.add_argument("--spares", type=int, default=2, help="hot spares (one per fault)")
     ap.add_argument("--faults", default=DEFAULT_FAULTS,
                     help="KIND@STEP:POINT:rank=R[:N],... with KIND kill, stop, orphan or "
-                         "reset and POINT compute, grad, commit or serve (the spec: "
+                         "reset and POINT compute, grad, commit, enter or serve (the spec: "
                          "torchpass_p2p/trainer/faults.py); default: %(default)s")
     ap.add_argument("--keep", help="directory to keep the runs' logs in")
     ap.add_argument("--state-transport", choices=("auto", "tcp", "pg"), default="auto",

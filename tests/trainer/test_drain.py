@@ -20,12 +20,13 @@ import pytest
 import torch
 
 from torchpass_p2p.agent.runtime import Change
+from torchpass_p2p.agent.transport import TransportError
 from torchpass_p2p.collective import GroupSpec, Superseded
 from torchpass_p2p.core.configuration import Configuration
 from torchpass_p2p.core.messages import Cut, Joiner
 from torchpass_p2p.core.plan import next_configuration, with_resume_step
 from torchpass_p2p.core.seal import Keyring
-from torchpass_p2p.trainer import Drained, FaultInjector, Removed, Stopped, Trainer
+from torchpass_p2p.trainer import Drained, FaultInjector, Removed, Stopped, Trainer, loop
 from torchpass_p2p.trainer.timeline import read_events
 from torchpass_p2p.transfer import TransferError
 
@@ -66,6 +67,9 @@ class ScriptedAgent:
         self.assigned: Change | None = None
         self.fenced_for: list[bool] = []  # `fenced` after each empty wait, then a rank
         self.callbacks: list[Any] = []
+        self.announced: set[int] = set()
+        self.lookups: list[tuple[int, float]] = []
+        self.arrives_in_lookup: list[Change] = []
 
     @property
     def config_id(self) -> int:
@@ -86,6 +90,18 @@ class ScriptedAgent:
 
     def register_service(self, name: str, config_id: int, port: int) -> None:
         self.services.append((name, config_id))
+
+    def lookup_service(self, member: int, name: str, config_id: int, *,
+                       timeout_s: float = 30.0) -> tuple[str, int]:
+        """Announced members answer at once; the others are waited for ``timeout_s``, as the
+        agent does, and may bring a change (``arrives_in_lookup``) meanwhile."""
+        self.lookups.append((member, timeout_s))
+        if member in self.announced:
+            return ("127.0.0.1", 7000 + member)
+        if self.arrives_in_lookup:
+            self.changes.append(self.arrives_in_lookup.pop())
+        time.sleep(timeout_s)
+        raise TransportError(f"member {member:016x} serves no {name!r}")
 
     def status(self) -> dict[str, Any]:
         return {"recent_events": []}
@@ -157,6 +173,28 @@ def test_a_member_whose_agent_failed_stops_training_even_while_draining(trainer:
     trainer.agent.role, trainer.agent.draining = "failed", True
     with pytest.raises(RuntimeError, match="^this member's agent failed"):
         trainer._poll()
+
+
+def test_a_source_that_never_announces_is_waited_for_only_briefly(trainer: Trainer) -> None:
+    # A survivor killed just after the decision, or a spare promoted earlier that is still
+    # fetching itself: the fetch starts from the sources that did announce.
+    in_zero(trainer)
+    trainer.agent.announced = {PEER, SPARE}
+    found = trainer._find_sources((PEER, LATE, SPARE), 0)
+    assert found == {("127.0.0.1", 7000 + PEER): PEER, ("127.0.0.1", 7000 + SPARE): SPARE}
+    waited = [t for m, t in trainer.agent.lookups if m == LATE]
+    # One round, then the rest of LOOKUP_GRACE_S (the whole LOOKUP_TIMEOUT_S before).
+    assert sum(waited) <= loop.LOOKUP_SLICE_S + loop.LOOKUP_GRACE_S + 1e-9
+    assert all(t <= loop.LOOKUP_SLICE_S for t in waited)
+
+
+def test_no_source_announcing_is_waited_for_in_rounds_until_a_change_supersedes(
+        trainer: Trainer) -> None:
+    in_zero(trainer)
+    trainer.agent.arrives_in_lookup = [DRAINED]  # other ranks: the fetch is moot
+    with pytest.raises(Superseded):
+        trainer._find_sources((PEER,), 0)
+    assert trainer.agent.lookups == [(PEER, loop.LOOKUP_SLICE_S)]
 
 
 def test_a_join_keeps_the_group_and_its_plan_is_logged(trainer: Trainer, tmp_path: Path) -> None:

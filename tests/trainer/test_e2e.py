@@ -14,6 +14,9 @@ The same kill with a model whose gradient is averaged in shards (``mean_in_rank_
 S12: rank 0 (the member that served the last rendezvous: it hosted configuration 0's store) and
 rank 2 die in the same step; two spares. Must hold: both ranks replaced in one or two
 configuration changes, same step, no hang, the same final state as the fault-free run.
+
+A survivor killed as it enters the recovery's configuration (before announcing its state): the
+promoted spare fetches from the others; the same final state.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from examples.char_lm import CharLM
 from examples.main_job import Run, run_job
 from tests.trainer.settings import ARGS
 from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
+from torchpass_p2p.trainer.loop import LOOKUP_TIMEOUT_S
 from torchpass_p2p.trainer.timeline import recoveries
 
 STEPS = 57
@@ -173,3 +177,27 @@ def test_more_deaths_than_spares_wait_for_a_respawned_spare(tmp_path: Path, clea
     assert len(faulty.finals) == 4 and all(r["steps"] == STEPS for r in faulty.finals)
     assert {r["fingerprint"] for r in faulty.finals} == {clean.finals[0]["fingerprint"]}
     assert {r["weights_sha256"] for r in faulty.finals} == {clean.finals[0]["weights_sha256"]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_survivor_dying_as_it_enters_the_recovery(tmp_path: Path, clean: Run) -> None:
+    # Rank 1 dies mid-step; rank 3 dies as it enters configuration 1, after the decision and
+    # before it announces its state, while the promoted spare counts on it as a source. Two
+    # spares. The spare fetches from the sources that did announce (or the change that
+    # removes rank 3 supersedes its fetch): it once waited LOOKUP_TIMEOUT_S for rank 3.
+    faulty = run_job(tmp_path / "faults", nproc=4, spares=2, steps=STEPS,
+                     faults="kill@37:grad:rank=1,kill@37:enter:rank=3", script_args=ARGS,
+                     timeout_s=200)
+    assert faulty.code == 0, faulty.diagnosis()
+    first, second = recoveries(faulty.events)
+    assert (first.kind, first.point, first.rank, first.config_id) == ("kill", "grad", 1, 1)
+    assert (second.kind, second.point, second.rank, second.config_id) == ("kill", "enter", 3, 2)
+    assert all(f.resume_step == 37 and f.steps_lost == 0 for f in (first, second))
+    assert second.resumed_s is not None and second.resumed_s < LOOKUP_TIMEOUT_S
+    assert {r["rank"] for r in faulty.finals} == {0, 1, 2, 3}
+    assert all(r["steps"] == STEPS for r in faulty.finals)
+    assert {r["fingerprint"] for r in clean.finals + faulty.finals} == {
+        clean.finals[0]["fingerprint"]}
+    assert {r["weights_sha256"] for r in clean.finals + faulty.finals} == {
+        clean.finals[0]["weights_sha256"]}

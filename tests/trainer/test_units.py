@@ -65,15 +65,16 @@ def test_step_seed_is_a_fixed_function_of_seed_rank_step() -> None:
 
 def test_fault_specs() -> None:
     spec = ("kill@37:grad:rank=1, stop@80:commit:rank=2:8,orphan@5:compute:rank=0,"
-            "kill@37:serve:rank=2:0.25")
+            "kill@37:serve:rank=2:0.25,kill@37:enter:rank=3")
     assert parse_faults(spec) == [Fault("kill", 37, "grad", 1), Fault("stop", 80, "commit", 2, 8.0),
                                   Fault("orphan", 5, "compute", 0),
-                                  Fault("kill", 37, "serve", 2, fraction=0.25)]
+                                  Fault("kill", 37, "serve", 2, fraction=0.25),
+                                  Fault("kill", 37, "enter", 3)]
     assert parse_faults("") == []
     for bad in ("kill@x:grad:rank=1", "boom@1:grad:rank=1", "kill@1:nowhere:rank=1",
                 "kill@1:grad:r=1", "orphans@1:grad:rank=1", "kill@1:serve:rank=1",
                 "kill@1:serve:rank=1:1.5", "stop@1:serve:rank=1:0.5",
-                "kill@1:grad:rank=1:2:3"):
+                "kill@1:grad:rank=1:2:3", "reset@1:enter:rank=1"):
         with pytest.raises(ValueError, match="bad fault"):
             parse_faults(bad)
 
@@ -145,6 +146,29 @@ def test_a_recovery_superseded_before_it_trained_resumes_in_the_next(tmp_path) -
     [f] = recoveries(read_events(tmp_path))
     assert (f.config_id, f.resume_step, f.steps_lost) == (1, 37, 0)
     assert f.resumed_s == 1.0
+
+
+def test_each_fault_is_matched_with_the_change_that_removed_its_member(tmp_path) -> None:
+    # c dies as it enters configuration 1 (b's replacement): logged before some members log
+    # configuration 1's change, its own replacement is configuration 2.
+    recs = [
+        {"t": 10.0, "event": "fault", "member": "b", "kind": "kill", "step": 37,
+         "point": "grad", "rank": 1, "seconds": 0.0},
+        {"t": 10.2, "event": "fault", "member": "c", "kind": "kill", "step": 37,
+         "point": "enter", "rank": 3, "seconds": 0.0},
+        {"t": 10.21, "event": "change", "member": "a", "config_id": 1, "decided_at": 10.19,
+         "ready_at": 10.2, "resume_step": 37, "removed": ["b"], "assignments": [[1, "s"]],
+         "alerts_at": [10.05]},
+        {"t": 10.5, "event": "change", "member": "a", "config_id": 2, "decided_at": 10.45,
+         "ready_at": 10.5, "resume_step": 37, "removed": ["c"], "assignments": [[3, "u"]],
+         "alerts_at": [10.25]},
+        {"t": 11.0, "event": "step", "member": "a", "step": 37, "config_id": 2},
+    ]
+    (tmp_path / "x.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    first, second = recoveries(read_events(tmp_path))
+    assert (first.config_id, first.resumed_s) == (1, 1.0)
+    assert (second.config_id, round(second.decided_s, 6), round(second.resumed_s, 6)) == (
+        2, 0.25, 0.8)
 
 
 def test_a_serve_fault_fires_once_past_its_fraction(monkeypatch: pytest.MonkeyPatch) -> None:

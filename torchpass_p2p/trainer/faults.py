@@ -14,6 +14,11 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
                                  after 37 or more steps to a fetching member (a promoted spare),
                                  as soon as one connection has been sent a quarter of that
                                  state's bytes: a source dying mid-transfer (S10)
+    kill@37:enter:rank=3         SIGKILL itself as it enters a configuration that resumes at
+                                 step 37 holding rank 3 there, just after its change was
+                                 decided, before it announces its state: a survivor dying
+                                 during the recovery, when the promoted spare counts on it as
+                                 a source
     reset@20:grad:rank=1         a transient collective failure, no process dying: at step 20,
                                  just before the gradient all-reduce, rank 1's operation fails
                                  as if gloo had raised (:class:`InjectedReset`, a
@@ -24,8 +29,10 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
                                  configuration (:mod:`.regroup`)
 
 Points: ``compute`` (before forward), ``grad`` (forward and backward done, peers already in the
-all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit all-reduce), and
-``serve`` (only for ``kill``; its number is the fraction of the snapshot, ``0 < f < 1``, that
+all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit all-reduce),
+``enter`` (a rank holder entering a new configuration, its step the resume step and its rank
+the one it holds there; not for ``reset``: no operation is in flight), and ``serve`` (only for
+``kill``; its number is the fraction of the snapshot, ``0 < f < 1``, that
 one connection has been sent: checked after each chunk, so the kill lands between two chunks,
 with the receiver's further requests unanswered). The step of a ``serve`` fault is the served
 snapshot's step (the state after that many steps), at least that; its rank is this member's
@@ -58,7 +65,7 @@ from torchpass_p2p.collective import CollectiveError
 __all__ = ["Fault", "FaultInjector", "InjectedReset", "continue_later", "parse_faults",
            "start_orphan"]
 
-POINTS = ("compute", "grad", "commit", "serve")
+POINTS = ("compute", "grad", "commit", "enter", "serve")
 KINDS = ("kill", "stop", "orphan", "reset")
 ORPHAN_SLEEP_S = 3600
 """How long an orphan lives unless killed: far past any test, so only its reaping ends it."""
@@ -88,7 +95,7 @@ def parse_faults(text: str) -> list[Fault]:
                     "rank=") or len(rest) > 1:
                 raise ValueError
             number = float(rest[0]) if rest else 0.0
-            if kind == "reset" and (rest or point == "serve"):
+            if kind == "reset" and (rest or point in ("serve", "enter")):
                 raise ValueError
             if point == "serve":
                 if kind != "kill" or not 0.0 < number < 1.0:

@@ -110,6 +110,16 @@ LOOKUP_TIMEOUT_S = 30.0
 """How long a spare waits for a source to announce its transfer server for the new
 configuration (a survivor announces it once it holds the resume state: milliseconds after the
 decision, plus any roll-forward)."""
+LOOKUP_GRACE_S = 0.5
+"""Once one source has announced, how much longer the others are waited for before the fetch
+starts from those found. Survivors announce within milliseconds of each other; a source that
+died after the decision, or a spare promoted earlier that is still fetching the state itself
+(the plan names every rank holder), never does (waiting for it stalled a recovery for the full
+``LOOKUP_TIMEOUT_S``; found by a review that killed a survivor just after a decision). Ours."""
+LOOKUP_SLICE_S = 0.25
+"""Lookups run in rounds of this many seconds, with a look at the agent for a newer
+configuration between rounds (each request is held by the source until it registers, so a
+round costs no latency)."""
 FETCH_ATTEMPTS = 5
 
 
@@ -643,6 +653,7 @@ class Trainer:
             self.config_id, self._ranks = configuration.config_id, tuple(configuration.ranks)
             raise Incomplete(f"configuration {configuration.config_id} has vacant ranks "
                              f"{list(configuration.vacant_ranks)}")
+        self.faults.at(resume, "enter", rank)
         assigned = dict(plan.assignments).get(rank) == self.me
         fetch_from = None
         if assigned:
@@ -723,19 +734,9 @@ class Trainer:
             raise RuntimeError(f"no state source for configuration {config_id}")
         t0 = time.monotonic()
         self.log("fetch_started", config_id=config_id, step=step, sources=len(members))
-
-        def lookup(member: int) -> tuple[str, int] | None:
-            try:
-                return self.agent.lookup_service(member, TRANSFER_SERVICE, config_id,
-                                                 timeout_s=LOOKUP_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - a source that never announces is skipped
-                return None
-
         last: Exception | None = None
         for _ in range(FETCH_ATTEMPTS):
-            with ThreadPoolExecutor(len(members)) as pool:
-                found = {a: m for m, a in zip(members, pool.map(lookup, members), strict=True)
-                         if a is not None}
+            found = self._find_sources(members, config_id)
             addresses = list(found)
             if not addresses:
                 raise TransferError("no_sources", f"no source announced state for {config_id}")
@@ -753,6 +754,39 @@ class Trainer:
             raise last
         return self._restored(result, config_id, time.monotonic() - t0, len(addresses),
                               {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
+
+    def _find_sources(self, members: tuple[int, ...], config_id: int) -> dict[Any, int]:
+        """Where ``members`` serve the state of ``config_id``: ``{(host, port): member}``.
+        Waits for every member to announce, but at most :data:`LOOKUP_GRACE_S` after the
+        first did, and at most :data:`LOOKUP_TIMEOUT_S` in all; empty if none did. Raises
+        :class:`Superseded` when a newer configuration changes the ranks meanwhile."""
+
+        def lookup(member: int, timeout_s: float) -> tuple[str, int] | None:
+            try:
+                return self.agent.lookup_service(member, TRANSFER_SERVICE, config_id,
+                                                 timeout_s=timeout_s)
+            except Exception:  # noqa: BLE001 - not (yet) announced: asked again, or skipped
+                return None
+
+        found: dict[Any, int] = {}
+        pending = list(members)
+        give_up_at = time.monotonic() + LOOKUP_TIMEOUT_S
+        with ThreadPoolExecutor(len(members)) as pool:
+            while pending:
+                round_s = min(LOOKUP_SLICE_S, give_up_at - time.monotonic())
+                if round_s <= 0:
+                    break
+                answers = list(pool.map(lookup, pending, [round_s] * len(pending)))
+                for member, address in zip(pending, answers, strict=True):
+                    if address is not None:
+                        found[address] = member
+                pending = [m for m, a in zip(pending, answers, strict=True) if a is None]
+                if found and pending:
+                    give_up_at = min(give_up_at, time.monotonic() + LOOKUP_GRACE_S)
+                self._drain_changes()  # not _poll: nothing here may act on a same-rank change
+                if self._changes_ranks():
+                    raise Superseded
+        return found
 
     def _restored_over_group(self, result: FetchResult, config_id: int, total_s: float,
                              sources: tuple[int, ...]) -> Snapshot:

@@ -71,8 +71,9 @@ def recoveries(events: list[dict[str, Any]]) -> list[FaultTimeline]:
     out = []
     for fault in (r for r in events if r["event"] == "fault"):
         t0 = fault["t"]
+        # The first change that removed the faulty member (a spare removed: no rank).
         changes = [r for r in events if r["event"] == "change" and r["t"] >= t0
-                   and r["removed"] and not r.get("same_ranks")]  # a spare removed: no rank
+                   and fault["member"] in r["removed"] and not r.get("same_ranks")]
         c = changes[0]["config_id"] if changes else None
         mine = [r for r in changes if r["config_id"] == c]
         alerts = [a for r in mine for a in r["alerts_at"]]
