@@ -22,6 +22,7 @@ from torchpass_p2p.agent.http import http_token
 from torchpass_p2p.agent.settings import load_settings
 from torchpass_p2p.cli.main import main
 from torchpass_p2p.launch.keyfile import write_key_file
+from torchpass_p2p.launch.launcher import STALL_S
 
 from .procs import (
     finish,
@@ -590,6 +591,32 @@ def test_sigterm_is_forwarded_then_escalated_and_the_run_dir_removed(tmp_path: P
     assert len(pids) == 4
     wait_for(lambda: all(gone(p) for p in pids), 3, "every child and grandchild gone")
     assert not Path(envs[0]["TORCHPASS_RUN_DIR"]).exists()
+
+
+def test_exits_reaped_together_after_the_launcher_was_stopped_have_no_order(
+        tmp_path: Path) -> None:
+    # Rank 1 is killed and rank 0 completes the job while the launcher is stopped: reaped
+    # together, the death cannot be shown to come after the completion (it was reported as
+    # a failure after completion, exit 1, when reaped second).
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", WAIT_FOR_GO)
+    launcher = start_launcher(["--nproc", "2", str(script), str(out)])
+    envs = reports(out, 2)
+    stopped_at = time.monotonic()
+    launcher.send_signal(signal.SIGSTOP)
+    try:
+        [victim] = [e for e in envs if e["RANK"] == "1"]
+        os.kill(victim["pid"], signal.SIGKILL)
+        (out / "go").touch()
+        wait_for(lambda: all(gone(e["pid"]) for e in envs), 10, "both children ended")
+        time.sleep(max(0.0, stopped_at + STALL_S + 0.5 - time.monotonic()))
+    finally:
+        launcher.send_signal(signal.SIGCONT)
+    code, log = finish(launcher)
+    assert code == 0, log
+    assert "the launcher did not run for" in log and "exited with signal SIGKILL" in log
+    assert "exit code 0: job complete" in log
 
 
 UNKILLABLE_LAUNCH = '''

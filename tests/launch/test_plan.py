@@ -149,6 +149,12 @@ def test_exit_code() -> None:
            "of its state is gone, or no spare is left under policy 'stop'), or no majority was "
            "reachable for the member's give-up time")
     assert exit_code([gone(1, 0)], stopped_by=15) == (143, "stopped by SIGTERM")
+    # Reaped together after the launcher was stopped: whether the death came before the job
+    # completed is unknown, so it is not a failure after completion; reaped later, it is.
+    late = ChildExit(2, True, -9, unordered=True)
+    assert exit_code([ChildExit(1, True, 0, unordered=True), late]) == (0, "job complete")
+    assert exit_code([gone(1, 0), late]) == (
+        1, "0000000000000002 exited with signal SIGKILL after the job completed")
     assert describe_exit(-9) == "exited with signal SIGKILL" and describe_exit(2) == "exited with 2"
 
 

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import socket
 import stat
 import sys
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -105,6 +107,11 @@ QUORUM_CHECK_S = 2.0
 """After a failure, how often the launcher asks its children's agents whether a majority of
 their configuration is still alive (:func:`.roles.majority_lost`): a job whose majority died
 stops within the agents' lease plus this, instead of idling until someone kills it."""
+TICK_S = 0.25
+STALL_S = 2.0
+"""The launcher looks at the clock every ``TICK_S``; a gap over ``STALL_S`` means it did not
+run (SIGSTOP, a frozen VM; a busy 2-core host delays a tick by well under a second), so the
+exits it reaps within ``STALL_S`` after are of unknown order (:class:`.outcome.ChildExit`)."""
 CONFIGURATION_FILE = "configuration-0.json"
 
 
@@ -206,6 +213,8 @@ class _Supervisor:
         # signals a person sends.
         self.children: list[Child] = []
         self.watchers: dict[Child, asyncio.Task[None]] = {}
+        self.ticked_at = time.monotonic()  # the launcher ran then (_tick)
+        self.stalled_until = -math.inf  # exits reaped before then are of unknown order
         self.exits: list[ChildExit] = []
         self.recorded: set[int] = set()  # pids whose exit is in ``exits``
         self.said: set[str] = set()  # hints logged once
@@ -232,9 +241,11 @@ class _Supervisor:
                 loop.add_signal_handler(sig, self.events.put_nowait, _Signalled(sig))
             async with aiohttp.ClientSession() as self.session, asyncio.TaskGroup() as tasks:
                 self.tasks = tasks
+                ticker = tasks.create_task(self._tick(), name="tick")
                 for spec in specs:
                     await self._start(spec, seeds=self.options.seeds)
                 await self._supervise()
+                ticker.cancel()
                 for task in self.evidence:  # nobody is left to tell
                     task.cancel()
         finally:
@@ -503,9 +514,24 @@ class _Supervisor:
         if child.pgid in self.recorded:
             return
         self.recorded.add(child.pgid)
+        now = time.monotonic()  # before _tick saw the gap, or within STALL_S after it did
+        unordered = now - self.ticked_at > STALL_S or now < self.stalled_until
         self.exits.append(ChildExit(child.spec.member_id, child.spec.rank is not None,
-                                    event.returncode, by_launcher=child.signalled))
+                                    event.returncode, by_launcher=child.signalled,
+                                    unordered=unordered))
         log.info("%s %s", child.spec.name, describe_exit(event.returncode))
+
+    async def _tick(self) -> None:
+        """Notice when this process did not run for a while (module constants TICK_S and
+        STALL_S)."""
+        while True:
+            await asyncio.sleep(TICK_S)
+            now = time.monotonic()
+            if now - self.ticked_at > STALL_S:
+                self.stalled_until = now + STALL_S
+                log.warning("the launcher did not run for %.1f s (stopped?): the order of the "
+                            "exits it reaps now is unknown", now - self.ticked_at - TICK_S)
+            self.ticked_at = now
 
     def _report(self, event: _Exited) -> None:
         """Post the death as evidence to the live siblings, in the background: certain evidence

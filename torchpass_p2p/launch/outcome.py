@@ -20,13 +20,14 @@ replaced one (that is agreed among the agents, DESIGN section 5), so it reasons 
 - With no child left, the launcher is **done**.
 
 Exit code (:func:`exit_code`): 0 when some process exited 0 and no process failed after the
-first such exit, except processes the launcher itself signalled while shutting down and members
-that exit with :data:`EXIT_REMOVED` (the agreement removed them: a member paused past its lease
-may wake and learn it only after the others finished), :data:`EXIT_DRAINED` or
-:data:`EXIT_STOPPED` (finished ranks go silent without leaving, so spares that outnumber them
-may agree the job stopped); 128 + the signal number when a signal stopped the launcher; 1
-otherwise (every exit failed, a member stopped the job, a majority of the configuration
-died, or a failure after completion).
+first such exit (exits reaped together after the launcher itself was stopped have no known
+order: a failure among them is not "after"), except processes the launcher itself signalled
+while shutting down and members that exit with :data:`EXIT_REMOVED` (the agreement removed
+them: a member paused past its lease may wake and learn it only after the others finished),
+:data:`EXIT_DRAINED` or :data:`EXIT_STOPPED` (finished ranks go silent without leaving, so
+spares that outnumber them may agree the job stopped); 128 + the signal number when a signal
+stopped the launcher; 1 otherwise (every exit failed, a member stopped the job, a majority of
+the configuration died, or a failure after completion).
 Known limitation: a rank drained on purpose that exits 0 while roles are known makes the
 launcher believe its rank is finished; if every starting rank leaves that way, the spares that
 took over get only the grace period (their agents say they hold ranks, but nothing says the job
@@ -76,12 +77,15 @@ class Verdict(StrEnum):
 @dataclass(frozen=True)
 class ChildExit:
     """One process's end. ``returncode`` follows :mod:`subprocess`: ``-N`` is death by signal
-    ``N``. ``by_launcher``: the launcher had signalled it (shutdown), so it is no failure."""
+    ``N``. ``by_launcher``: the launcher had signalled it (shutdown), so it is no failure.
+    ``unordered``: reaped just after the launcher itself did not run for a while (SIGSTOP, a
+    frozen host): when it happened relative to the other exits reaped then is unknown."""
 
     member_id: MemberId
     started_as_rank: bool
     returncode: int
     by_launcher: bool = False
+    unordered: bool = False
 
 
 def is_failure(returncode: int) -> bool:
@@ -144,7 +148,7 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
         if (e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED)
-                and not e.by_launcher):
+                and not e.by_launcher and not (e.unordered and exits[first].unordered)):
             return 1, (f"{format_member_id(e.member_id)} {describe_exit(e.returncode)} after "
                        "the job completed")
     return 0, "job complete"
