@@ -165,6 +165,8 @@ async def test_a_service_registered_by_one_member_is_found_by_another_with_the_k
         assert cluster[1].transport.traffic["requests_held"] == 1
         with pytest.raises(TransportError):
             await cluster[2].lookup_service(1, "store", 1, timeout_s=0.3)
+        # One request held 0.25 s, then too little time left to ask again.
+        assert cluster[1].transport.traffic["requests_held"] == 2
     finally:
         await cluster.stop()
 

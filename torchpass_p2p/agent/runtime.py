@@ -54,7 +54,8 @@ the answer leaves the moment the port is registered (polling every 50 ms cost 25
 on average, in the recovery's critical path). Ours; inbound connections are bounded, and so
 are the requests held."""
 SERVICE_RETRY_S = 0.05
-"""Pause before asking again after a failed service request (no connection, a bad reply)."""
+"""Pause before asking again after a failed service request (no connection, a bad reply); also
+the margin a lookup keeps before its deadline (no request is sent with less time left)."""
 
 
 class Phase:
@@ -553,10 +554,10 @@ class AgentRuntime:
         deadline = self._clock() + timeout_s
         while True:
             left = deadline - self._clock()
-            if left <= 0:
+            hold_s = min(SERVICE_HOLD_S, left - SERVICE_RETRY_S)  # answered before our deadline
+            if hold_s <= 0:  # (not a flurry of ever shorter holds at the end)
                 raise TransportError(f"member {member:016x} serves no {name!r} for config "
                                      f"{config_id} after {timeout_s} s")
-            hold_s = min(SERVICE_HOLD_S, 0.8 * left)  # the reply comes before our deadline
             body = msgpack.packb([name, config_id, hold_s])
             try:
                 kind, reply = await self.transport.request(address, Kind.SERVICE_REQUEST, body,
