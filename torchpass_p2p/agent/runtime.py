@@ -178,7 +178,7 @@ class AgentRuntime:
             await self.stop(leave=False)
             raise
         log.info("member %016x up on %s:%d, config %d, role %s", self.member_id,
-                 *self.address, self.member.configuration.config_id, self.role)
+                 *self.address, self.configuration.config_id, self.role)
 
     async def _start_member(self) -> None:
         s = self.settings
