@@ -4,8 +4,9 @@ Theory of operation (DESIGN sections 8 and 13). gloo operations cannot be aborte
 ``abort()``, ``shutdown()`` and destroying the group from another thread all return without
 freeing a blocked operation. So a :class:`ManagedGroup` never blocks in one: every operation is
 started asynchronously, and the caller's thread waits for its completion in slices of
-``slice_s`` seconds, calling ``watch()`` between slices (gloo: on the work's future; NCCL: by
-polling the work's completion, :func:`_poll_completed`). When ``watch()`` says a newer
+``slice_s`` seconds, calling ``watch()`` between slices and at once after
+:meth:`ManagedGroup.wake` (gloo: on the work's future; NCCL: by polling the work's completion,
+:func:`_poll_completed`). When ``watch()`` says a newer
 configuration is due, the wait ends with :class:`Superseded` and the group is *stuck*: it stays
 referenced (in :data:`_STUCK`; destroying it would block) while the next configuration's group
 is built alongside. When the operation fails (a peer's connection closed), the wait ends with
