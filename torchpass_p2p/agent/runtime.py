@@ -32,7 +32,7 @@ from torchpass_p2p.core.plan import Plan
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
 from .http import http_token
 from .settings import AgentSettings
-from .transport import Kind, Received, Transport, TransportError
+from .transport import Kind, Received, Reply, Transport, TransportError
 
 __all__ = ["AgentRuntime", "Change", "Phase"]
 
@@ -487,8 +487,7 @@ class AgentRuntime:
             member.report_send_error(self._clock(), dest)
             self._flush()
 
-    def _on_request(self, kind: int, body: bytes
-                    ) -> tuple[int, bytes] | Coroutine[Any, Any, tuple[int, bytes]] | None:
+    def _on_request(self, kind: int, body: bytes) -> Reply | Coroutine[Any, Any, Reply] | None:
         if self.member is None:
             return None
         if kind == Kind.CONFIG_REQUEST:
@@ -513,8 +512,7 @@ class AgentRuntime:
             return Kind.SERVICE_REPLY, msgpack.packb(port)
         return None
 
-    async def _held_service_reply(self, key: tuple[str, int],
-                                  hold_s: float) -> tuple[int, bytes]:
+    async def _held_service_reply(self, key: tuple[str, int], hold_s: float) -> Reply:
         """The reply to a service request once ``key`` is registered, or ``None`` (not
         registered) after ``hold_s`` seconds."""
         try:
