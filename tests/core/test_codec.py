@@ -110,6 +110,7 @@ def test_tag_tables_cover_every_class() -> None:
         (Ack(7, (Left(8, 0),)), "93 03 07 91 93 04 08 00"),
         (Nack(9, 10), "93 04 09 0a"),
         (Gossip((Alert(1, 2, 3), Dead(4, 5, 6))), "92 05 92 94 02 01 02 03 94 03 04 05 06"),
+        (Gossip((Alert(1, 2, 3, True),)), "92 05 91 95 02 01 02 03 c3"),
         (Digest(1, 2, 3), "94 06 01 02 03"),
         (SyncState(1, 0, 1, (), True), "96 07 01 00 01 90 c3"),
         (Nack(0, MAX_MEMBER_ID), "93 04 00 cf ff ff ff ff ff ff ff ff"),
@@ -138,7 +139,11 @@ def test_largest_valid_bodies_fit_the_body_limit() -> None:
     big = Dead(MAX_MEMBER_ID, MAX_INCARNATION, MAX_MEMBER_ID)
     sync = SyncState(MAX_MEMBER_ID, 65535, 65535, (big,) * MAX_SYNC_ENTRIES, False)
     gossip = Gossip((Alert(MAX_MEMBER_ID, MAX_MEMBER_ID, MAX_INCARNATION),) * MAX_UPDATES)
-    assert len(_pack((3, MAX_MEMBER_ID, MAX_INCARNATION, MAX_MEMBER_ID))) == codec.MAX_UPDATE_BYTES
+    assert len(_pack((3, MAX_MEMBER_ID, MAX_INCARNATION, MAX_MEMBER_ID))) == 25
+    silent = Alert(MAX_MEMBER_ID, MAX_MEMBER_ID, MAX_INCARNATION, True)
+    assert len(_pack(codec._update_array(silent))) == codec.MAX_UPDATE_BYTES
+    hostile = SyncState(MAX_MEMBER_ID, 65535, 65535, (silent,) * MAX_SYNC_ENTRIES, False)
+    assert len(encode(hostile)) == 1685 <= MAX_BODY_BYTES and decode(encode(hostile)) == hostile
     assert len(encode(sync)) == 1621  # the figure in codec.MAX_BODY_BYTES's comment
     assert len(encode(gossip)) < len(encode(sync)) <= MAX_BODY_BYTES
     assert decode(encode(sync)) == sync
@@ -183,6 +188,7 @@ _LARGEST_CUT = Cut(
         'Gossip((Alive(-1, 0),))',
         'Gossip((Alive(1, 1 << 32),))',
         'Gossip((Alert(1, 1 << 64, 0),))',
+        'Gossip((Alert(1, 2, 0, 1),))',  # silent is a bool
         'Gossip((Left(1, None),))',
         'Digest(1 << 64, 0, 0)',
         'Digest(0, 0, 1 << 32)',
@@ -301,6 +307,10 @@ _65_UPDATES = tuple((1, i, 0) for i in range(MAX_UPDATES + 1))
         (b"\x93\x01\x01\x91\x93\x01\x80\x00", "type"),  # map where a member id belongs
         (_pack((1, 1, ((1, 1),))), "shape"),
         (_pack((1, 1, ((2, 1, 2),))), "shape"),
+        (_pack((1, 1, ((2, 1, 2, 0, False),))), "type"),  # a plain alert has no fifth element
+        (_pack((1, 1, ((2, 1, 2, 0, 1),))), "type"),
+        (_pack((1, 1, ((2, 1, 2, 0, True, True),))), "shape"),
+        (_pack((1, 1, ((2, 1, 2, -1, True),))), "range"),
         (_pack((1, 1, ((1, True, 0),))), "type"),
         (_pack((1, 1, ((1, -1, 0),))), "range"),
         (_pack((1, 1, ((1, 1, 1 << 32),))), "range"),

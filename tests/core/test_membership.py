@@ -1227,6 +1227,58 @@ def test_an_exit_reaped_by_the_launcher_is_announced_as_a_departure():
     assert x.report_exited(0.3, 6) is False and x.report_exited(0.3, 999) is False
 
 
+def test_a_silent_pulse_makes_an_observer_raise_a_silent_alert_at_once():
+    o = make_member(1, CONFIG)
+    assert 1 in OBSERVERS and SUBJECT in o.subjects
+    assert o.report_silent(0.2, SUBJECT) is True
+    alert = Alert(1, SUBJECT, 0, True)
+    assert events(o) == [ev.MemberSuspected(0.2, SUBJECT, 0, 1), ev.AlertRaised(0.2, 1, SUBJECT, 0)]
+    assert (SUBJECT, Gossip((alert,))) in drain(o)
+    assert o.counters["silences_reported"] == 1 and o.counters["alerts_raised"] == 1
+    # One alert per incarnation, whatever the evidence.
+    assert o.report_silent(0.3, SUBJECT) is False
+    assert o.report_unreachable(0.3, SUBJECT) is False
+    assert o.counters["alerts_raised"] == 1
+
+
+def test_a_silence_is_only_heard_from_an_observer_that_is_not_cut_off_itself():
+    x = make_member(6, CONFIG)
+    assert SUBJECT not in x.subjects
+    assert x.report_silent(0.2, SUBJECT) is False  # not one it watches: no probe either
+    assert drain(x) == [] and events(x) == []
+    lone = make_member(1, CONFIG, params=P)
+    step_alone(lone, P.self_suspect_after_s + P.round_timeout_s)
+    assert lone.self_suspected
+    drain(lone)
+    alerts = lone.counters["alerts_raised"]
+    assert lone.report_silent(lone.next_deadline(), SUBJECT) is False
+    assert lone.counters["silences_ignored_isolated"] == 1
+    assert lone.counters["alerts_raised"] == alerts
+    o = make_member(1, CONFIG)
+    assert o.report_silent(0.1, 1) is False and o.report_silent(0.1, 999) is False
+
+
+def test_a_silent_alert_from_the_wire_counts_as_silent_and_a_refutation_forgets_it():
+    x = make_member(6, CONFIG, params=NO_ALERTS)
+    observers = sorted(OBSERVERS)
+    for i, observer in enumerate(observers):
+        assert not x.silenced(SUBJECT)
+        x.receive(0.1 * (i + 1), observer, Gossip((Alert(observer, SUBJECT, 0, True),)))
+    assert x.silenced(SUBJECT)
+    x.receive(1.0, SUBJECT, Gossip((Alive(SUBJECT, 1),)))
+    assert not x.silenced(SUBJECT) and x.alerts_about(SUBJECT) == ()
+
+
+def test_one_plain_alert_among_the_silent_ones_keeps_the_refutation_window():
+    x = make_member(6, CONFIG, params=NO_ALERTS)
+    observers = sorted(OBSERVERS)
+    x.receive(0.1, observers[0], alert_from(observers[0]))
+    for observer in observers[1:]:
+        x.receive(0.2, observer, Gossip((Alert(observer, SUBJECT, 0, True),)))
+    assert len(x.alerts_about(SUBJECT)) == len(observers)
+    assert not x.silenced(SUBJECT)
+
+
 def _first_sent(fleet: Fleet, kind: type) -> list[tuple[float, int]]:
     """(time, sender) of every ``kind`` message in the fleet's trace, in order."""
     return [(at, src) for at, src, _, msg in fleet.trace if isinstance(msg, kind)]
@@ -1253,6 +1305,44 @@ def test_the_cut_for_an_exit_waits_only_exit_settle_s_not_the_refutation_window(
         (decided,) = _decisions(fleet, i)
         assert decided.round == 0 and decided.at < 3.0 + P.exit_settle_s + 0.05
         assert 8 not in fleet[i].configuration and fleet[i].configuration.config_id == 1
+
+
+def _silenced_at(fleet: Fleet, subject: int, observers, at: float, *, plain: int = 0) -> None:
+    """``observers`` report ``subject`` silent at ``at``; the first ``plain`` of them raise a
+    plain alert instead (evidence without the pulse: a collective error, say)."""
+    for i, observer in enumerate(observers):
+        if i < plain:
+            fleet[observer].report_unreachable(at, subject)
+        else:
+            fleet[observer].report_silent(at, subject)
+    fleet.flush()
+
+
+def test_a_member_every_needed_observer_finds_silent_is_voted_out_after_exit_settle_s():
+    fleet = Fleet(8, params=NO_ALERTS)
+    fleet.run_until(3.0)
+    fleet.down.add(8)  # stopped: no refutation will come
+    _silenced_at(fleet, 8, fleet[1].configuration.observers_of(8), 3.0)
+    fleet.run_until(3.0 + NO_ALERTS.refutation_window_s)
+    # No refutation window, no suspicion_min_s and no cut_settle_s: the silence of its whole
+    # process is as certain as an exit.
+    votes = _first_sent(fleet, Vote)
+    assert votes and votes[0][0] == 3.0 + NO_ALERTS.exit_settle_s
+    assert {src for _, src in votes} == set(range(1, 8))
+    for i in range(1, 8):
+        (decided,) = _decisions(fleet, i)
+        assert decided.round == 0 and 8 not in fleet[i].configuration
+
+
+def test_a_member_only_some_observers_find_silent_keeps_its_refutation_window():
+    fleet = Fleet(8, params=NO_ALERTS)
+    fleet.run_until(3.0)
+    fleet.down.add(8)
+    _silenced_at(fleet, 8, fleet[1].configuration.observers_of(8), 3.0, plain=1)
+    fleet.run_until(3.0 + NO_ALERTS.refutation_window_s + NO_ALERTS.cut_settle_s)
+    votes = _first_sent(fleet, Vote)
+    assert votes and votes[0][0] == 3.0 + NO_ALERTS.refutation_window_s
+    assert all(8 not in fleet[i].configuration for i in range(1, 8))
 
 
 def test_a_cut_leaving_no_fast_quorum_is_led_into_a_classic_round_by_its_first_kept_member():

@@ -30,7 +30,7 @@ Progress    13  ``[13, config_id, segment, bits, max_step]``
 update     tag  array
 =========  ===  ==================================================================
 Alive        1  ``[1, member, incarnation]``
-Alert        2  ``[2, observer, subject, incarnation]``
+Alert        2  ``[2, observer, subject, incarnation]``, ``[..., true]`` when ``silent``
 Dead         3  ``[3, member, incarnation, confirmer]``
 Left         4  ``[4, member, incarnation]``
 =========  ===  ==================================================================
@@ -129,8 +129,9 @@ MAX_UPDATES = 64
 1,400-byte datagram the sender's size check (``Wire.seal``) binds before this does."""
 MAX_SYNC_ENTRIES = 64
 """Entries per :class:`SyncState` page, for the same reason as :data:`MAX_UPDATES`."""
-MAX_UPDATE_BYTES = 25
-"""Largest encoded update: array header 1 + tag 1 + uint64 9 + uint32 5 + uint64 9 bytes."""
+MAX_UPDATE_BYTES = 26
+"""Largest encoded update, a silent :class:`Alert`: array header 1 + tag 1 + uint64 9 + uint64 9
++ uint32 5 + true 1 bytes (a :class:`Dead`, the largest entry of a view, takes 25)."""
 
 MAX_STEP = (1 << 63) - 1
 """``Vote.max_step``: a training step, signed 64-bit like torch's own step counters; -1 means no
@@ -162,7 +163,8 @@ MAX_CUT_BYTES = 1137
 4 * joiner 211), a joiner being array 1 + member 9 + port 3 + 3 * (str8 header 2 + 64)."""
 MAX_BODY_BYTES = 2048
 """Largest body :func:`decode` reads. The largest valid body is a full ``SyncState``:
-1 (array) + 1 (tag) + 9 + 3 + 3 + 3 (array16 header) + 64 * 25 + 1 = 1,621 bytes. The largest
+1 (array) + 1 (tag) + 9 + 3 + 3 + 3 (array16 header) + 64 * 25 + 1 = 1,621 bytes (1,685 with
+64 silent alerts, which decode but which no member puts in a view page). The largest
 agreement body is a ``Vote`` with a full cut and a full segment: 1 (array) + 1 (tag) + 9
 (config_id) + 5 (round) + 1,137 (cut) + 2 (segment) + 3 + 256 (bin16 bits) + 9 (max_step) =
 1,423 bytes (sealed, 1,457: over the default 1,400-byte datagram, where the sender's size check in
@@ -243,7 +245,11 @@ def _update_array(u: Update) -> tuple[int, ...]:
     if t is Alert:
         o, s, i = u.observer, u.subject, u.incarnation  # type: ignore[union-attr]
         if _u(o, MAX_U64) and _u(s, MAX_U64) and _u(i, MAX_U32):
-            return (2, o, s, i)
+            silent = u.silent  # type: ignore[union-attr]
+            if silent is True:
+                return (2, o, s, i, True)
+            if silent is False:
+                return (2, o, s, i)
     elif t is Alive or t is Left:
         m, i = u.member, u.incarnation  # type: ignore[union-attr]
         if _u(m, MAX_U64) and _u(i, MAX_U32):
@@ -508,13 +514,19 @@ def _dec_left(a: tuple) -> Update:
 
 
 def _dec_alert(a: tuple) -> Update:
-    if len(a) != 4:
+    # One spelling per value: a plain alert has no fifth element, a silent one ``true``.
+    if len(a) == 5:
+        if a[4] is not True:
+            raise DecodeError("type")
+    elif len(a) != 4:
         raise DecodeError("shape")
-    _, observer, subject, inc = a
+    observer, subject, inc = a[1], a[2], a[3]
     if type(observer) is not int or type(subject) is not int or type(inc) is not int:
         raise DecodeError("type")
     if not (0 <= observer <= MAX_U64 and 0 <= subject <= MAX_U64 and 0 <= inc <= MAX_U32):
         raise DecodeError("range")
+    if len(a) == 5:
+        return Alert(observer, subject, inc, True)  # rare: not worth a cache slot
     return _remember(a, Alert(observer, subject, inc))
 
 

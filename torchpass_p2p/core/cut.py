@@ -35,10 +35,14 @@ class Suspected:
     """Observers whose alerts about the subject's current incarnation arrived."""
     started_at: float
     """When the first of them arrived (seconds)."""
+    silent: int
+    """How many of them were raised on a silent pulse (:attr:`Alert.silent`)."""
 
-    def __init__(self, observers: tuple[MemberId, ...], started_at: float) -> None:
+    def __init__(self, observers: tuple[MemberId, ...], started_at: float,
+                 silent: int = 0) -> None:
         self.observers = observers
         self.started_at = started_at
+        self.silent = silent
 
 
 @dataclass(slots=True, init=False)
@@ -85,7 +89,8 @@ def propose_cut(
         low: L, alerts below which a subject is noise (Rapid: about 0.3 K = 3); scaled by
             the subject's distinct observers over K = H + 1 when it has fewer than K.
         min_window_s: a subject with H alerts still waits this long after its first alert, so
-            it keeps Lifeguard's shortest refutation window (``Params.suspicion_min_s``).
+            it keeps Lifeguard's shortest refutation window (``Params.suspicion_min_s``),
+            unless H of them are silent (its process does not run: nothing to refute).
         max_removed, max_joined: the most of each one cut carries (the codec's limits); the
             rest waits for the next configuration, smallest member ids first.
 
@@ -99,7 +104,8 @@ def propose_cut(
         if subject in stable or subject not in config:
             continue
         alerts = len(s.observers)
-        if alerts >= _high(config, subject, high) and now - s.started_at >= min_window_s:
+        needed = alerts_needed(config, subject, high)
+        if alerts >= needed and (now - s.started_at >= min_window_s or s.silent >= needed):
             stable.add(subject)
         elif alerts >= _low(config, subject, low, high):
             partial[subject] = alerts
@@ -112,7 +118,7 @@ def propose_cut(
         explicit = set(s.observers)
         implicit = sum(1 for o in config.observers_of(subject)
                        if o in failing and o not in explicit)
-        if partial[subject] + implicit >= _high(config, subject, high):
+        if partial[subject] + implicit >= alerts_needed(config, subject, high):
             ripe_at = s.started_at + min_window_s
             if now >= ripe_at:
                 stable.add(subject)
@@ -130,8 +136,9 @@ def propose_cut(
     return Proposal(cut, (), f"remove {len(removed)}, join {len(cut.joined)}")
 
 
-def _high(config: Configuration, subject: MemberId, high: int) -> int:
-    # A small configuration gives a subject fewer than K distinct observers.
+def alerts_needed(config: Configuration, subject: MemberId, high: int) -> int:
+    """H as it applies to ``subject``: ``high``, or fewer when a small configuration gives the
+    subject fewer than K distinct observers."""
     return min(high, len(config.observers_of(subject)))
 
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Final
 from . import events as ev
 from .agreement import Consensus
 from .configuration import Configuration
+from .cut import alerts_needed
 from .errors import LocalProtocolError
 from .hashing import mix_triple
 from .messages import (
@@ -136,7 +137,8 @@ class _Relay:
 class _Suspicion:
     """Alerts about one subject at one incarnation, and when they convict."""
 
-    __slots__ = ("incarnation", "started_at", "expected", "observers", "deadline", "heard_since")
+    __slots__ = ("incarnation", "started_at", "expected", "observers", "silent", "deadline",
+                 "heard_since")
 
     def __init__(self, incarnation: int, started_at: float, expected: int, *,
                  heard_since: float = 0.0) -> None:
@@ -144,6 +146,7 @@ class _Suspicion:
         self.started_at = started_at
         self.expected = expected
         self.observers: dict[MemberId, None] = {}  # insertion-ordered set
+        self.silent = 0  # how many of those alerts were raised on a silent pulse (Alert.silent)
         self.deadline = _INF
         self.heard_since = heard_since  # an ack from the subject after this postpones conviction
 
@@ -268,6 +271,9 @@ class Member:
         self._cut_dirty = False  # the view changed since the last cut detection
         self._unreachable = 0  # members of the configuration our view holds suspect or worse
         self._accused_at: dict[MemberId, float] = {}  # first alert or verdict we heard of
+        # Subjects whose removal needs no refutation window: as many of their observers as a
+        # removal needs found them silent (report_silent). Until refuted or gone.
+        self._silenced: dict[MemberId, float] = {}
         self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
         self._in_contact = True  # heard from at least half our neighbours lately
         self._set_configuration(configuration)
@@ -407,6 +413,33 @@ class Member:
             self._start_round(now, subject)
         return False
 
+    def report_silent(self, now: float, subject: MemberId) -> bool:
+        """Evidence from below the protocol: ``subject``'s pulse responder, a native thread
+        that answers while its process runs at all (``agent/pulse_wire.py``), stopped answering
+        this member. Its process is stopped, frozen, gone or cut off; a process whose event loop
+        is merely blocked (scenario S01) still answers.
+
+        An observer of ``subject`` raises a silent :class:`Alert` at once, instead of after
+        ``failed_rounds_to_alert`` failed rounds. When every alert the removal needs is silent,
+        voters skip the refutation windows a stalled member is owed (``Params.
+        refutation_window_s``, ``suspicion_min_s``) and settle for ``exit_settle_s``; the
+        removal still needs those alerts from distinct observers and a decision. Ignored (and
+        counted) while this member suspects itself: then the silence may be ours. Returns True
+        when this call raised an alert.
+        """
+        self._advance(now)
+        if (self.removed or self.left or self.joining is not None or subject == self.id
+                or subject not in self._subjects):
+            return False
+        self._counts["silences_reported"] += 1
+        if self.self_suspected or self._isolated(now):
+            self._counts["silences_ignored_isolated"] += 1
+            return False
+        raised = self._raise_alert(now, subject, silent=True)
+        if raised and self._cut_dirty:
+            self._reconf.consider_cut(now)
+        return raised
+
     def report_exited(self, now: float, subject: MemberId) -> bool:
         """Certain evidence: ``subject``'s process exited; its parent, the launcher on its host,
         reaped it. Unlike a silence, an exit cannot be refuted, so this member announces
@@ -516,6 +549,17 @@ class Member:
         is answered: the host's lease on training can rest on it (DESIGN section 5)."""
         return self._answered_at
 
+    @property
+    def subjects(self) -> tuple[MemberId, ...]:
+        """The members this member observes (probes) in the current configuration: the ones
+        whose pulses it should watch (:meth:`report_silent`)."""
+        return self._subjects
+
+    def silenced(self, member: MemberId) -> bool:
+        """Whether ``member``'s removal is owed no refutation window here: as many of its
+        observers as a removal needs raised silent alerts about its current incarnation."""
+        return member in self._silenced
+
     def alerts_about(self, subject: MemberId) -> tuple[MemberId, ...]:
         """Observers whose alerts about ``subject``'s current incarnation this member holds."""
         susp = self._suspicions.get(subject)
@@ -572,7 +616,7 @@ class Member:
         for member in [m for m in self._view if m not in config]:
             self._set_view(member, ALIVE, 0)
         for table in (self._suspicions, self._last_ack_from, self._alerted, self._confirmers,
-                      self._accused_at):
+                      self._accused_at, self._silenced):
             for member in [m for m in table if m not in config]:
                 del table[member]
         subjects = set(self._subjects)
@@ -680,13 +724,13 @@ class Member:
         if fails >= self.params.failed_rounds_to_alert:
             self._raise_alert(now, subject)
 
-    def _raise_alert(self, now: float, subject: MemberId) -> bool:
+    def _raise_alert(self, now: float, subject: MemberId, *, silent: bool = False) -> bool:
         state, inc = self._view.get(subject, (ALIVE, 0))
         if state >= DEAD or self._alerted.get(subject) == inc:
             return False
         self._alerted[subject] = inc
         self._counts["alerts_raised"] += 1
-        alert = Alert(self.id, subject, inc)
+        alert = Alert(self.id, subject, inc, silent)
         if not self._merge(now, alert):
             return False  # no longer one of its observers (the configuration changed meanwhile)
         self._enqueue(alert)
@@ -782,6 +826,10 @@ class Member:
         elif alert.observer in susp.observers:
             return False
         susp.observers[alert.observer] = None
+        if alert.silent:
+            susp.silent += 1
+            if susp.silent >= alerts_needed(self._config, subject, self.params.alerts_to_remove):
+                self._silenced.setdefault(subject, now)
         self._cut_dirty = True
         self._set_deadline(subject, susp)
         self._emit(ev.AlertRaised(now, alert.observer, subject, inc))
@@ -829,6 +877,7 @@ class Member:
                 return False
             self._suspicions.pop(member, None)
             self._accused_at.pop(member, None)
+            self._silenced.pop(member, None)
             # A refutation is a sign of life: failed rounds against it are no longer
             # consecutive (else a member whose loop stalls twice in a row is accused early).
             self._failed_rounds.pop(member, None)

@@ -79,16 +79,25 @@ class Alert:
 
     Only an observer assigned to the subject by the configuration's rings may raise one; alerts
     from anyone else are dropped (Rapid, ATC'18, section 4.1: K observers per subject).
+
+    ``silent``: the observer raised it because the subject's process stopped answering its
+    pulse responder, a native thread that answers while the process runs at all, even with its
+    event loop blocked (``agent/pulse_wire.py``). A subject that all the observers its removal
+    needs find silent is not merely stalled, so it is owed no refutation window (scenario S01
+    is about stalled loops; DESIGN section 4).
     """
 
     observer: MemberId
     subject: MemberId
     incarnation: int
+    silent: bool
 
-    def __init__(self, observer: MemberId, subject: MemberId, incarnation: int) -> None:
+    def __init__(self, observer: MemberId, subject: MemberId, incarnation: int,
+                 silent: bool = False) -> None:
         self.observer = observer
         self.subject = subject
         self.incarnation = incarnation
+        self.silent = silent
 
 
 @dataclass(slots=True, init=False)

@@ -100,14 +100,18 @@ class Params:
     together still become one change, for the siblings that report them hear of them within
     milliseconds and gossip carries them together, but a killed rank is replaced ~0.4 s
     sooner. Ours; measured in the simulator (4 ranks + 2 spares, two ranks killed up to
-    0.1 s apart, launcher reports): see ``tests/sims/test_s09_s12_recovery_plan.py``."""
+    0.1 s apart, launcher reports): see ``tests/sims/test_s09_s12_recovery_plan.py``. Also
+    for members whose observers found their whole process silent (``Membership.report_silent``):
+    equally owed no window, and silences that begin together are reported within a pulse."""
     refutation_window_s: float = 1.6
     """Nobody votes to remove a member sooner than this after it first heard it accused: the
     time a member whose loop stalled has to wake and refute (scenario S01). M = 2 failed rounds
     take at least ``round_timeout_s + probe_interval_s`` = 1.5 s after a member stops
     answering, so no vote comes sooner than 1.5 + 1.6 = 3.1 s into a stall: a member blocked
     for up to 3 s refutes first. Ours; a crash is decided about as fast, since the first alert
-    reaches everyone ~1 s before the conviction does."""
+    reaches everyone ~1 s before the conviction does. Not owed (nor ``suspicion_min_s``) by a
+    member whose observers found its process silent: a stalled loop still answers its pulses,
+    so that floor only holds for members without a pulse responder."""
     vote_push_interval_s: float = 0.01
     """Shortest gap between two eager pushes of changed vote bitmaps by one member (ours: one
     member still does not send a push per received vote). Pushes only run while a change is

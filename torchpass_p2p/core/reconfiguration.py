@@ -220,7 +220,7 @@ class Reconfiguration:
                 if state >= DEAD and member != m.id]
         if m.left:
             gone.append(m.id)
-        suspected = {subject: Suspected(tuple(susp.observers), susp.started_at)
+        suspected = {subject: Suspected(tuple(susp.observers), susp.started_at, susp.silent)
                      for subject, susp in m._suspicions.items()}
         proposal = propose_cut(
             m._config, gone=gone, suspected=suspected, joiners=self.joiners.values(),
@@ -279,15 +279,17 @@ class Reconfiguration:
 
     def _ripe_at(self, now: float, cut: Cut) -> float:
         """When we may vote for ``cut``: it settled for ``cut_settle_s`` (``exit_settle_s`` if
-        it only removes members that left or exited), and every member it removes that did not
-        leave had ``refutation_window_s`` since we first heard it accused (DESIGN section 4: a
-        stalled member must get to refute first)."""
+        it only removes members that left, exited or went silent), and every member it removes
+        that did not leave had ``refutation_window_s`` since we first heard it accused (DESIGN
+        section 4: a stalled member must get to refute first), unless its observers found its
+        whole process silent (:meth:`Membership.report_silent`: a stalled loop still answers
+        pulses, so there is nobody to wait for)."""
         m = self._member
         window = m.params.refutation_window_s
-        accused = self._accused(cut)
-        certain = not accused and not cut.joined
+        owed = [member for member in self._accused(cut) if not m.silenced(member)]
+        certain = not owed and not cut.joined
         ripe = now + (m.params.exit_settle_s if certain else m.params.cut_settle_s)
-        for member in accused:
+        for member in owed:
             since = m._accused_at.setdefault(member, now)
             if since + window > ripe:
                 ripe = since + window

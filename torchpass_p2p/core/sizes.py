@@ -87,7 +87,8 @@ def _updates_size(updates: tuple[Update, ...]) -> int:
     size = _array_header_size(len(updates))
     for u in updates:
         if isinstance(u, _ALERT):
-            size += 2 + _uint_size(u.observer) + _uint_size(u.subject) + _uint_size(u.incarnation)
+            size += (2 + _uint_size(u.observer) + _uint_size(u.subject)
+                     + _uint_size(u.incarnation) + (1 if u.silent else 0))
         elif isinstance(u, _DEAD):
             size += 2 + _uint_size(u.member) + _uint_size(u.incarnation) + _uint_size(u.confirmer)
         else:
