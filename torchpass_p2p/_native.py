@@ -16,7 +16,8 @@ import sys
 def drop_stale_extensions(package_dir: str) -> None:
     """If any compiled module under ``package_dir`` or its sibling ``sims`` package (one mypyc
     group: scripts/native_build.py) is older than its ``.py`` source, delete every compiled
-    module of the group: a partly removed group would mix old and new code."""
+    module of the group: a partly removed group would mix old and new code. An extension with its
+    ``.c`` source beside it (the pulse responder, agent/_pulse.c) is not mypyc's: left alone."""
     suffixes = [s for s in importlib.machinery.EXTENSION_SUFFIXES if s != ".so"]
     roots = [package_dir, os.path.join(os.path.dirname(package_dir), "sims")]
     compiled: list[str] = []
@@ -28,9 +29,12 @@ def drop_stale_extensions(package_dir: str) -> None:
                 if suffix is None:
                     continue
                 so = os.path.join(root, name)
+                source = so[: -len(suffix)] + ".py"
+                if os.path.exists(so[: -len(suffix)] + ".c"):  # C source: not mypyc's (_pulse)
+                    continue
                 compiled.append(so)
                 try:
-                    if os.path.getmtime(so[: -len(suffix)] + ".py") > os.path.getmtime(so):
+                    if os.path.getmtime(source) > os.path.getmtime(so):
                         stale.append(so)
                 except OSError:
                     continue

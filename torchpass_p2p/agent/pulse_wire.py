@@ -1,0 +1,181 @@
+"""Pulse pings: an authenticated UDP "are you alive" answered by a native thread.
+
+Why native: probes answered from a member's asyncio loop fall silent while a thread holds the
+GIL, for up to 3 s in scenario S01, so such probes cannot convict anyone sooner than that, even a
+process that is SIGSTOPped or gone. The responder (``_pulse.c``) is a pthread that never takes
+the GIL nor touches a Python object: a process whose loop is merely blocked keeps answering; one
+that is stopped (SIGSTOP, cgroup freeze), dead or cut off does not.
+
+Wire format (fixed binary, big-endian; HMAC is HMAC-SHA256, RFC 2104, truncated to 16 bytes):
+
+    ping, 37 bytes: b"TPp1" | key id (1) | nonce (16) | HMAC(keys[key id], bytes 0..20)[:16]
+    pong, 45 bytes: b"TPq1" | key id (1) | the ping's nonce (16) | member id (8, unsigned)
+                    | HMAC(keys[key id], bytes 0..28)[:16]
+
+The responder answers a ping only if it has exactly 37 bytes, the magic, a known key id and a
+tag that verifies (compared in constant time); it answers under the same key id and counts every
+dropped datagram by reason. Secrets are 32 bytes. The nonce is the prober's, random per ping; the
+prober matches a pong to its outstanding ping by nonce, so a replayed pong proves nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import socket
+import struct
+import warnings
+from collections.abc import Mapping
+from types import TracebackType
+
+try:
+    from . import _pulse
+except ImportError:  # not built: scripts/build-native
+    _pulse = None  # type: ignore[assignment]
+
+__all__ = [
+    "KEY_BYTES", "NATIVE", "NONCE_BYTES", "PING_BYTES", "PING_MAGIC", "PONG_BYTES",
+    "PONG_MAGIC", "TAG_BYTES", "PulseResponder", "PulseUnavailable", "available",
+    "decode_pong", "encode_ping", "encode_pong",
+]
+
+PING_MAGIC = b"TPp1"
+PONG_MAGIC = b"TPq1"
+KEY_BYTES = 32  # a full SHA-256 block's worth of entropy is more than HMAC-SHA256 can use
+NONCE_BYTES = 16
+TAG_BYTES = 16  # 128-bit tags: forging one is out of reach; the rest of the digest buys nothing
+PING_BYTES = len(PING_MAGIC) + 1 + NONCE_BYTES + TAG_BYTES  # 37
+PONG_BYTES = len(PONG_MAGIC) + 1 + NONCE_BYTES + 8 + TAG_BYTES  # 45
+_MEMBER = struct.Struct(">Q")
+
+NATIVE: bool = _pulse is not None
+"""Whether the compiled responder (``_pulse``) imported."""
+
+
+class PulseUnavailable(RuntimeError):
+    """The native responder is not built (it needs a C compiler and OpenSSL's libcrypto)."""
+
+
+def available() -> bool:
+    """Whether :class:`PulseResponder` can start (the compiled ``_pulse`` imported)."""
+    return NATIVE
+
+
+def _tag(secret: bytes, data: bytes) -> bytes:
+    return hmac.new(secret, data, hashlib.sha256).digest()[:TAG_BYTES]
+
+
+def _check(kid: int, secret: bytes, nonce: bytes) -> None:
+    if not 0 <= kid <= 255:
+        raise ValueError(f"key id must be in 0..255, not {kid}")
+    if len(secret) != KEY_BYTES:
+        raise ValueError(f"secret must be {KEY_BYTES} bytes, not {len(secret)}")
+    if len(nonce) != NONCE_BYTES:
+        raise ValueError(f"nonce must be {NONCE_BYTES} bytes, not {len(nonce)}")
+
+
+def encode_ping(kid: int, secret: bytes, nonce: bytes) -> bytes:
+    """A 37-byte ping under key ``kid`` (0..255) with ``secret`` (32 bytes) and ``nonce``
+    (16 bytes, fresh and random per ping). Raises ValueError on a bad argument."""
+    _check(kid, secret, nonce)
+    head = PING_MAGIC + bytes([kid]) + nonce
+    return head + _tag(secret, head)
+
+
+def encode_pong(kid: int, secret: bytes, nonce: bytes, member: int) -> bytes:
+    """The 45-byte pong the responder of ``member`` (0..2**64-1) sends for a ping under ``kid``
+    carrying ``nonce``: the native code's reply, spelled out (tests compare the two). Raises
+    ValueError on a bad argument (struct.error, a ValueError, for ``member``)."""
+    _check(kid, secret, nonce)
+    head = PONG_MAGIC + bytes([kid]) + nonce + _MEMBER.pack(member)
+    return head + _tag(secret, head)
+
+
+def decode_pong(data: bytes, secrets: Mapping[int, bytes]) -> tuple[bytes, int] | None:
+    """``(nonce, member)`` from a pong whose tag verifies under ``secrets[key id]``; None for
+    anything else (wrong length or magic, unknown key id, bad tag). Never raises on any bytes."""
+    if len(data) != PONG_BYTES or data[:4] != PONG_MAGIC:
+        return None
+    secret = secrets.get(data[4])
+    if secret is None:
+        return None
+    head, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
+    if not hmac.compare_digest(_tag(secret, head), tag):
+        return None
+    return bytes(data[5:5 + NONCE_BYTES]), _MEMBER.unpack_from(data, 5 + NONCE_BYTES)[0]
+
+
+class PulseResponder:
+    """A native thread answering pings on a UDP socket it owns, until :meth:`close`.
+
+    ``start(host, member, secrets)`` binds ``host`` (an address such as "127.0.0.1" or "::1";
+    its family decides the socket's) on an ephemeral port, read from :attr:`port`. Use as a
+    context manager, or call :meth:`close`; one left open warns (ResourceWarning) when collected.
+    """
+
+    def __init__(self, sock: socket.socket, responder: _pulse.Responder) -> None:
+        """Use :meth:`start`."""
+        self._sock = sock
+        self._responder: _pulse.Responder | None = responder
+        self._final: dict[str, int] = {}
+        self.port: int = sock.getsockname()[1]
+
+    @classmethod
+    def start(cls, host: str, member: int, secrets: Mapping[int, bytes]) -> PulseResponder:
+        """Bind a UDP socket on ``host``, port 0, and answer pings there for ``member``
+        (0..2**64-1) under ``secrets`` (key id 0..255 -> 32-byte secret, at least one).
+
+        Raises PulseUnavailable if the native module is not built; OSError if ``host`` does not
+        resolve or bind; TypeError, ValueError or OverflowError on bad ``member`` or ``secrets``.
+        """
+        if _pulse is None:
+            raise PulseUnavailable("the native pulse responder (torchpass_p2p.agent._pulse) is "
+                                   "not built: build it with ./scripts/build-native")
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_DGRAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.bind(address)
+            responder = _pulse.Responder(sock.fileno(), member, dict(secrets))
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock, responder)
+
+    def counts(self) -> dict[str, int]:
+        """Datagrams by outcome since start: ``answered``, ``malformed`` (wrong length or
+        magic), ``unknown_key``, ``bad_tag``, ``send_errors``, ``receive_errors``. After
+        :meth:`close`, the final counts."""
+        if self._responder is None:
+            return dict(self._final)
+        return self._responder.counts()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran."""
+        return self._responder is None
+
+    def close(self) -> None:
+        """Stop the thread (waits for it, typically well under 1 ms), then close the socket.
+        Idempotent."""
+        responder, self._responder = self._responder, None
+        if responder is not None:
+            responder.stop()
+            self._final = responder.counts()
+            self._sock.close()
+
+    def __enter__(self) -> PulseResponder:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Stop the thread before the socket goes: its descriptor number could be reused.
+        if getattr(self, "_responder", None) is not None:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+            self.close()
+
+    def __repr__(self) -> str:
+        return f"<PulseResponder port={self.port}{' closed' if self.closed else ''}>"
