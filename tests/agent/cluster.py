@@ -28,7 +28,7 @@ class LocalCluster:
     """``ranks`` + ``spares`` agents with member ids 1..N (ranks first), one seeded rng each."""
 
     def __init__(self, ranks: int, spares: int, *, params: Params | None = None,
-                 seed: int = 0, status: bool = False) -> None:
+                 seed: int = 0, status: bool = False, pulse: bool = True) -> None:
         ids = list(range(1, ranks + spares + 1))
         held = reserve_ports(len(ids), HOST)
         ports = [r.port for r in held]
@@ -40,7 +40,8 @@ class LocalCluster:
             0, ids[:ranks], ids[ranks:], {m: (HOST, p) for m, p in zip(ids, ports, strict=True)})
         self.template = AgentSettings(
             keyring=self.keyring, member_id=ids[0], configuration=self.configuration,
-            params=params or Params(), status=(HOST, 0) if status else None, health=False)
+            params=params or Params(), status=(HOST, 0) if status else None, health=False,
+            pulse=pulse)
         self.seed = seed
         self.agents: dict[int, AgentRuntime] = {
             m: AgentRuntime(replace(self.template, member_id=m, bind=(HOST, p)),

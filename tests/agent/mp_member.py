@@ -86,7 +86,9 @@ def main() -> int:
             counters_at = time.monotonic() + 2.0
             c = agent.status()["counters"]
             log(path, event="counters", stalls=c.get("stalls", 0),
-                alerts=c.get("alerts_raised", 0), refuted=c.get("refutations", 0))
+                alerts=c.get("alerts_raised", 0), refuted=c.get("refutations", 0),
+                silences=c.get("silences_reported", 0),
+                answered=c.get("pulse_responder_answered", 0))
         if agent.role != role:
             role = agent.role
             log(path, event="role", role=role, rank=agent.rank, config_id=agent.config_id)

@@ -120,6 +120,8 @@ def test_s03_a_paused_rank_is_replaced_once_fenced_on_waking_and_never_trains_ag
     assert events(recs[promoted[0]], "step")  # and the heir trains
     survivors = [m for m, r in up.items() if r["role"] == "rank" and m != victim]
     assert all(max(r["config_id"] for r in events(recs[m], "step")) == 1 for m in survivors)
+    # Its observers found its pulse silent (the removal owed no refutation window).
+    assert sum(last_counter(recs[m], "silences") for m in recs if m != victim) >= 1
 
 
 def test_s07_a_member_whose_sends_fail_suspects_itself_and_is_replaced(tmp_path):
@@ -155,9 +157,15 @@ def test_s01_members_holding_the_gil_in_bursts_are_never_removed(tmp_path):
     assert all(not events(r, "role") for r in recs.values())  # nobody removed or promoted
     assert all(events(r, "step") for m, r in recs.items() if r[0]["role"] == "rank")
     # The bursts really stalled the agents (else this test proves nothing).
-    stalls = [max((c["stalls"] for c in events(r, "counters")), default=0)
-              for r in recs.values()]
+    stalls = [last_counter(r, "stalls") for r in recs.values()]
     assert sum(s > 0 for s in stalls) >= 3
+    # Their pulse responders answered through the bursts: nobody found anyone silent.
+    assert all(last_counter(r, "answered") > 0 for r in recs.values())
+    assert all(last_counter(r, "silences") == 0 for r in recs.values())
+
+
+def last_counter(records: list[dict], name: str) -> int:
+    return max((c[name] for c in events(records, "counters")), default=0)
 
 
 ROGUE = """

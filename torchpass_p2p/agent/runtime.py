@@ -31,6 +31,9 @@ from torchpass_p2p.core.plan import Plan
 
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
 from .http import http_token
+from .pulse import PulseProber
+from .pulse_wire import PulseResponder
+from .pulse_wire import available as pulse_available
 from .settings import AgentSettings
 from .transport import Kind, Received, Reply, Transport, TransportError
 
@@ -56,6 +59,14 @@ are the requests held."""
 SERVICE_RETRY_S = 0.05
 """Pause before asking again after a failed service request (no connection, a bad reply); also
 the margin a lookup keeps before its deadline (no request is sent with less time left)."""
+PULSE_SERVICE = "pulse"
+"""The service name of a member's pulse responder, registered under configuration 0 (it serves
+every configuration of the process)."""
+PULSE_LOOKUP_S = 5.0
+"""How long an observer asks a new subject for its pulse port. A member without a responder
+(not built) is answered "not registered" after ``SERVICE_HOLD_S``; it is watched the old way."""
+PULSE_LABEL = b"torchpass_p2p pulse v1"
+"""HKDF label of the pulse secrets (``Keyring.derive_secrets``)."""
 
 
 class Phase:
@@ -158,6 +169,12 @@ class AgentRuntime:
         self.finished = asyncio.Event()
         """Set once :meth:`stop` completed, asked for or after a failure."""
         self._tasks: set[asyncio.Task[Any]] = set()  # drains and the failure's stop
+        self.pulse: PulseResponder | None = None
+        """This process's pulse responder (``settings.pulse`` and built), else None."""
+        self._prober: PulseProber | None = None
+        self._pulse_ports: dict[MemberId, int | None] = {}
+        """Subjects' pulse ports as looked up (None: they have no responder)."""
+        self._pulse_watched: tuple[int, tuple[MemberId, ...]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -173,6 +190,7 @@ class AgentRuntime:
         s = self.settings
         self.address = await self.transport.start(s.bind, s.bind_fds)
         try:
+            self._start_pulse()
             await self._start_member()
         except BaseException:  # also cancelled: nothing stays bound (a retry must bind again)
             await self.stop(leave=False)
@@ -198,6 +216,11 @@ class AgentRuntime:
             await self._start_status(s.status)
         if s.health:
             self._start_health()
+        if self.settings.pulse:
+            secrets = self.settings.keyring.derive_secrets(PULSE_LABEL)
+            self._prober = PulseProber(self.settings.keyring.primary_id, secrets,
+                                       self._on_silent, clock=self._clock)
+            await self._prober.start(self.address[0])
         self._driver = asyncio.create_task(self._drive(), name=f"agent-{self.member_id:016x}")
         self._driver.add_done_callback(self._driver_ended)
         self._flush()
@@ -218,6 +241,10 @@ class AgentRuntime:
             self._health.stop(1.0)
         if self._status_server is not None:
             await self._status_server.stop()
+        if self._prober is not None:
+            await self._prober.close()
+        if self.pulse is not None:
+            self.pulse.close()
         await self.transport.close()
         for task in self._tasks:
             if task is not asyncio.current_task():
@@ -395,6 +422,10 @@ class AgentRuntime:
         out.update(self.transport.traffic)
         out.update({f"rejected_{k}": v for k, v in self.transport.rejected.items()})
         out.update({f"rejected_frame_{k}": v for k, v in self.transport.rejected_frames.items()})
+        if self._prober is not None:
+            out.update({f"pulse_{k}": v for k, v in self._prober.counters().items()})
+        if self.pulse is not None:
+            out.update({f"pulse_responder_{k}": v for k, v in self.pulse.counts().items()})
         return out
 
     def refresh_metrics(self) -> None:
@@ -440,6 +471,7 @@ class AgentRuntime:
             if now >= member.next_deadline():
                 member.handle_timer(now)
             self._watch_hang(now)
+            self._watch_pulses()
             self._flush()
             if now >= self._metrics_at:
                 self._metrics_at = now + 1.0
@@ -662,6 +694,70 @@ class AgentRuntime:
                   timeout, self.phase)
         self._recent.append({"at": now, "type": "HangDetected", "detail": self.phase})
         self._own(self.drain())
+
+    # ------------------------------------------------------------------ pulses
+
+    def _start_pulse(self) -> None:
+        """Start this process's pulse responder (before joining: observers look its port up as
+        soon as we are in a configuration)."""
+        if not self.settings.pulse:
+            return
+        if not pulse_available():
+            log.warning("pulse responder not built (./scripts/build-native): a stopped or "
+                        "vanished member is removed after the 3.1 s a stalled one is owed")
+            return
+        assert self.address is not None
+        secrets = self.settings.keyring.derive_secrets(PULSE_LABEL)
+        self.pulse = PulseResponder.start(self.address[0], self.member_id, secrets)
+        self.register_service(PULSE_SERVICE, 0, self.pulse.port)
+
+    def _watch_pulses(self) -> None:
+        """Point the prober at this member's current subjects, looking up the pulse ports of
+        new ones (owned tasks; at most K per configuration change)."""
+        member, prober = self.member, self._prober
+        if member is None or prober is None:
+            return
+        watched = (member.configuration.config_id, member.subjects)
+        if watched == self._pulse_watched:
+            return
+        self._pulse_watched = watched
+        subjects = set(member.subjects) if not (member.removed or member.left) else set()
+        for gone in [m for m in self._pulse_ports if m not in subjects]:
+            del self._pulse_ports[gone]
+        for subject in subjects:
+            if subject not in self._pulse_ports:
+                self._pulse_ports[subject] = None
+                self._own(self._look_up_pulse(subject))
+        self._point_prober()
+
+    def _point_prober(self) -> None:
+        member, prober = self.member, self._prober
+        if member is None or prober is None:
+            return
+        addresses = member.configuration.addresses
+        targets = {m: (addresses[m][0], port) for m, port in self._pulse_ports.items()
+                   if port is not None and m in addresses}
+        prober.watch(targets)
+
+    async def _look_up_pulse(self, subject: MemberId) -> None:
+        try:
+            _, port = await self.lookup_service(subject, PULSE_SERVICE, 0,
+                                                timeout_s=PULSE_LOOKUP_S)
+        except TransportError as exc:
+            log.info("no pulse responder found for %016x (%s): watched by probes alone",
+                     subject, exc)
+            return
+        if subject in self._pulse_ports:  # still a subject
+            self._pulse_ports[subject] = port
+            self._point_prober()
+
+    def _on_silent(self, subject: MemberId) -> None:
+        member = self.member
+        if member is None or self.stopped:
+            return
+        log.info("pulse: %016x silent", subject)
+        member.report_silent(self._clock(), subject)
+        self._flush()
 
     def _start_health(self) -> None:
         if self._health is None:

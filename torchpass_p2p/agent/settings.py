@@ -22,6 +22,7 @@ Environment (the launcher's contract with the processes it starts):
 ``TORCHPASS_HANG_TIMEOUT``  seconds without reported progress before the hang watchdog fires
 ``TORCHPASS_POLICY``        ``wait``, ``shrink`` or ``stop`` when no spare is left
 ``TORCHPASS_HEALTH``        ``auto`` (NVML when present) or ``off``
+``TORCHPASS_PULSE``         ``on`` (default) or ``off``: the native pulse responder and prober
 ``TORCHPASS_JOIN_TIMEOUT``  seconds a joining process asks its seeds before giving up (30)
 ==========================  ==================================================================
 """
@@ -76,6 +77,10 @@ class AgentSettings:
     policy: Policy = Policy.WAIT
     hang_timeout_s: float | None = None
     health: bool = True
+    pulse: bool = True
+    """Run the pulse responder (when built: ``agent/pulse_wire.py``) and watch the pulses of
+    this member's subjects, so that a stopped or vanished process is removed in under a second
+    instead of after the 3.1 s a stalled loop is owed (``Params.refutation_window_s``)."""
     join_timeout_s: float = 30.0
     """How long a joining process keeps asking its seeds for the configuration (seconds)."""
     bind_fds: tuple[int, int] | None = None
@@ -109,8 +114,8 @@ def load_settings(
     environment and the TOML ``file``.
 
     The TOML file may hold an ``[agent]`` table (``cluster``, ``bind``, ``status``, ``seeds``,
-    ``topology``, ``policy``, ``hang_timeout_s``, ``health``, ``key_file``) and the protocol
-    parameter tables of ``configs/lan.toml``.
+    ``topology``, ``policy``, ``hang_timeout_s``, ``health``, ``pulse``, ``key_file``) and the
+    protocol parameter tables of ``configs/lan.toml``.
 
     Raises:
         SettingsError: a missing key, a malformed value, or an inconsistent combination.
@@ -245,6 +250,10 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         if v not in ("auto", "off"):
             raise SettingsError(f"{ENV_PREFIX}HEALTH: auto or off, got {v!r}")
         out["health"] = v == "auto"
+    if (v := get("PULSE")) is not None:
+        if v not in ("on", "off"):
+            raise SettingsError(f"{ENV_PREFIX}PULSE: on or off, got {v!r}")
+        out["pulse"] = v == "on"
     return out
 
 
@@ -273,8 +282,8 @@ def _from_toml(path: str | PathLike[str]) -> dict[str, Any]:
             out["policy"] = _policy(str(value), where)
         elif key == "hang_timeout_s":
             out["hang_timeout_s"] = _float(str(value), where)
-        elif key == "health":
-            out["health"] = bool(value)
+        elif key in ("health", "pulse"):
+            out[key] = bool(value)
         else:
             raise SettingsError(f"{where}: unknown key {key!r}")
     return out

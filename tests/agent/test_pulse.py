@@ -1,0 +1,230 @@
+"""The pulse tracker stepped by hand (exact pings, misses and silences), then the prober and real
+responders on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import pytest
+
+from tests.agent.cluster import LocalCluster
+from torchpass_p2p.agent import pulse_wire
+from torchpass_p2p.agent.pulse import PulseProber, PulseTracker
+from torchpass_p2p.agent.settings import SettingsError, load_settings
+from torchpass_p2p.core.params import Params
+
+A = ("127.0.0.1", 9001)
+B = ("127.0.0.1", 9002)
+
+
+def tracker(**kw) -> PulseTracker:
+    counter = itertools.count(1)
+    return PulseTracker(lambda: next(counter).to_bytes(16, "big"), **kw)
+
+
+def nonce(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+U = 0.125
+"""Interval and timeout of the hand-stepped tracker: a binary fraction, so that sums of it are
+exact and every deadline falls on the poll times the tests name."""
+
+
+def test_a_new_target_is_pinged_at_once_then_every_interval():
+    t = tracker(interval_s=U, timeout_s=U, misses=3)
+    t.watch(0.0, {1: A, 2: B})
+    assert t.poll(0.0) == ([(1, A, nonce(1)), (2, B, nonce(2))], [])
+    assert t.next_deadline() == U
+    assert t.answered(0.01, nonce(1), 1) and t.answered(0.02, nonce(2), 2)
+    assert t.poll(0.05) == ([], [])
+    assert t.poll(U) == ([(1, A, nonce(3)), (2, B, nonce(4))], [])
+    assert t.counters["pings"] == 4 and t.counters["pongs"] == 2 and t.counters["misses"] == 0
+
+
+def test_three_misses_in_a_row_make_a_target_silent_once_and_an_answer_ends_it():
+    t = tracker(interval_s=U, timeout_s=U, misses=3)
+    t.watch(0.0, {1: A})
+    silent_at = []
+    for i in range(8):
+        pings, silent = t.poll(i * U)
+        assert [p[0] for p in pings] == [1]
+        if silent:
+            silent_at.append((i, silent))
+    # Pings at 0, U, 2U are misses at U, 2U, 3U: silent at the third, reported once.
+    assert silent_at == [(3, [1])]
+    assert t.silent == {1} and t.counters["misses"] == 7
+    # A late pong to a ping already counted as a miss is still a sign of life.
+    assert t.answered(7.5 * U, nonce(7), 1)
+    assert t.silent == set() and t.counters["answered_again"] == 1
+    assert t.counters["pongs_late"] == 1
+
+
+def test_an_answer_between_misses_resets_the_count():
+    t = tracker(interval_s=U, timeout_s=U, misses=3)
+    t.watch(0.0, {1: A})
+    t.poll(0.0)
+    t.poll(U)  # miss 1 (ping 1), ping 2
+    t.poll(2 * U)  # miss 2 (ping 2), ping 3
+    assert t.answered(2.5 * U, nonce(3), 1)
+    t.poll(3 * U)  # ping 4
+    assert t.poll(4 * U)[1] == [] and t.poll(5 * U)[1] == []  # misses 1 and 2 again
+    assert t.poll(6 * U)[1] == [1]
+
+
+def test_a_stalled_poll_voids_the_outstanding_pings():
+    t = tracker(interval_s=U, timeout_s=U, misses=3, stall_tolerance_s=0.25)
+    t.watch(0.0, {1: A})
+    t.poll(0.0)
+    t.poll(U)
+    t.poll(2 * U)  # two misses so far
+    # Our loop stalled for a second: nothing outstanding counts, the count starts again.
+    pings, silent = t.poll(10 * U)
+    assert silent == [] and t.counters["stalls"] == 1 and t.counters["pings_voided"] == 1
+    assert [p[0] for p in pings] == [1]  # one ping, not a burst of the missed ones
+    assert t.poll(11 * U)[1] == [] and t.poll(12 * U)[1] == [] and t.poll(13 * U)[1] == [1]
+
+
+def test_a_silence_is_handed_out_only_while_another_target_still_answers():
+    t = tracker(interval_s=U, timeout_s=U, misses=2)
+    t.watch(0.0, {1: A, 2: B})
+    for i in range(3):  # member 2 answers every ping, member 1 none
+        pings, silent = t.poll(i * U)
+        assert t.answered(i * U, next(n for m, _, n in pings if m == 2), 2)
+    assert silent == [1]  # two misses (pings at 0 and U), and member 2 vouches for our network
+    # Now member 2 falls silent too, and nobody is left to vouch: held back, as is a silence
+    # of every target at once (our receive path lost: scenario S06), for the probes to judge.
+    reported = [m for i in range(3, 8) for m in t.poll(i * U)[1]]
+    assert reported == [] and t.silent == {1, 2}
+    assert t.counters["silences_withheld"] == 1
+    # Member 1 answers again: it vouches for our network, and member 2's silence goes out.
+    assert t.answered(8 * U - 0.01, next(n for n, (m, _) in t._sent.items() if m == 1), 1)
+    assert t.poll(8 * U)[1] == [2]
+
+
+def test_pongs_for_another_member_or_unknown_nonces_count_for_nothing():
+    t = tracker()
+    t.watch(0.0, {1: A, 2: B})
+    t.poll(0.0)
+    assert not t.answered(0.01, nonce(1), 2)  # member 2 echoing member 1's nonce
+    assert not t.answered(0.01, nonce(99), 1)
+    assert t.counters["pongs_unexpected"] == 2 and t.counters["pongs"] == 0
+
+
+def test_watching_a_new_set_forgets_the_dropped_and_restarts_a_moved_target():
+    t = tracker(interval_s=U, timeout_s=U, misses=1)
+    t.watch(0.0, {1: A, 2: B})
+    t.poll(0.0)
+    assert t.poll(U)[1] == [] and t.silent == {1, 2}
+    t.watch(1.5 * U, {1: ("127.0.0.1", 9003)})
+    assert t.silent == set() and dict(t.targets) == {1: ("127.0.0.1", 9003)}
+    assert t.poll(1.5 * U)[0] == [(1, ("127.0.0.1", 9003), nonce(5))]
+    assert not t.answered(1.6 * U, nonce(4), 2)  # forgotten
+
+
+def test_bad_settings_raise():
+    with pytest.raises(ValueError):
+        tracker(timeout_s=0.0)
+    with pytest.raises(ValueError):
+        tracker(misses=0)
+
+
+# ------------------------------------------------------------------ on loopback
+
+needs_native = pytest.mark.skipif(not pulse_wire.available(),
+                                  reason="pulse responder not built (./scripts/build-native)")
+SECRETS = {7: bytes(range(32))}
+
+
+@needs_native
+async def test_the_prober_hears_a_live_responder_and_finds_a_closed_one_silent():
+    silent: list[int] = []
+    prober = PulseProber(7, SECRETS, silent.append, clock=time.monotonic)
+    alive = pulse_wire.PulseResponder.start("127.0.0.1", 11, SECRETS)
+    gone = pulse_wire.PulseResponder.start("127.0.0.1", 12, SECRETS)
+    try:
+        await prober.start("127.0.0.1")
+        prober.watch({11: ("127.0.0.1", alive.port), 12: ("127.0.0.1", gone.port)})
+        await asyncio.sleep(0.3)
+        assert silent == [] and prober.counters()["pongs"] >= 4
+        gone.close()
+        async with asyncio.timeout(5.0):
+            while not silent:
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)
+        assert silent == [12] and prober.tracker.silent == {12}
+        assert alive.counts()["answered"] >= 4
+    finally:
+        await prober.close()
+        alive.close()
+        gone.close()
+
+
+@needs_native
+async def test_pongs_under_another_key_are_not_a_sign_of_life():
+    silent: list[int] = []
+    prober = PulseProber(7, SECRETS, silent.append, clock=time.monotonic)
+    other = pulse_wire.PulseResponder.start("127.0.0.1", 11, {7: bytes(32)})
+    try:
+        await prober.start("127.0.0.1")
+        prober.watch({11: ("127.0.0.1", other.port)})
+        async with asyncio.timeout(5.0):
+            while not silent:
+                await asyncio.sleep(0.02)
+        assert silent == [11] and other.counts()["bad_tag"] >= 3
+        assert prober.counters().get("pongs", 0) == 0
+    finally:
+        await prober.close()
+        other.close()
+
+
+# ------------------------------------------------------------------ in the agent
+
+SLOW_TO_CONVICT = Params(refutation_window_s=60.0, suspicion_min_s=30.0, suspicion_max_s=60.0)
+"""A minute of refutation window: only a removal owed none can be decided within a test."""
+
+
+@needs_native
+async def test_a_crashed_agents_observers_find_it_silent_and_remove_it_without_a_window():
+    cluster = LocalCluster(4, 1, params=SLOW_TO_CONVICT, seed=5)
+    await cluster.start()
+    try:
+        # Every agent found its subjects' responders and hears them.
+        await cluster.until(lambda: all(
+            len(a._prober.tracker.targets) == len(a.member.subjects)
+            and a.counters().get("pulse_pongs", 0) >= 2 * len(a.member.subjects)
+            for a in cluster.live()), timeout_s=10)
+        observers = cluster.configuration.observers_of(2)
+        await cluster[2].stop(leave=False)  # a crash: its responder goes with it
+        survivors = cluster.live()
+        await cluster.until(lambda: all(a.configuration.config_id == 1 for a in survivors),
+                            timeout_s=20)
+        config = survivors[0].configuration
+        assert 2 not in config and config.ranks[1] == 5  # the spare took rank 1
+        assert {a.configuration for a in survivors} == {config}
+        for a in survivors:
+            reported = a.counters().get("silences_reported", 0)
+            assert reported == (1 if a.member_id in observers else 0), a.member_id
+            assert a.counters()["pulse_responder_answered"] > 0
+    finally:
+        await cluster.stop()
+
+
+async def test_without_the_pulse_setting_nothing_pulses():
+    cluster = LocalCluster(2, 1, seed=6, pulse=False)
+    await cluster.start()
+    try:
+        assert all(a.pulse is None and a._prober is None for a in cluster.live())
+        assert all(not any(k.startswith("pulse") for k in a.counters()) for a in cluster.live())
+    finally:
+        await cluster.stop()
+
+
+def test_the_environment_turns_the_pulse_off():
+    key = {"TORCHPASS_KEY": "ab" * 32, "TORCHPASS_SEEDS": "127.0.0.1:9"}
+    assert load_settings(environ=key).pulse is True
+    assert load_settings(environ={**key, "TORCHPASS_PULSE": "off"}).pulse is False
+    with pytest.raises(SettingsError, match="TORCHPASS_PULSE: on or off"):
+        load_settings(environ={**key, "TORCHPASS_PULSE": "0"})
