@@ -38,11 +38,14 @@ PULSE_TIMEOUT_S = 0.1
 """A ping unanswered this long is a miss. The responder is a native thread: it answers within a
 scheduling delay plus the round trip (well under 1 ms on loopback and LAN), however busy the
 subject's Python is."""
-PULSE_MISSES = 3
-"""Consecutive misses that make a subject silent: 0.3-0.4 s after its process stopped. At 1 %
-datagram loss three in a row happen once in a million windows, and a removal still needs the
-silent alerts of every observer it counts (``Params.alerts_to_remove``, capped by the
-configuration's rings) plus a decision."""
+PULSE_MISSES = 4
+"""Consecutive misses that make a subject silent: 0.4-0.5 s after its process stopped. A ping
+and its pong cross the network, so at 1 % datagram loss a ping is missed 2 % of the time and
+four in a row once in 6 million windows: about once an hour among 36 members watching 10
+subjects each (the simulator's S01 runs saw 4 false silences in 2 minutes with three misses).
+A false silence costs one refuted alert; a removal still needs the silent alerts of every
+observer it counts (``Params.alerts_to_remove``, capped by the configuration's rings) plus a
+decision."""
 STALL_TOLERANCE_S = 0.25
 """A poll this much later than due means our own loop stalled: the answers may be waiting unread,
 so the pings then outstanding count as nothing (``Params.stall_tolerance_s``, same value)."""
@@ -76,6 +79,7 @@ class PulseTracker:
         self._due: dict[bytes, float] = {}  # nonces not yet counted: nonce -> when it is a miss
         self._polled_at: float | None = None
         self._answered_at: dict[MemberId, float] = {}
+        self._streak_at: dict[MemberId, float] = {}  # when the first ping of a miss streak went
         self.silent: set[MemberId] = set()
         """Targets silent now (since their last answer)."""
         self._reported: set[MemberId] = set()  # silent ones handed out by poll()
@@ -94,6 +98,7 @@ class PulseTracker:
             self._next_at.pop(member, None)
             self._missed.pop(member, None)
             self._answered_at.pop(member, None)
+            self._streak_at.pop(member, None)
             self.silent.discard(member)
             self._reported.discard(member)
             self._withheld.discard(member)
@@ -130,10 +135,11 @@ class PulseTracker:
         """Advance to ``now``: returns the pings to send now, as (member, address, nonce), and
         the members that went silent (each once per silence).
 
-        A silence is handed out only while some other watched target answered within the
-        last ``misses`` intervals (or when only one is watched): when every target falls
-        silent at once, the likelier cause is our own network (a receive path lost, scenario
-        S06), and the core's probes, which suspect ourselves first, are left to judge."""
+        A silence is handed out only once another watched target answered during it (after
+        the first missed ping of the silent one was due), or when only one is watched: when
+        every target falls silent at once, the likelier cause is our own network (a receive
+        path lost, scenario S06), and the core's probes, which suspect ourselves first, are
+        left to judge."""
         stalled = (self._polled_at is not None
                    and now - self._polled_at > self.interval_s + self.stall_tolerance_s)
         self._polled_at = now
@@ -151,14 +157,16 @@ class PulseTracker:
             del self._due[nonce]
             member = self._sent[nonce][0]
             self.counters["misses"] += 1
+            if not self._missed[member]:
+                self._streak_at[member] = miss_at
             self._missed[member] += 1
             if self._missed[member] >= self.misses:
                 self.silent.add(member)
         if len(self._reported) < len(self.silent):
-            heard_since = now - self.misses * self.interval_s - self.timeout_s
             for member in sorted(self.silent - self._reported):
+                since = self._streak_at[member]
                 if len(self._targets) == 1 or any(
-                        at >= heard_since for m, at in self._answered_at.items() if m != member):
+                        at >= since for m, at in self._answered_at.items() if m != member):
                     self._reported.add(member)
                     self._withheld.discard(member)
                     silent.append(member)
