@@ -6,6 +6,12 @@ lazy invalidation: a stale heap entry is skipped), drains outboxes into the netw
 the recorders. Faults act on the host side only (a crashed member gets nothing, a blocked member
 gets everything late), exactly as a real process would see them.
 
+With ``pulse=True`` every member also runs the agent's pulse prober (the same
+:class:`~torchpass_p2p.agent.pulse.PulseTracker`) against its subjects' pulse responders: a ping
+and its pong cross the virtual network; a responder answers unless its process crashed or is
+frozen (:meth:`Cluster.block` with ``frozen``: SIGSTOP), however long its loop is blocked (a GIL
+holder, scenario S01). The prober runs on the member's loop, so a blocked member pings late.
+
 Datagrams travel as message objects by default. With ``sealed=True`` every datagram is encoded,
 sealed with the real AEAD, opened and decoded on arrival, so small runs exercise the wire path;
 with ``count_bytes=True`` the objects are encoded only to measure their size.
@@ -20,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final
 
+from torchpass_p2p.agent.pulse import PulseTracker
 from torchpass_p2p.core import Configuration, Member, MemberId, Params
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.membership import Transitions
@@ -51,6 +58,11 @@ class SimMember:
     recv_packets: int = 0
     wire: Wire | None = None
     events: list[ev.Event] = field(default_factory=list)
+    frozen_until: float = 0.0
+    """Until then the whole process is stopped (SIGSTOP): its pulse responder answers nothing."""
+    pulse: PulseTracker | None = None
+    pulse_at: float = math.inf
+    pulse_config: int = -1  # the configuration whose subjects ``pulse`` watches
 
     @property
     def id(self) -> MemberId:
@@ -70,6 +82,7 @@ class Cluster:
         count_bytes: measure datagram sizes with the real codec (objects mode).
         keep_events: keep each member's events in ``SimMember.events``.
         policy: what a decided change does when no spare is left (every member's).
+        pulse: every member watches its subjects' pulse responders (module docstring).
     """
 
     def __init__(
@@ -84,8 +97,10 @@ class Cluster:
         count_bytes: bool = False,
         keep_events: bool = True,
         policy: Policy = Policy.WAIT,
+        pulse: bool = False,
     ) -> None:
         self.seed = seed
+        self.pulse = pulse
         self.policy = policy
         self.started_in: dict[MemberId, int] = {}
         """Joiners: the config_id of the configuration each was handed when it started."""
@@ -154,10 +169,13 @@ class Cluster:
         sm.crashed = True
         sm.timer_at = math.inf
 
-    def block(self, sm: SimMember, duration_s: float) -> None:
+    def block(self, sm: SimMember, duration_s: float, *, frozen: bool = False) -> None:
         """The member's loop is blocked for ``duration_s``: datagrams queue in its socket
-        buffer and its timers fire late, all at the end of the block (SIGSTOP, a GIL holder)."""
+        buffer and its timers fire late, all at the end of the block (a GIL holder). With
+        ``frozen`` the whole process is stopped (SIGSTOP): its pulse responder is silent too."""
         sm.blocked_until = max(sm.blocked_until, self.now + duration_s)
+        if frozen:
+            sm.frozen_until = max(sm.frozen_until, self.now + duration_s)
 
     def spawn_joiner(self, via: SimMember, *, host: str = "") -> SimMember:
         """Start a new process now that asks to join as a spare. Like a real one, it fetched
@@ -201,6 +219,8 @@ class Cluster:
 
     def _add(self, core: Member) -> SimMember:
         sm = SimMember(len(self.members), core)
+        if self.pulse:
+            sm.pulse = PulseTracker(_counter_nonces())
         if self.sealed:
             sm.wire = Wire(f"sim-{self.seed}", Keyring(self._key), core.id)
         self.members.append(sm)
@@ -250,6 +270,8 @@ class Cluster:
                 listener(sm, event)
             event = core.next_event()
         self._arm(sm)
+        if sm.pulse is not None:
+            self._watch_pulses(sm)
 
     def _arm(self, sm: SimMember) -> None:
         deadline = sm.core.next_deadline()
@@ -257,6 +279,78 @@ class Cluster:
             sm.timer_at = deadline
             if deadline != math.inf:
                 self.engine.push(max(deadline, self.engine.now), TIMER, sm, deadline)
+
+    # ------------------------------------------------------------------ pulses
+
+    def _watch_pulses(self, sm: SimMember) -> None:
+        tracker = sm.pulse
+        assert tracker is not None
+        core = sm.core
+        config_id = -2 if core.removed or core.left else core.configuration.config_id
+        if config_id != sm.pulse_config:
+            sm.pulse_config = config_id
+            subjects = core.subjects if config_id >= 0 else ()
+            tracker.watch(self.engine.now, {m: ("sim", 0) for m in subjects})
+        self._arm_pulse(sm)
+
+    def _arm_pulse(self, sm: SimMember) -> None:
+        assert sm.pulse is not None
+        due = sm.pulse.next_deadline()
+        if due != sm.pulse_at:
+            sm.pulse_at = due
+            if due != math.inf:
+                at = max(due, self.engine.now)
+                self.engine.call_at(at, lambda: self._poll_pulses(sm, due))
+
+    def _poll_pulses(self, sm: SimMember, due: float) -> None:
+        tracker = sm.pulse
+        if sm.crashed or sm.pulse_at != due or tracker is None:
+            return  # stale: the deadline moved since this was scheduled
+        now = self.engine.now
+        if sm.blocked_until > now:  # the prober runs on the member's loop
+            self.engine.call_at(sm.blocked_until, lambda: self._poll_pulses(sm, due))
+            return
+        sm.pulse_at = math.inf
+        pings, silent = tracker.poll(now)
+        src = sm.core.id
+        for member, _address, nonce in pings:
+            ping_delay, _ = self.network.arrivals(src, member)
+            target = self.by_id.get(member)
+            if ping_delay >= 0 and target is not None:
+                self._ping_arrives(target, sm, nonce, now + ping_delay)
+        for member in silent:
+            sm.core.report_silent(now, member)
+        if silent:
+            self._after(sm)
+        else:
+            self._arm_pulse(sm)
+
+    def _ping_arrives(self, responder: SimMember, prober: SimMember, nonce: bytes,
+                      at: float) -> None:
+        def answer() -> None:
+            if responder.crashed:
+                return
+            now = self.engine.now
+            if responder.frozen_until > now:  # queued in the socket: answered on SIGCONT
+                self.engine.call_at(responder.frozen_until, answer)
+                return
+            pong_delay, _ = self.network.arrivals(responder.core.id, prober.core.id)
+            if pong_delay >= 0:
+                self._pong_arrives(prober, responder.core.id, nonce, now + pong_delay)
+        self.engine.call_at(at, answer)
+
+    def _pong_arrives(self, prober: SimMember, member: MemberId, nonce: bytes,
+                      at: float) -> None:
+        def read() -> None:
+            tracker = prober.pulse
+            if prober.crashed or tracker is None:
+                return
+            now = self.engine.now
+            if prober.blocked_until > now:
+                self.engine.call_at(prober.blocked_until, read)
+                return
+            tracker.answered(now, nonce, member)
+        self.engine.call_at(at, read)
 
     def _transmit(self, sm: SimMember, out: list[tuple[MemberId, Message]]) -> None:
         engine = self.engine
@@ -287,3 +381,14 @@ class Cluster:
                     target.recv_packets += 1
                     target.recv_bytes += size
                     engine.push(now + second, DELIVER, target, src, data)
+
+
+def _counter_nonces() -> Callable[[], bytes]:
+    """Nonces for a simulated prober: distinct and repeatable (same seed, same trace)."""
+    count = 0
+
+    def nonce() -> bytes:
+        nonlocal count
+        count += 1
+        return count.to_bytes(16, "big")
+    return nonce

@@ -67,6 +67,15 @@ class FaultInjector:
             self.cluster.block(sm, duration_s)
         self.cluster.at(at, fire)
 
+    def stop(self, sm: SimMember, at: float, duration_s: float,
+             expected_removal: bool = True) -> None:
+        """SIGSTOP ``sm`` at ``at`` and SIGCONT it ``duration_s`` later: like :meth:`pause`, and
+        its pulse responder is silent too (the whole process is frozen)."""
+        def fire() -> None:
+            self._note("stop", sm, expected_removal)
+            self.cluster.block(sm, duration_s, frozen=True)
+        self.cluster.at(at, fire)
+
     def busy(self, sm: SimMember, start: float, until: float, chunk_s: tuple[float, float],
              duty: float) -> None:
         """Block ``sm`` in chunks drawn uniformly from ``chunk_s`` (seconds) so that about

@@ -13,6 +13,7 @@ A scenario file looks like this (every key but ``members`` and ``virtual_s`` has
     sealed = false                # send real sealed datagrams (slow; small runs)
     gpus_per_host = 8             # what "host:H" selects
     check_convergence = false     # at the end, live members must agree on one view
+    pulse = false                 # members watch their subjects' pulse responders
 
     [link]                        # sims.network.LinkModel
     base_latency_s = 0.0005
@@ -67,7 +68,8 @@ SCENARIO_DIR = Path(__file__).parent / "scenarios"
 """Where a bare scenario name (``crash``) is looked up: ``sims/scenarios/NAME.toml``."""
 
 _TOP_KEYS = ("name", "description", "members", "spares", "virtual_s", "seed", "warmup_s",
-             "count_bytes", "sealed", "gpus_per_host", "check_convergence", "link", "params",
+             "count_bytes", "sealed", "gpus_per_host", "check_convergence", "pulse", "link",
+             "params",
              "faults")
 _LINK_KEYS = ("base_latency_s", "jitter_s", "loss", "duplicate")
 _LINK_DEFAULTS = LinkModel()
@@ -90,6 +92,7 @@ class Scenario:
     sealed: bool = False
     gpus_per_host: int = 8
     check_convergence: bool = False
+    pulse: bool = False
     """Also check at the end that live members agree on one view (the run must end quiet:
     faults detected, partitions healed, a few sync intervals passed)."""
     link: LinkModel = field(default_factory=LinkModel)
@@ -183,6 +186,7 @@ def scenario_from_mapping(data: Mapping[str, Any], *, source: str = "<mapping>",
         sealed=boolean(data, "sealed", source, default=False),
         gpus_per_host=integer(data, "gpus_per_host", source, default=8, minimum=1),
         check_convergence=boolean(data, "check_convergence", source, default=False),
+        pulse=boolean(data, "pulse", source, default=False),
         link=link,
         params=params,
         faults=faults,
@@ -216,7 +220,8 @@ def run_scenario(scenario: Scenario, *, members: int | None = None, seed: int | 
     started = time.perf_counter()
     cluster = Cluster(n, spares=spares, seed=run_seed, params=scenario.params,
                       link=dataclasses.replace(scenario.link), sealed=scenario.sealed,
-                      count_bytes=scenario.count_bytes, keep_events=False)
+                      count_bytes=scenario.count_bytes, keep_events=False,
+                      pulse=scenario.pulse)
     recorder = DetectionRecorder(cluster)
     checker = InvariantChecker(cluster, recorder)
     safety = SafetyChecker(cluster)

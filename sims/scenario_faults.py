@@ -10,6 +10,7 @@ crash         member, at, repeat_every_s?, count?
 hang          member, at, repeat_every_s?, count?
 one_way       member, at, direction ("deaf" | "mute"), repeat_every_s?, count?
 pause         member, at, duration_s, repeat_every_s?, count?
+stop          member, at, duration_s, expected_removal? (true), repeat_every_s?, count?
 clog          member, at, duration_s, repeat_every_s?, count?
 gray          member, at, loss, expected_removal? (false), repeat_every_s?, count?
 busy          member, start, until, chunk_s ([min, max]), duty
@@ -61,6 +62,7 @@ FAULT_KINDS: dict[str, tuple[str, ...]] = {
     "hang": ("member", "at", *_REPEAT),
     "one_way": ("member", "at", "direction", *_REPEAT),
     "pause": ("member", "at", "duration_s", *_REPEAT),
+    "stop": ("member", "at", "duration_s", "expected_removal", *_REPEAT),
     "clog": ("member", "at", "duration_s", *_REPEAT),
     "gray": ("member", "at", "loss", "expected_removal", *_REPEAT),
     "busy": ("member", "start", "until", "chunk_s", "duty"),
@@ -91,7 +93,8 @@ class FaultSpec:
     def removes(self) -> bool:
         """Whether each copy is expected to end in the member's removal."""
         return self.kind in ("crash", "hang", "one_way") or (
-            self.kind == "gray" and bool(self.args.get("expected_removal", False)))
+            self.kind == "gray" and bool(self.args.get("expected_removal", False))) or (
+            self.kind == "stop" and bool(self.args.get("expected_removal", True)))
 
 
 def parse_fault(index: int, raw: object, source: str, virtual_s: float) -> FaultSpec:
@@ -303,6 +306,8 @@ def _inject(injector: FaultInjector, kind: str, sm: SimMember, at: float,
         injector.one_way(sm, at, a["direction"])
     elif kind == "pause":
         injector.pause(sm, at, a["duration_s"])
+    elif kind == "stop":
+        injector.stop(sm, at, a["duration_s"], expected_removal=a.get("expected_removal", True))
     elif kind == "clog":
         injector.clog(sm, at, a["duration_s"])
     else:

@@ -28,9 +28,7 @@ CRASHED = 3  # holds rank 2
 
 
 async def test_sixteen_agents_replace_a_crashed_rank_as_fast_as_the_simulator_predicts():
-    # Without pulses: the simulator does not model them (with them a crash is decided sooner,
-    # tests/agent/test_pulse.py).
-    cluster = LocalCluster(RANKS, SPARES, seed=1, pulse=False)
+    cluster = LocalCluster(RANKS, SPARES, seed=1)  # pulses on, as in the simulator's run
     await cluster.start()
     try:
         await cluster.until(lambda: all(  # everyone has probed and heard its neighbours

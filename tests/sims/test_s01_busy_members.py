@@ -74,9 +74,9 @@ class S01Result:
 
 
 def run_s01(seed: int, horizon_s: float, chunk_s: tuple[float, float],
-            params: Params | None = None) -> S01Result:
+            params: Params | None = None, pulse: bool = False) -> S01Result:
     cluster = Cluster(RANKS + SPARES, spares=SPARES, seed=seed, link=LinkModel(loss=0.01),
-                      keep_events=False, params=params)
+                      keep_events=False, params=params, pulse=pulse)
     recorder = DetectionRecorder(cluster)
     checker = InvariantChecker(cluster, recorder)
     job = TrainingJob(cluster, step_time_s=1.0, replace_s=5.0)
