@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.restart_worker import latest_checkpoint, save_checkpoint
-from benchmarks.vs_restart import young_interval_s, young_k_steps
+from benchmarks.vs_restart import _timeline_ratios, young_interval_s, young_k_steps
 from examples.char_lm import CharLM
 from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
 
@@ -72,3 +72,15 @@ def test_short_comparison() -> None:
     assert kill["torchft_next_commit_s"] == (ft["faults"][0]["next_step_committed_s"]
                                              if "faults" in ft else None)
     assert ft["ran"] is False and ft["reason"] or ft["completed"]
+
+
+def test_timeline_ratios_are_means_over_the_faults() -> None:
+    rows = [{"torchpass_p2p_s": 0.5, "torchrun_s": 5.0, "torchft_next_commit_s": 10.0},
+            {"torchpass_p2p_s": 1.5, "torchrun_s": 17.0, "torchft_next_commit_s": 6.0}]
+    out = _timeline_ratios(rows)
+    assert out["lost_per_fault_by_timeline_s"] == {"torchpass_p2p": 1.0, "torchrun": 11.0,
+                                                   "torchft": 8.0}
+    assert out["lost_per_fault_ratio_torchrun_by_timeline"] == 11.0
+    assert out["lost_per_fault_ratio_torchft_by_timeline"] == 8.0
+    rows[1]["torchft_next_commit_s"] = None  # torchft did not run or missed a fault
+    assert _timeline_ratios(rows)["lost_per_fault_ratio_torchft_by_timeline"] is None
