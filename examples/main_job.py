@@ -193,17 +193,22 @@ def main() -> int:
     ap.add_argument("--keep", help="directory to keep the runs' logs in")
     ap.add_argument("--state-transport", choices=("auto", "tcp", "pg"), default="auto",
                     help="how the spares get the state (examples/char_lm.py)")
+    ap.add_argument("--pulse", choices=("on", "off"), default="on",
+                    help="the agents' pulse responders and probers (TORCHPASS_PULSE; the "
+                         "launched processes see no other TORCHPASS_* variable of yours)")
     args = ap.parse_args()
     script_args = ("--state-transport", args.state_transport)
+    settings = {"TORCHPASS_PULSE": args.pulse}
     with tempfile.TemporaryDirectory(prefix="torchpass-main-job-") as tmp:
         work = Path(args.keep or tmp)
         print(f"fault-free run: {args.nproc} ranks + {args.spares} spares, {args.steps} steps",
               flush=True)
         clean = run_job(work / "clean", nproc=args.nproc, spares=args.spares, steps=args.steps,
-                        script_args=script_args)
+                        script_args=script_args, settings=settings)
         print(f"run with faults {args.faults!r}", flush=True)
         faulty = run_job(work / "faults", nproc=args.nproc, spares=args.spares,
-                         steps=args.steps, faults=args.faults, script_args=script_args)
+                         steps=args.steps, faults=args.faults, script_args=script_args,
+                         settings=settings)
         lines, ok = report(clean, faulty, args.steps)
         print("\n".join(lines))
         if not ok:

@@ -3,8 +3,8 @@
 A :class:`DetectionRecorder` listens to every member's events. For each injected fault it keeps
 when the first alert, the first suspicion and the first conviction happened, when each live
 member learned that the faulty member is dead, and when each held a decided configuration without
-it. A conviction of a member that was never faulted is a
-false removal.
+it. A conviction of a member that was never faulted, or a decision removing one that did not
+leave, is a false removal.
 """
 
 from __future__ import annotations
@@ -27,7 +27,10 @@ class FaultRecord:
     first_alert: float | None = None
     first_suspected: float | None = None
     first_dead: float | None = None
+    """The first verdict (``MemberDead``), or the first decision removing it, whichever came
+    first: a removal on silent alerts has no verdict."""
     dead_known: dict[MemberId, float] = field(default_factory=dict)
+    """When each member first knew it dead: by a verdict or by a decision removing it."""
     decided: dict[MemberId, float] = field(default_factory=dict)
     """When each member first held a decided configuration without the faulty member."""
 
@@ -96,6 +99,15 @@ class DetectionRecorder:
             for member, rec in self.faults.items():
                 if member not in config:
                     rec.decided.setdefault(sm.id, event.at)
+                    # A removal decided on silent alerts comes with no verdict: the decision
+                    # is when this member learns the faulty one is gone.
+                    if rec.first_dead is None:
+                        rec.first_dead = event.at
+                    rec.dead_known.setdefault(sm.id, event.at)
+            for member in event.plan.removed:
+                gone = self.cluster.by_id.get(member)
+                if member not in self.faults and gone is not None and not gone.core.left:
+                    self.false_removals.setdefault(member, event.at)
 
     def live_ids(self) -> list[MemberId]:
         """Members that are neither faulty nor removed (joiners still joining excluded)."""

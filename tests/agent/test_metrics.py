@@ -141,6 +141,7 @@ def test_every_synced_family() -> None:
     m.sync_counters("events", {"suspected": 2, "decided": 1})
     m.sync_counters("health_faults", {"xid": 1})
     m.sync_counters("http_rejected", {"bad_token": 4})
+    m.sync_counters("pulse", {"pings": 30, "responder_answered": 29})
     m.sync_counters("rejected_datagrams", {"replay": 9})
     assert value(m, "torchpass_rejected_frames_total", reason="too_large") == 2
     assert value(m, "torchpass_bytes_total", direction="sent") == 1000
@@ -150,8 +151,9 @@ def test_every_synced_family() -> None:
     assert value(m, "torchpass_health_faults_total", kind="xid") == 1
     assert value(m, "torchpass_http_rejected_total", reason="bad_token") == 4
     assert value(m, "torchpass_rejected_datagrams_total", reason="replay") == 9
+    assert value(m, "torchpass_pulse_total", kind="responder_answered") == 29
     assert set(SYNCED) == {"rejected_datagrams", "rejected_frames", "bytes", "datagrams",
-                           "events", "health_faults", "http_rejected"}
+                           "events", "health_faults", "http_rejected", "pulse"}
     with pytest.raises(KeyError):
         m.sync_counters("nonsense", {"a": 1})
 

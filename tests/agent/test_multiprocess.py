@@ -291,3 +291,35 @@ def test_a_wrapper_must_pass_the_handed_sockets_on(tmp_path):
     assert len(re.findall(r"AgentError: the agent failed to start: NotInherited\('descriptor "
                           r"\d+: not an open socket \([^)]*\); the launcher hands its child "
                           r"these sockets, bound; a wrapper process must pass them on", out)) == 3
+
+
+SNIPPET = """
+import torch, torchpass_p2p
+from torchpass_p2p.trainer import Trainer
+agent = torchpass_p2p.start()
+torch.manual_seed(0)
+model = torch.nn.Linear(8, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+trainer = Trainer(model, optimizer, agent=agent, seed=0)
+def loss_fn(step, rank):
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    x = torch.randn(16, 8, generator=g)
+    return ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+trainer.run(loss_fn, steps=40)
+"""
+
+
+def test_a_script_that_never_stops_its_agent_exits_cleanly(tmp_path):
+    # The README's training snippet ends without agent.stop(): the process exits with its pulse
+    # responder still answering. libcrypto frees its state at exit(); a ping answered after
+    # that crashed the process (SIGSEGV in every run of 2 ranks, before the responders were
+    # stopped at exit).
+    script = tmp_path / "train.py"
+    script.write_text(SNIPPET)
+    launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "3", str(script)],
+                              env=clean_environ() | {"PYTHONPATH": str(REPO)})
+    code, out = finish(launcher, 120)
+    assert "SIGSEGV" not in out, out
+    assert re.findall(r"rank (\d) \(\w+\) exited with (\S+)", out) in (
+        [("0", "0"), ("1", "0")], [("1", "0"), ("0", "0")]), out
+    assert code == 0, out

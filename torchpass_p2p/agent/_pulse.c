@@ -19,11 +19,13 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <openssl/crypto.h>
+#include <openssl/opensslv.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
 
@@ -45,7 +47,7 @@ static const char *const COUNT_NAMES[NCOUNTS] = {
     "answered", "malformed", "unknown_key", "bad_tag", "send_errors", "receive_errors",
 };
 
-typedef struct {
+typedef struct Responder {
     PyObject_HEAD
     /* Written under the GIL before the thread starts, read-only while it runs. */
     int fd;
@@ -60,7 +62,42 @@ typedef struct {
     int running;             /* __atomic; cleared when the thread exits */
     pthread_mutex_t lock;    /* serializes stop() callers (held with the GIL released) */
     uint64_t counts[NCOUNTS]; /* __atomic, relaxed: statistics only */
+    struct Responder *prev, *next; /* in `running_list` while registered; under list_lock */
+    int listed;
 } Responder;
+
+/* Every started responder, so that exit() can stop them before libcrypto frees its state: its
+ * cleanup (atexit or a library destructor) runs at process exit while Python's finalization
+ * leaves this thread running, and a ping answered then crashed in EVP_MAC_fetch on a freed
+ * lock (seen in a script that never stopped its agent). */
+static pthread_mutex_t list_lock = PTHREAD_MUTEX_INITIALIZER;
+static Responder *running_list = NULL;
+
+static void list_add(Responder *self) {
+    pthread_mutex_lock(&list_lock);
+    self->prev = NULL;
+    self->next = running_list;
+    if (running_list != NULL)
+        running_list->prev = self;
+    running_list = self;
+    self->listed = 1;
+    pthread_mutex_unlock(&list_lock);
+}
+
+static void list_remove(Responder *self) {
+    pthread_mutex_lock(&list_lock);
+    if (self->listed) {
+        if (self->prev != NULL)
+            self->prev->next = self->next;
+        else
+            running_list = self->next;
+        if (self->next != NULL)
+            self->next->prev = self->prev;
+        self->prev = self->next = NULL;
+        self->listed = 0;
+    }
+    pthread_mutex_unlock(&list_lock);
+}
 
 static void bump(Responder *self, int which) {
     __atomic_fetch_add(&self->counts[which], 1, __ATOMIC_RELAXED);
@@ -281,11 +318,13 @@ static int Responder_init(Responder *self, PyObject *args, PyObject *kwds) {
     }
     self->owner = getpid();
     self->initialized = self->joinable = 1;
+    list_add(self);
     return 0;
 }
 
 /* Wakes and joins the thread, closes the pipe, zeroes the keys. Idempotent; no GIL needed. */
 static void stop_thread(Responder *self) {
+    list_remove(self);
     pthread_mutex_lock(&self->lock);
     if (self->joinable) {
         if (getpid() == self->owner) {
@@ -382,7 +421,25 @@ static struct PyModuleDef pulse_module = {
     .m_size = -1,
 };
 
+/* At exit(), after Python's finalization: stop every responder still running. */
+static void stop_all_at_exit(void) {
+    for (;;) {
+        pthread_mutex_lock(&list_lock);
+        Responder *self = running_list;
+        pthread_mutex_unlock(&list_lock);
+        if (self == NULL)
+            return;
+        stop_thread(self); /* unlists it */
+    }
+}
+
 PyMODINIT_FUNC PyInit__pulse(void) {
+    /* libcrypto registers its cleanup when first initialized; initializing it now, before our
+     * handler is registered, makes ours run first (atexit handlers run in reverse order). */
+    if (!OPENSSL_init_crypto(0, NULL) || atexit(stop_all_at_exit) != 0) {
+        PyErr_SetString(PyExc_ImportError, "cannot initialize libcrypto or register at exit");
+        return NULL;
+    }
     if (PyType_Ready(&ResponderType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&pulse_module);

@@ -29,6 +29,7 @@ metric                                    type       labels     set by
 ``torchpass_events_total``                counter    type       ``sync_counters("events")``
 ``torchpass_health_faults_total``         counter    kind       ``sync_counters("health_faults")``
 ``torchpass_http_rejected_total``         counter    reason     ``sync_counters("http_rejected")``
+``torchpass_pulse_total``                 counter    kind       ``sync_counters("pulse")``
 ========================================  =========  =========  ==============================
 
 ``direction`` is ``sent`` or ``received``. Counters also expose prometheus_client's
@@ -90,6 +91,9 @@ _SYNCED: dict[str, tuple[str, str, str]] = {
     "health_faults": ("torchpass_health_faults", "kind", "Health faults seen, by kind"),
     "http_rejected": (
         "torchpass_http_rejected", "reason", "Status-server requests refused, by reason"),
+    "pulse": ("torchpass_pulse", "kind",
+              "Pulses: this member's pings, pongs, misses and withheld silences, and its "
+              "responder's answers and drops (responder_*), by kind"),
 }
 SYNCED = tuple(_SYNCED)
 """Names accepted by :meth:`AgentMetrics.sync_counters`."""

@@ -422,10 +422,14 @@ class AgentRuntime:
         out.update(self.transport.traffic)
         out.update({f"rejected_{k}": v for k, v in self.transport.rejected.items()})
         out.update({f"rejected_frame_{k}": v for k, v in self.transport.rejected_frames.items()})
-        if self._prober is not None:
-            out.update({f"pulse_{k}": v for k, v in self._prober.counters().items()})
+        out.update({f"pulse_{k}": v for k, v in self._pulse_counters().items()})
+        return out
+
+    def _pulse_counters(self) -> dict[str, int]:
+        """The prober's counters, and the responder's prefixed ``responder_``."""
+        out = self._prober.counters() if self._prober is not None else {}
         if self.pulse is not None:
-            out.update({f"pulse_responder_{k}": v for k, v in self.pulse.counts().items()})
+            out.update({f"responder_{k}": v for k, v in self.pulse.counts().items()})
         return out
 
     def refresh_metrics(self) -> None:
@@ -452,6 +456,7 @@ class AgentRuntime:
                                             "received": traffic["datagrams_received"]})
         metrics.sync_counters("events", self._event_counts)
         metrics.sync_counters("health_faults", self._health_faults)
+        metrics.sync_counters("pulse", self._pulse_counters())
 
     # ------------------------------------------------------------------ driving the core
 

@@ -462,7 +462,9 @@ class Transport:
                 writer.write(self._frame(Channel.REQUEST, self._request_sealer.seal(
                     bytes((reply[0],)) + reply[1], 0, reply_tag(sealed))))
                 await writer.drain()
-        except (OSError, TimeoutError):
+        except (OSError, RuntimeError, TimeoutError):
+            # uvloop raises RuntimeError, not OSError, writing to a transport the requester
+            # closed while its request was held (a lookup cancelled, its deadline passed).
             return "reply_not_taken"
         return None
 
