@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -228,3 +229,28 @@ def test_the_environment_turns_the_pulse_off():
     assert load_settings(environ={**key, "TORCHPASS_PULSE": "off"}).pulse is False
     with pytest.raises(SettingsError, match="TORCHPASS_PULSE: on or off"):
         load_settings(environ={**key, "TORCHPASS_PULSE": "0"})
+
+
+@needs_native
+async def test_a_subject_whose_responder_is_not_found_is_asked_again(monkeypatch):
+    from torchpass_p2p.agent import runtime
+
+    monkeypatch.setattr(runtime, "PULSE_LOOKUP_S", 1.2)  # one held request, then a pause
+    monkeypatch.setattr(runtime, "PULSE_RELOOKUP_S", 0.2)
+    cluster = LocalCluster(3, 0, seed=7)
+    late = cluster[3]
+    late.settings = replace(late.settings, pulse=False)  # starts without a responder
+    await cluster.start()
+    try:
+        observers = [cluster[m] for m in cluster.configuration.observers_of(3)]
+        await asyncio.sleep(2.0)  # at least one lookup failed and is waiting to ask again
+        assert all(3 not in a._prober.tracker.targets for a in observers)
+        assert all(not a._pulse_lookups[3].done() for a in observers)
+        secrets = late.settings.keyring.derive_secrets(runtime.PULSE_LABEL)
+        late.pulse = pulse_wire.PulseResponder.start("127.0.0.1", 3, secrets)
+        late.register_service(runtime.PULSE_SERVICE, 0, late.pulse.port)
+        await cluster.until(lambda: all(3 in a._prober.tracker.targets for a in observers),
+                            timeout_s=10)
+        assert all(3 not in a._pulse_lookups for a in observers)
+    finally:
+        await cluster.stop()

@@ -92,3 +92,24 @@ def test_members_that_observe_each_other_and_fail_together_are_one_cut() -> None
                        now=10.0, high=H, low=L, min_window_s=WINDOW, max_removed=32,
                        max_joined=4)
     assert (lone.cut, lone.unstable) == (None, (2,))
+
+
+def test_h_silent_alerts_are_stable_at_once_and_silenced() -> None:
+    observers = CONFIG.observers_of(9)
+    silent = propose(suspected={9: Suspected(observers[:H], 9.9, silent=H)})
+    assert silent.cut == Cut(removed=(9,)) and silent.silenced == (9,)
+    one_plain = propose(suspected={9: Suspected(observers[:H], 9.9, silent=H - 1)})
+    assert one_plain.cut is None and one_plain.unstable == (9,)  # the window again
+    late = propose(suspected={9: Suspected(observers[:H], 9.0, silent=H - 1)})
+    assert late.cut == Cut(removed=(9,)) and late.silenced == ()  # stable, still owed it
+
+
+def test_two_silent_members_observing_each_other_count_each_other_implicitly() -> None:
+    a, b = next((a, b) for a in range(1, 31) for b in range(a + 1, 31)
+                if a in CONFIG.observers_of(b) and b in CONFIG.observers_of(a))
+    suspected = {}
+    for subject, other in ((a, b), (b, a)):
+        speaking = tuple(o for o in CONFIG.observers_of(subject) if o != other)[:H - 1]
+        suspected[subject] = Suspected(speaking, 9.9, silent=len(speaking))
+    p = propose(suspected=suspected)
+    assert p.cut == Cut(removed=tuple(sorted((a, b)))) and p.silenced == tuple(sorted((a, b)))

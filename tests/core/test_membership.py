@@ -1261,22 +1261,27 @@ def test_a_silence_is_only_heard_from_an_observer_that_is_not_cut_off_itself():
 def test_a_silent_alert_from_the_wire_counts_as_silent_and_a_refutation_forgets_it():
     x = make_member(6, CONFIG, params=NO_ALERTS)
     observers = sorted(OBSERVERS)
-    for i, observer in enumerate(observers):
-        assert not x.silenced(SUBJECT)
-        x.receive(0.1 * (i + 1), observer, Gossip((Alert(observer, SUBJECT, 0, True),)))
-    assert x.silenced(SUBJECT)
+    x.receive(0.1, observers[0], alert_from(observers[0]))  # a plain one among them
+    for i, observer in enumerate(observers[1:]):
+        x.receive(0.1 * (i + 2), observer, Gossip((Alert(observer, SUBJECT, 0, True),)))
+    assert x.alerts_about(SUBJECT) == tuple(observers)
+    assert x.silent_alerts_about(SUBJECT) == tuple(observers[1:])
     x.receive(1.0, SUBJECT, Gossip((Alive(SUBJECT, 1),)))
-    assert not x.silenced(SUBJECT) and x.alerts_about(SUBJECT) == ()
+    assert x.alerts_about(SUBJECT) == () and x.silent_alerts_about(SUBJECT) == ()
 
 
-def test_one_plain_alert_among_the_silent_ones_keeps_the_refutation_window():
+def test_silence_about_an_incarnation_is_forgotten_when_a_newer_one_is_accused():
+    # A plain alert about the refuted incarnation can arrive before the refutation itself: the
+    # silence of the old incarnation must not carry over to it (it would waive the refutation
+    # window of a member whose loop is merely stalled).
     x = make_member(6, CONFIG, params=NO_ALERTS)
     observers = sorted(OBSERVERS)
-    x.receive(0.1, observers[0], alert_from(observers[0]))
-    for observer in observers[1:]:
-        x.receive(0.2, observer, Gossip((Alert(observer, SUBJECT, 0, True),)))
-    assert len(x.alerts_about(SUBJECT)) == len(observers)
-    assert not x.silenced(SUBJECT)
+    for observer in observers:
+        x.receive(0.1, observer, Gossip((Alert(observer, SUBJECT, 0, True),)))
+    x.receive(0.5, observers[0], Gossip((Alert(observers[0], SUBJECT, 1),)))
+    x.receive(0.6, SUBJECT, Gossip((Alive(SUBJECT, 1),)))  # late: changes nothing now
+    assert x.alerts_about(SUBJECT) == (observers[0],)
+    assert x.silent_alerts_about(SUBJECT) == ()
 
 
 def _first_sent(fleet: Fleet, kind: type) -> list[tuple[float, int]]:
@@ -1332,6 +1337,29 @@ def test_a_member_every_needed_observer_finds_silent_is_voted_out_after_exit_set
     for i in range(1, 8):
         (decided,) = _decisions(fleet, i)
         assert decided.round == 0 and 8 not in fleet[i].configuration
+
+
+def test_two_stopped_members_that_observe_each_other_are_both_voted_out_after_exit_settle_s():
+    # Each is an observer of the other and cannot alert: its alert counts implicitly (Rapid
+    # section 4.2), and every observer that can speak found it silent.
+    fleet = Fleet(8, params=NO_ALERTS)
+    config = fleet[1].configuration
+    a, b = next((a, b) for a in range(1, 9) for b in range(a + 1, 9)
+                if a in config.observers_of(b) and b in config.observers_of(a))
+    fleet.run_until(3.0)
+    fleet.down |= {a, b}
+    for stopped, other in ((a, b), (b, a)):
+        _silenced_at(fleet, stopped, [o for o in config.observers_of(stopped) if o != other],
+                     3.0)
+    p = NO_ALERTS
+    fleet.run_until(3.0 + p.exit_settle_s + p.classic_timeout_s + p.classic_spread_s + 0.1)
+    votes = _first_sent(fleet, Vote)
+    assert votes and votes[0][0] == 3.0 + p.exit_settle_s
+    # Six voters of eight cannot make the fast quorum (7): a classic round decides.
+    for i in [i for i in range(1, 9) if i not in (a, b)]:
+        (decided,) = _decisions(fleet, i)
+        assert decided.round >= 1 and a not in fleet[i].configuration
+        assert b not in fleet[i].configuration
 
 
 def test_a_member_only_some_observers_find_silent_keeps_its_refutation_window():

@@ -64,7 +64,11 @@ PULSE_SERVICE = "pulse"
 every configuration of the process)."""
 PULSE_LOOKUP_S = 5.0
 """How long an observer asks a new subject for its pulse port. A member without a responder
-(not built) is answered "not registered" after ``SERVICE_HOLD_S``; it is watched the old way."""
+(not built) is answered "not registered" after ``SERVICE_HOLD_S``; it is watched the old way
+meanwhile, and asked again after ``PULSE_RELOOKUP_S``."""
+PULSE_RELOOKUP_S = 10.0
+"""Pause before asking a subject whose pulse port was not found again (it may have been stopped
+or starting): one held request per observer and subject every ~11 s at most."""
 PULSE_LABEL = b"torchpass_p2p pulse v1"
 """HKDF label of the pulse secrets (``Keyring.derive_secrets``)."""
 
@@ -173,7 +177,8 @@ class AgentRuntime:
         """This process's pulse responder (``settings.pulse`` and built), else None."""
         self._prober: PulseProber | None = None
         self._pulse_ports: dict[MemberId, int | None] = {}
-        """Subjects' pulse ports as looked up (None: they have no responder)."""
+        """Subjects' pulse ports as looked up (None: not found yet)."""
+        self._pulse_lookups: dict[MemberId, asyncio.Task[None]] = {}
         self._pulse_watched: tuple[int, tuple[MemberId, ...]] | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -260,10 +265,11 @@ class AgentRuntime:
                      exc_info=self.failure)
         self._own(self.stop(leave=False))
 
-    def _own(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _own(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # ------------------------------------------------------------------ queries
 
@@ -729,10 +735,13 @@ class AgentRuntime:
         subjects = set(member.subjects) if not (member.removed or member.left) else set()
         for gone in [m for m in self._pulse_ports if m not in subjects]:
             del self._pulse_ports[gone]
+            lookup = self._pulse_lookups.pop(gone, None)
+            if lookup is not None:
+                lookup.cancel()
         for subject in subjects:
             if subject not in self._pulse_ports:
                 self._pulse_ports[subject] = None
-                self._own(self._look_up_pulse(subject))
+                self._pulse_lookups[subject] = self._own(self._look_up_pulse(subject))
         self._point_prober()
 
     def _point_prober(self) -> None:
@@ -745,16 +754,20 @@ class AgentRuntime:
         prober.watch(targets)
 
     async def _look_up_pulse(self, subject: MemberId) -> None:
-        try:
-            _, port = await self.lookup_service(subject, PULSE_SERVICE, 0,
-                                                timeout_s=PULSE_LOOKUP_S)
-        except TransportError as exc:
-            log.info("no pulse responder found for %016x (%s): watched by probes alone",
-                     subject, exc)
-            return
-        if subject in self._pulse_ports:  # still a subject
+        """Until ``subject``'s pulse port is found; cancelled when it stops being a subject."""
+        while True:
+            try:
+                _, port = await self.lookup_service(subject, PULSE_SERVICE, 0,
+                                                    timeout_s=PULSE_LOOKUP_S)
+            except TransportError as exc:
+                log.info("no pulse responder found for %016x (%s): watched by probes alone, "
+                         "asking again in %.0f s", subject, exc, PULSE_RELOOKUP_S)
+                await asyncio.sleep(PULSE_RELOOKUP_S)
+                continue
+            self._pulse_lookups.pop(subject, None)
             self._pulse_ports[subject] = port
             self._point_prober()
+            return
 
     def _on_silent(self, subject: MemberId) -> None:
         member = self.member

@@ -36,7 +36,8 @@ class Suspected:
     started_at: float
     """When the first of them arrived (seconds)."""
     silent: int
-    """How many of them were raised on a silent pulse (:attr:`Alert.silent`)."""
+    """How many of them were raised on a silent pulse (:attr:`Alert.silent`): each observer
+    that says so found the subject's whole process stopped, not its loop stalled."""
 
     def __init__(self, observers: tuple[MemberId, ...], started_at: float,
                  silent: int = 0) -> None:
@@ -55,13 +56,17 @@ class Proposal:
     unstable: tuple[MemberId, ...]
     reason: str
     recheck_at: float
+    silenced: tuple[MemberId, ...]
+    """Members the cut removes that every observer able to speak found silent: owed no
+    refutation window (``Params.refutation_window_s``), for their process does not run."""
 
     def __init__(self, cut: Cut | None, unstable: tuple[MemberId, ...], reason: str,
-                 recheck_at: float = math.inf) -> None:
+                 recheck_at: float = math.inf, silenced: tuple[MemberId, ...] = ()) -> None:
         self.cut = cut
         self.unstable = unstable
         self.reason = reason
         self.recheck_at = recheck_at
+        self.silenced = silenced
 
 
 def propose_cut(
@@ -90,7 +95,9 @@ def propose_cut(
             the subject's distinct observers over K = H + 1 when it has fewer than K.
         min_window_s: a subject with H alerts still waits this long after its first alert, so
             it keeps Lifeguard's shortest refutation window (``Params.suspicion_min_s``),
-            unless H of them are silent (its process does not run: nothing to refute).
+            unless it is *silenced*: H of its alerts are silent, implicit ones included (an
+            observer that is itself failing cannot alert, Rapid section 4.2), so every
+            observer that can speak found its process stopped and nothing will refute.
         max_removed, max_joined: the most of each one cut carries (the codec's limits); the
             rest waits for the next configuration, smallest member ids first.
 
@@ -99,13 +106,17 @@ def propose_cut(
         unstable; ``recheck_at`` is when a subject that has its alerts finishes its window.
     """
     stable = {m for m in gone if m in config}
+    silenced: set[MemberId] = set()
     partial: dict[MemberId, int] = {}
     for subject, s in suspected.items():
         if subject in stable or subject not in config:
             continue
         alerts = len(s.observers)
         needed = alerts_needed(config, subject, high)
-        if alerts >= needed and (now - s.started_at >= min_window_s or s.silent >= needed):
+        if alerts >= needed and s.silent >= needed:
+            stable.add(subject)
+            silenced.add(subject)
+        elif alerts >= needed and now - s.started_at >= min_window_s:
             stable.add(subject)
         elif alerts >= _low(config, subject, low, high):
             partial[subject] = alerts
@@ -118,7 +129,12 @@ def propose_cut(
         explicit = set(s.observers)
         implicit = sum(1 for o in config.observers_of(subject)
                        if o in failing and o not in explicit)
-        if partial[subject] + implicit >= alerts_needed(config, subject, high):
+        needed = alerts_needed(config, subject, high)
+        if s.silent + implicit >= needed:  # two stopped members that observe each other
+            stable.add(subject)
+            silenced.add(subject)
+            del partial[subject]
+        elif partial[subject] + implicit >= needed:
             ripe_at = s.started_at + min_window_s
             if now >= ripe_at:
                 stable.add(subject)
@@ -133,7 +149,8 @@ def propose_cut(
         return Proposal(None, (), "nothing to change")
     removed = tuple(sorted(stable))[:max_removed]
     cut = Cut(removed, tuple(joined[:max_joined]))
-    return Proposal(cut, (), f"remove {len(removed)}, join {len(cut.joined)}")
+    return Proposal(cut, (), f"remove {len(removed)}, join {len(cut.joined)}", math.inf,
+                    tuple(m for m in removed if m in silenced))
 
 
 def alerts_needed(config: Configuration, subject: MemberId, high: int) -> int:

@@ -47,7 +47,6 @@ from typing import TYPE_CHECKING, Final
 from . import events as ev
 from .agreement import Consensus
 from .configuration import Configuration
-from .cut import alerts_needed
 from .errors import LocalProtocolError
 from .hashing import mix_triple
 from .messages import (
@@ -146,7 +145,7 @@ class _Suspicion:
         self.started_at = started_at
         self.expected = expected
         self.observers: dict[MemberId, None] = {}  # insertion-ordered set
-        self.silent = 0  # how many of those alerts were raised on a silent pulse (Alert.silent)
+        self.silent: dict[MemberId, None] = {}  # observers whose alert was silent (Alert.silent)
         self.deadline = _INF
         self.heard_since = heard_since  # an ack from the subject after this postpones conviction
 
@@ -271,9 +270,6 @@ class Member:
         self._cut_dirty = False  # the view changed since the last cut detection
         self._unreachable = 0  # members of the configuration our view holds suspect or worse
         self._accused_at: dict[MemberId, float] = {}  # first alert or verdict we heard of
-        # Subjects whose removal needs no refutation window: as many of their observers as a
-        # removal needs found them silent (report_silent). Until refuted or gone.
-        self._silenced: dict[MemberId, float] = {}
         self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
         self._in_contact = True  # heard from at least half our neighbours lately
         self._set_configuration(configuration)
@@ -555,10 +551,11 @@ class Member:
         whose pulses it should watch (:meth:`report_silent`)."""
         return self._subjects
 
-    def silenced(self, member: MemberId) -> bool:
-        """Whether ``member``'s removal is owed no refutation window here: as many of its
-        observers as a removal needs raised silent alerts about its current incarnation."""
-        return member in self._silenced
+    def silent_alerts_about(self, subject: MemberId) -> tuple[MemberId, ...]:
+        """Observers whose silent alerts (:meth:`report_silent`) about ``subject``'s current
+        incarnation this member holds."""
+        susp = self._suspicions.get(subject)
+        return tuple(susp.silent) if susp else ()
 
     def alerts_about(self, subject: MemberId) -> tuple[MemberId, ...]:
         """Observers whose alerts about ``subject``'s current incarnation this member holds."""
@@ -616,7 +613,7 @@ class Member:
         for member in [m for m in self._view if m not in config]:
             self._set_view(member, ALIVE, 0)
         for table in (self._suspicions, self._last_ack_from, self._alerted, self._confirmers,
-                      self._accused_at, self._silenced):
+                      self._accused_at):
             for member in [m for m in table if m not in config]:
                 del table[member]
         subjects = set(self._subjects)
@@ -797,6 +794,7 @@ class Member:
         observers = set(self._config.observers_of(subject))
         for observer in [o for o in susp.observers if o not in observers]:
             del susp.observers[observer]
+            susp.silent.pop(observer, None)
         if not susp.observers:
             del self._suspicions[subject]
             self._set_view(subject, ALIVE, susp.incarnation)  # back to unsuspected
@@ -827,9 +825,7 @@ class Member:
             return False
         susp.observers[alert.observer] = None
         if alert.silent:
-            susp.silent += 1
-            if susp.silent >= alerts_needed(self._config, subject, self.params.alerts_to_remove):
-                self._silenced.setdefault(subject, now)
+            susp.silent[alert.observer] = None
         self._cut_dirty = True
         self._set_deadline(subject, susp)
         self._emit(ev.AlertRaised(now, alert.observer, subject, inc))
@@ -877,7 +873,6 @@ class Member:
                 return False
             self._suspicions.pop(member, None)
             self._accused_at.pop(member, None)
-            self._silenced.pop(member, None)
             # A refutation is a sign of life: failed rounds against it are no longer
             # consecutive (else a member whose loop stalls twice in a row is accused early).
             self._failed_rounds.pop(member, None)

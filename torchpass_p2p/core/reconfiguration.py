@@ -220,7 +220,8 @@ class Reconfiguration:
                 if state >= DEAD and member != m.id]
         if m.left:
             gone.append(m.id)
-        suspected = {subject: Suspected(tuple(susp.observers), susp.started_at, susp.silent)
+        suspected = {subject: Suspected(tuple(susp.observers), susp.started_at,
+                                        len(susp.silent))
                      for subject, susp in m._suspicions.items()}
         proposal = propose_cut(
             m._config, gone=gone, suspected=suspected, joiners=self.joiners.values(),
@@ -239,7 +240,7 @@ class Reconfiguration:
             return
         if proposal.cut != self._proposal:
             self._proposal = proposal.cut
-            self._settle_at = self._ripe_at(now, proposal.cut)
+            self._settle_at = self._ripe_at(now, proposal.cut, proposal.silenced)
             return
         if now < self._settle_at:
             return
@@ -277,16 +278,17 @@ class Reconfiguration:
         return (len(kept) < fast_quorum(len(config)) and bool(kept)
                 and kept[0] == self._member.id)
 
-    def _ripe_at(self, now: float, cut: Cut) -> float:
+    def _ripe_at(self, now: float, cut: Cut, silenced: tuple[MemberId, ...] = ()) -> float:
         """When we may vote for ``cut``: it settled for ``cut_settle_s`` (``exit_settle_s`` if
         it only removes members that left, exited or went silent), and every member it removes
         that did not leave had ``refutation_window_s`` since we first heard it accused (DESIGN
         section 4: a stalled member must get to refute first), unless its observers found its
-        whole process silent (:meth:`Membership.report_silent`: a stalled loop still answers
-        pulses, so there is nobody to wait for)."""
+        whole process silent (``silenced``, from :func:`propose_cut`; see
+        ``Member.report_silent``: a stalled loop still answers pulses, so there is nobody to
+        wait for)."""
         m = self._member
         window = m.params.refutation_window_s
-        owed = [member for member in self._accused(cut) if not m.silenced(member)]
+        owed = [member for member in self._accused(cut) if member not in silenced]
         certain = not owed and not cut.joined
         ripe = now + (m.params.exit_settle_s if certain else m.params.cut_settle_s)
         for member in owed:
