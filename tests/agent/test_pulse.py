@@ -142,7 +142,7 @@ SECRETS = {7: bytes(range(32))}
 @needs_native
 async def test_the_prober_hears_a_live_responder_and_finds_a_closed_one_silent():
     silent: list[int] = []
-    prober = PulseProber(7, SECRETS, silent.append, clock=time.monotonic)
+    prober = PulseProber(99, 7, SECRETS, silent.append, clock=time.monotonic)
     alive = pulse_wire.PulseResponder.start("127.0.0.1", 11, SECRETS)
     gone = pulse_wire.PulseResponder.start("127.0.0.1", 12, SECRETS)
     try:
@@ -166,7 +166,7 @@ async def test_the_prober_hears_a_live_responder_and_finds_a_closed_one_silent()
 @needs_native
 async def test_pongs_under_another_key_are_not_a_sign_of_life():
     silent: list[int] = []
-    prober = PulseProber(7, SECRETS, silent.append, clock=time.monotonic)
+    prober = PulseProber(99, 7, SECRETS, silent.append, clock=time.monotonic)
     other = pulse_wire.PulseResponder.start("127.0.0.1", 11, {7: bytes(32)})
     try:
         await prober.start("127.0.0.1")

@@ -29,6 +29,7 @@ from torchpass_p2p.agent.pulse_wire import (
     decode_pong,
     encode_ping,
     encode_pong,
+    ping_nonce,
 )
 
 if not pulse_wire.NATIVE:
@@ -44,11 +45,12 @@ KID = 7
 SECRET = bytes(range(32))
 MEMBER = 0x0123_4567_89AB_CDEF
 DEADLINE_S = 10.0  # a timeout for what takes milliseconds, generous for a loaded CI machine
-ZERO = {"answered": 0, "malformed": 0, "unknown_key": 0, "bad_tag": 0, "send_errors": 0,
-        "receive_errors": 0}
+ZERO = {"answered": 0, "malformed": 0, "unknown_key": 0, "bad_tag": 0, "replayed": 0,
+        "send_errors": 0, "receive_errors": 0}
 
 
 def nonce(i: int) -> bytes:
+    """The ``i``-th ping (from 1) of prober 0."""
     return i.to_bytes(16, "big")
 
 
@@ -92,6 +94,27 @@ def test_valid_ping_gets_the_pong_python_computes(responder: PulseResponder,
     assert pong == encode_pong(KID, SECRET, nonce(1), MEMBER)
     assert decode_pong(pong, {KID: SECRET}) == (nonce(1), MEMBER)
     assert counts_after(responder, 1) == {**ZERO, "answered": 1}
+
+
+def test_a_replayed_ping_is_dropped_and_a_newer_one_answered(responder: PulseResponder,
+                                                              client: socket.socket) -> None:
+    address = ("127.0.0.1", responder.port)
+    first, older, newer = ping_nonce(7, 5), ping_nonce(7, 3), ping_nonce(7, 6)
+    client.sendto(encode_ping(KID, SECRET, first), address)
+    assert decode_pong(recv(client), {KID: SECRET}) == (first, MEMBER)
+    for replay in (first, older, first):  # the same ping again, then an older one
+        client.sendto(encode_ping(KID, SECRET, replay), address)
+    client.sendto(encode_ping(KID, SECRET, ping_nonce(8, 1)), address)  # another prober
+    # A forgery with a far sequence fails its tag and must not move prober 7's last one.
+    client.sendto(encode_ping(KID, bytes(32), ping_nonce(7, 1000)), address)
+    client.sendto(encode_ping(KID, SECRET, newer), address)
+    replies = [decode_pong(recv(client), {KID: SECRET}) for _ in range(2)]
+    assert replies == [(ping_nonce(8, 1), MEMBER), (newer, MEMBER)]
+    assert counts_after(responder, 3) == {**ZERO, "answered": 3, "replayed": 3, "bad_tag": 1}
+    client.sendto(encode_ping(KID, SECRET, ping_nonce(9, 0)), address)  # sequences start at 1
+    client.sendto(encode_ping(KID, SECRET, ping_nonce(9, 1)), address)
+    assert decode_pong(recv(client), {KID: SECRET}) == (ping_nonce(9, 1), MEMBER)
+    assert counts_after(responder, 4) == {**ZERO, "answered": 4, "replayed": 4, "bad_tag": 1}
 
 
 def test_ipv6() -> None:
@@ -139,7 +162,7 @@ def test_bad_datagram_gets_no_reply_and_its_counter(name: str, responder: PulseR
 def test_two_keys_each_answered_under_its_own_id(client: socket.socket) -> None:
     secrets = {1: b"a" * 32, 200: b"b" * 32}
     with PulseResponder.start("127.0.0.1", 42, secrets) as r:
-        for i, (kid, secret) in enumerate(secrets.items()):
+        for i, (kid, secret) in enumerate(secrets.items(), start=1):
             client.sendto(encode_ping(kid, secret, nonce(i)), ("127.0.0.1", r.port))
             assert recv(client) == encode_pong(kid, secret, nonce(i), 42)
         assert counts_after(r, 2) == {**ZERO, "answered": 2}

@@ -7,6 +7,7 @@
  * cut off. The wire format is documented, and mirrored, in pulse_wire.py.
  *
  * ping, 37 bytes: "TPp1" | key id (1) | nonce (16) | HMAC-SHA256(key, first 21 bytes)[:16]
+ *                 nonce = prober's member id (8, big-endian) | sequence (8, big-endian)
  * pong, 45 bytes: "TPq1" | key id (1) | nonce (16) | member (8, big-endian)
  *                 | HMAC-SHA256(key, first 29 bytes)[:16]
  */
@@ -38,14 +39,24 @@
 #define PONG_BYTES (MAGIC_BYTES + 1 + NONCE_BYTES + 8 + TAG_BYTES) /* 45 */
 /* Datagrams read per poll wake-up: under a flood, stop() is still seen after at most this many. */
 #define BATCH 64
+/* Probers whose last sequence is remembered (a member has at most K = 10 observers; a slot is
+ * found among PROBES neighbours of its hash, else the first of them is taken over). */
+#define PROBERS 256
+#define PROBES 8
 
 static const unsigned char PING_MAGIC[MAGIC_BYTES] = {'T', 'P', 'p', '1'};
 static const unsigned char PONG_MAGIC[MAGIC_BYTES] = {'T', 'P', 'q', '1'};
 
-enum { ANSWERED, MALFORMED, UNKNOWN_KEY, BAD_TAG, SEND_ERRORS, RECEIVE_ERRORS, NCOUNTS };
+enum { ANSWERED, MALFORMED, UNKNOWN_KEY, BAD_TAG, REPLAYED, SEND_ERRORS, RECEIVE_ERRORS,
+       NCOUNTS };
 static const char *const COUNT_NAMES[NCOUNTS] = {
-    "answered", "malformed", "unknown_key", "bad_tag", "send_errors", "receive_errors",
+    "answered", "malformed", "unknown_key", "bad_tag", "replayed", "send_errors",
+    "receive_errors",
 };
+
+typedef struct {
+    uint64_t prober, seq; /* seq 0: empty (probers count from 1) */
+} Seen;
 
 typedef struct Responder {
     PyObject_HEAD
@@ -62,6 +73,7 @@ typedef struct Responder {
     int running;             /* __atomic; cleared when the thread exits */
     pthread_mutex_t lock;    /* serializes stop() callers (held with the GIL released) */
     uint64_t counts[NCOUNTS]; /* __atomic, relaxed: statistics only */
+    Seen seen[PROBERS];      /* the serving thread's own: the last sequence of each prober */
     struct Responder *prev, *next; /* in `running_list` while registered; under list_lock */
     int listed;
 } Responder;
@@ -115,6 +127,50 @@ static int tag16(const unsigned char *key, const unsigned char *data, size_t n,
     return 1;
 }
 
+static uint64_t be64(const unsigned char *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* The slot of `prober` in the table of last sequences, or NULL; `home` gets where to look. */
+static Seen *find_prober(Responder *self, uint64_t prober, size_t *home) {
+    *home = (size_t)((prober * 0x9E3779B97F4A7C15ULL) >> 56) % PROBERS;
+    for (int i = 0; i < PROBES; i++) {
+        Seen *slot = &self->seen[(*home + i) % PROBERS];
+        if (slot->seq != 0 && slot->prober == prober)
+            return slot;
+    }
+    return NULL;
+}
+
+/* 0 for a replay: a sequence not above the last one its prober sent (or 0). Checked before
+ * the tag, so that a flood of a captured ping costs a lookup, not an HMAC, and is never
+ * answered (no reflection): an old sequence is refused whether or not its tag is good. */
+static int fresh(Responder *self, const unsigned char *nonce) {
+    size_t home;
+    uint64_t seq = be64(nonce + 8);
+    Seen *slot = find_prober(self, be64(nonce), &home);
+    return seq != 0 && (slot == NULL || seq > slot->seq);
+}
+
+/* After the tag verified: the nonce's sequence is its prober's last. */
+static void remember(Responder *self, const unsigned char *nonce) {
+    size_t home;
+    uint64_t prober = be64(nonce);
+    Seen *slot = find_prober(self, prober, &home);
+    for (int i = 0; slot == NULL && i < PROBES; i++) {
+        Seen *candidate = &self->seen[(home + i) % PROBERS];
+        if (candidate->seq == 0)
+            slot = candidate;
+    }
+    if (slot == NULL)
+        slot = &self->seen[home]; /* full around home: take over its first slot */
+    slot->prober = prober;
+    slot->seq = be64(nonce + 8);
+}
+
 /* Checks one datagram; answers it if it is a valid ping, else counts why it was dropped. */
 static void answer(Responder *self, const unsigned char *ping, ssize_t n,
                    const struct sockaddr_storage *peer, socklen_t peer_len) {
@@ -129,12 +185,18 @@ static void answer(Responder *self, const unsigned char *ping, ssize_t n,
         return;
     }
     const unsigned char *key = self->keys[kid];
+    const unsigned char *nonce = ping + MAGIC_BYTES + 1;
+    if (!fresh(self, nonce)) {
+        bump(self, REPLAYED);
+        return;
+    }
     size_t signed_bytes = PING_BYTES - TAG_BYTES;
     if (!tag16(key, ping, signed_bytes, tag)
         || CRYPTO_memcmp(tag, ping + signed_bytes, TAG_BYTES) != 0) {
         bump(self, BAD_TAG);
         return;
     }
+    remember(self, nonce);
     memcpy(pong, PONG_MAGIC, MAGIC_BYTES);
     memcpy(pong + MAGIC_BYTES, ping + MAGIC_BYTES, 1 + NONCE_BYTES);
     for (int i = 0; i < 8; i++)

@@ -16,8 +16,8 @@ injected source); :class:`PulseProber` puts it on a UDP socket of the agent's lo
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import os
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId
 
-from .pulse_wire import NONCE_BYTES, decode_pong, encode_ping
+from .pulse_wire import decode_pong, encode_ping, ping_nonce
 
 __all__ = ["PULSE_INTERVAL_S", "PULSE_MISSES", "PULSE_TIMEOUT_S", "PulseProber", "PulseTracker"]
 
@@ -198,13 +198,15 @@ class PulseProber(asyncio.DatagramProtocol):
     """A :class:`PulseTracker` on a UDP socket of the running loop.
 
     Args:
+        prober: this member's id: with a sequence from 1, each ping's nonce
+            (:func:`~.pulse_wire.ping_nonce`; responders drop a sequence they saw).
         kid, secrets: the key id pings are sent under and every key id's pulse secret (pongs
             under any of them are accepted: a key rotation moves the primary first).
         on_silent: called on the loop with each member that went silent.
         clock: monotonic seconds.
     """
 
-    def __init__(self, kid: int, secrets: Mapping[int, bytes],
+    def __init__(self, prober: MemberId, kid: int, secrets: Mapping[int, bytes],
                  on_silent: Callable[[MemberId], None], *,
                  clock: Callable[[], float], tracker: PulseTracker | None = None) -> None:
         self._kid = kid
@@ -212,7 +214,8 @@ class PulseProber(asyncio.DatagramProtocol):
         self._secrets = dict(secrets)
         self._on_silent = on_silent
         self._clock = clock
-        self.tracker = tracker or PulseTracker(lambda: os.urandom(NONCE_BYTES))
+        sequence = itertools.count(1)
+        self.tracker = tracker or PulseTracker(lambda: ping_nonce(prober, next(sequence)))
         self._transport: asyncio.DatagramTransport | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()

@@ -9,13 +9,17 @@ that is stopped (SIGSTOP, cgroup freeze), dead or cut off does not.
 Wire format (fixed binary, big-endian; HMAC is HMAC-SHA256, RFC 2104, truncated to 16 bytes):
 
     ping, 37 bytes: b"TPp1" | key id (1) | nonce (16) | HMAC(keys[key id], bytes 0..20)[:16]
+                    nonce = prober's member id (8, unsigned) | sequence (8, unsigned, from 1)
     pong, 45 bytes: b"TPq1" | key id (1) | the ping's nonce (16) | member id (8, unsigned)
                     | HMAC(keys[key id], bytes 0..28)[:16]
 
 The responder answers a ping only if it has exactly 37 bytes, the magic, a known key id and a
 tag that verifies (compared in constant time); it answers under the same key id and counts every
-dropped datagram by reason. Secrets are 32 bytes. The nonce is the prober's, random per ping; the
-prober matches a pong to its outstanding ping by nonce, so a replayed pong proves nothing.
+dropped datagram by reason. Secrets are 32 bytes. A ping whose sequence is not above the last
+one its prober sent (:func:`ping_nonce`) is a replay: dropped and counted, not answered, so a
+captured ping sent again can neither reflect pongs at a spoofed address nor crowd out the
+prober's real pings. The prober matches a pong to its outstanding ping by nonce, so a replayed
+pong proves nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ except ImportError:  # not built: scripts/build-native
 __all__ = [
     "KEY_BYTES", "NATIVE", "NONCE_BYTES", "PING_BYTES", "PING_MAGIC", "PONG_BYTES",
     "PONG_MAGIC", "TAG_BYTES", "PulseResponder", "PulseUnavailable", "available",
-    "decode_pong", "encode_ping", "encode_pong",
+    "decode_pong", "encode_ping", "encode_pong", "ping_nonce",
 ]
 
 PING_MAGIC = b"TPp1"
@@ -72,6 +76,12 @@ def _check(kid: int, secret: bytes, nonce: bytes) -> None:
         raise ValueError(f"secret must be {KEY_BYTES} bytes, not {len(secret)}")
     if len(nonce) != NONCE_BYTES:
         raise ValueError(f"nonce must be {NONCE_BYTES} bytes, not {len(nonce)}")
+
+
+def ping_nonce(prober: int, seq: int) -> bytes:
+    """The nonce of the ``seq``-th ping (1, 2, ...) of prober ``prober`` (a member id): 16
+    bytes. Raises ``OverflowError`` outside 0..2**64-1."""
+    return _MEMBER.pack(prober) + _MEMBER.pack(seq)
 
 
 def encode_ping(kid: int, secret: bytes, nonce: bytes) -> bytes:
@@ -144,8 +154,8 @@ class PulseResponder:
 
     def counts(self) -> dict[str, int]:
         """Datagrams by outcome since start: ``answered``, ``malformed`` (wrong length or
-        magic), ``unknown_key``, ``bad_tag``, ``send_errors``, ``receive_errors``. After
-        :meth:`close`, the final counts."""
+        magic), ``unknown_key``, ``bad_tag``, ``replayed``, ``send_errors``,
+        ``receive_errors``. After :meth:`close`, the final counts."""
         if self._responder is None:
             return dict(self._final)
         return self._responder.counts()

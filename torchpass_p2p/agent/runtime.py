@@ -223,8 +223,8 @@ class AgentRuntime:
             self._start_health()
         if self.settings.pulse:
             secrets = self.settings.keyring.derive_secrets(PULSE_LABEL)
-            self._prober = PulseProber(self.settings.keyring.primary_id, secrets,
-                                       self._on_silent, clock=self._clock)
+            self._prober = PulseProber(self.member_id, self.settings.keyring.primary_id,
+                                       secrets, self._on_silent, clock=self._clock)
             await self._prober.start(self.address[0])
         self._driver = asyncio.create_task(self._drive(), name=f"agent-{self.member_id:016x}")
         self._driver.add_done_callback(self._driver_ended)
