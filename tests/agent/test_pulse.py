@@ -202,6 +202,10 @@ async def test_a_crashed_agents_observers_find_it_silent_and_remove_it_without_a
         survivors = cluster.live()
         await cluster.until(lambda: all(a.configuration.config_id == 1 for a in survivors),
                             timeout_s=20)
+        # ...and watch the subjects the new configuration gives them (looked up anew).
+        await cluster.until(lambda: all(
+            a.status()["pulse"]["watching"] == len(a.member.subjects) for a in survivors),
+            timeout_s=10)
         config = survivors[0].configuration
         assert 2 not in config and config.ranks[1] == 5  # the spare took rank 1
         assert {a.configuration for a in survivors} == {config}
@@ -209,6 +213,9 @@ async def test_a_crashed_agents_observers_find_it_silent_and_remove_it_without_a
             reported = a.counters().get("silences_reported", 0)
             assert reported == (1 if a.member_id in observers else 0), a.member_id
             assert a.counters()["pulse_responder_answered"] > 0
+            pulse = a.status()["pulse"]
+            assert pulse["responder_port"] == a.pulse.port
+            assert pulse["silent"] == []
     finally:
         await cluster.stop()
 
@@ -218,6 +225,8 @@ async def test_without_the_pulse_setting_nothing_pulses():
     await cluster.start()
     try:
         assert all(a.pulse is None and a._prober is None for a in cluster.live())
+        assert all(a.status()["pulse"] == {"responder_port": None, "watching": 0, "silent": []}
+                   for a in cluster.live())
         assert all(not any(k.startswith("pulse") for k in a.counters()) for a in cluster.live())
     finally:
         await cluster.stop()

@@ -419,6 +419,12 @@ class AgentRuntime:
             "health": self._health.status() if self._health is not None else
             {"enabled": False, "reason": "disabled by settings"},
             "counters": self.counters(),
+            "pulse": {
+                "responder_port": self.pulse.port if self.pulse is not None else None,
+                "watching": len(self._prober.tracker.targets) if self._prober else 0,
+                "silent": sorted(format_member_id(m) for m in self._prober.tracker.silent)
+                if self._prober else [],
+            },
         }
 
     def counters(self) -> dict[str, int]:

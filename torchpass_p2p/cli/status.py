@@ -13,7 +13,8 @@ The ``/status`` document (built by the runtime)::
                   "state": "alive"|"suspect"|"dead"|"left", "incarnation": int,
                   "address": "host:port"}, ...],
      "recent_events": [{"at": float, "type": str, "detail": str}, ...],
-     "health": {...}, "counters": {str: int}}
+     "health": {...}, "counters": {str: int},
+     "pulse": {"responder_port": int|null, "watching": int, "silent": ["<16 hex>", ...]}}
 """
 
 from __future__ import annotations
@@ -141,6 +142,13 @@ def _print_table(status: dict[str, Any]) -> None:
         ("  step ", "dim"), str(status.get("step", "?")),
         ("  member ", "dim"), f"{me} ({mine})",
     )
+    pulse = status.get("pulse")
+    if isinstance(pulse, dict):
+        header.append("  pulse ", style="dim")
+        header.append("on" if pulse.get("responder_port") else "off")
+        silent = pulse.get("silent")
+        if isinstance(silent, list) and silent:
+            header.append(f"  silent {' '.join(map(str, silent))}", style="bold yellow")
     if status.get("fenced"):
         header.append("  FENCED", style="bold red")
     console.print(header)
