@@ -134,11 +134,15 @@ def _stacks_then_kill(proc: subprocess.Popen[bytes], chunks: list[bytes]) -> Non
         remove_run_dir(found.group(1))
 
 
-def loss_curve(final: dict[str, Any], points: int = 8) -> str:
-    losses = [final["losses"][k] for k in sorted(final["losses"], key=int)]
-    n = len(losses)
+def loss_curve(finals: list[dict[str, Any]], points: int = 8) -> str:
+    """``points`` steps of the mean loss over ranks, which every rank logs alike for the steps
+    it trained: merged over the finals, as a spare that took a rank logged only the steps
+    after it joined."""
+    by_step = {int(k): v for final in finals for k, v in final["losses"].items()}
+    steps = sorted(by_step)
+    n = len(steps)
     marks = sorted({round(i * (n - 1) / (points - 1)) for i in range(points)})
-    return "  ".join(f"step {i}: {losses[i]:.3f}" for i in marks)
+    return "  ".join(f"step {steps[i]}: {by_step[steps[i]]:.3f}" for i in marks)
 
 
 def _s(v: float | None) -> str:
@@ -153,9 +157,9 @@ def report(clean: Run, faulty: Run, steps: int) -> tuple[list[str], bool]:
                      f"{len(run.finals)} ranks finished")
         ok &= run.code == 0 and len(run.finals) > 0
     if clean.finals:
-        lines.append("loss (fault-free, mean over ranks): " + loss_curve(clean.finals[0]))
+        lines.append("loss (fault-free, mean over ranks): " + loss_curve(clean.finals))
     if faulty.finals:
-        lines.append("loss (with faults):                 " + loss_curve(faulty.finals[0]))
+        lines.append("loss (with faults):                 " + loss_curve(faulty.finals))
     timelines: list[FaultTimeline] = recoveries(faulty.events)
     lines.append("recovery timeline, seconds after the fault:")
     lines.append("  fault                      config  detected  decided  transferred  "

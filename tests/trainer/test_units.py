@@ -260,3 +260,12 @@ def _state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return ""
+
+
+def test_the_main_jobs_loss_curve_merges_the_ranks_and_labels_real_steps() -> None:
+    from examples.main_job import loss_curve
+
+    spare = {"losses": {"2": 3.0, "3": 2.0}}  # took a rank at step 2: listed first, say
+    rank = {"losses": {"0": 5.0, "1": 4.0, "2": 3.0}}
+    assert loss_curve([spare, rank], points=4) == (
+        "step 0: 5.000  step 1: 4.000  step 2: 3.000  step 3: 2.000")
