@@ -57,8 +57,9 @@ class PulseTracker:
     """Which pings to send, which went unanswered, and which subjects are silent.
 
     Args:
-        nonce: returns a fresh nonce of :data:`~.pulse_wire.NONCE_BYTES` bytes (random in use;
-            a counter in tests, so that runs repeat exactly).
+        nonce: returns a fresh nonce of :data:`~.pulse_wire.NONCE_BYTES` bytes (in use the
+            prober's id and a sequence, :func:`~.pulse_wire.ping_nonce`; the simulator's and
+            the tests' are counters, so that runs repeat exactly).
         interval_s, timeout_s, misses, stall_tolerance_s: see the module's constants.
     """
 
