@@ -100,8 +100,10 @@ def test_s03_a_paused_rank_is_replaced_once_fenced_on_waking_and_never_trains_ag
         wait_for(lambda: any(events(run.records()[s], "role") for s in spares), 20,
                  "a spare promoted")
         time.sleep(max(0.0, stopped_at + 8.0 - time.time()))  # past the 5 s lease
-        os.kill(pid, signal.SIGCONT)
+        # Taken before the signal: the victim may run (and log) on the other core before
+        # kill() returns, and nothing it logs after this instant was logged while stopped.
         resumed_at = time.time()
+        os.kill(pid, signal.SIGCONT)
         wait_for(lambda: events(run.records()[victim], "role"), 15, "the victim learning")
         time.sleep(1.0)
     finally:
