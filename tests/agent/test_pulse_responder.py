@@ -51,7 +51,7 @@ ZERO = {"answered": 0, "malformed": 0, "unknown_key": 0, "bad_tag": 0, "replayed
 
 def nonce(i: int) -> bytes:
     """The ``i``-th ping (from 1) of prober 0."""
-    return i.to_bytes(16, "big")
+    return ping_nonce(0, i)
 
 
 def until(predicate: Callable[[], bool]) -> None:

@@ -180,6 +180,8 @@ class AgentRuntime:
         """Subjects' pulse ports as looked up (None: not found yet)."""
         self._pulse_lookups: dict[MemberId, asyncio.Task[None]] = {}
         self._pulse_watched: tuple[int, tuple[MemberId, ...]] | None = None
+        self._pulse_secrets = settings.keyring.derive_secrets(PULSE_LABEL)
+        """Key id -> pulse secret, for the responder and the prober alike."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -222,9 +224,8 @@ class AgentRuntime:
         if s.health:
             self._start_health()
         if self.settings.pulse:
-            secrets = self.settings.keyring.derive_secrets(PULSE_LABEL)
             self._prober = PulseProber(self.member_id, self.settings.keyring.primary_id,
-                                       secrets, self._on_silent, clock=self._clock)
+                                       self._pulse_secrets, self._on_silent, clock=self._clock)
             await self._prober.start(self.address[0])
         self._driver = asyncio.create_task(self._drive(), name=f"agent-{self.member_id:016x}")
         self._driver.add_done_callback(self._driver_ended)
@@ -724,8 +725,7 @@ class AgentRuntime:
                         "vanished member is removed after the 3.1 s a stalled one is owed")
             return
         assert self.address is not None
-        secrets = self.settings.keyring.derive_secrets(PULSE_LABEL)
-        self.pulse = PulseResponder.start(self.address[0], self.member_id, secrets)
+        self.pulse = PulseResponder.start(self.address[0], self.member_id, self._pulse_secrets)
         self.register_service(PULSE_SERVICE, 0, self.pulse.port)
 
     def _watch_pulses(self) -> None:
