@@ -42,7 +42,10 @@ GB = 1e9 bytes. A source's one-time costs per published snapshot, paid before th
 ``source_chunk_mac_s`` (the inner chunk MACs). ``receiver_cpu_s_per_gb`` and
 ``source_cpu_s_per_gb`` (medians, user + system CPU of the receiving process and of the serving
 source per GB moved) say where the time goes; on a shared machine they vary less than the
-rates. Figures only: nothing here asserts a time.
+rates. ``mac_gb_per_s``: one core's rate of the receiver's per-byte MAC (GMAC) on this CPU,
+with ``cpu_model`` and ``cpu_has_vpclmulqdq``; where the MAC is slow, ``ratio_vs_raw`` is lower
+(session 16: 0.79 with GMAC at ~5 GB/s, against 0.97-0.99 at 14-21 GB/s in sessions 7-8).
+Figures only: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks import links
-from torchpass_p2p.transfer import Snapshot, TransferKeys, TransferServer, fetch
+from torchpass_p2p.transfer import Snapshot, TransferKeys, TransferServer, chunkmac, fetch
 from torchpass_p2p.transfer.client import RECV_PIECE_BYTES
 from torchpass_p2p.transfer.frames import set_buffers
 from torchpass_p2p.transfer.pg_transport import PgTransport
@@ -264,6 +267,35 @@ def _raw_recv(port: int, views: list[memoryview], piece: int = RECV_PIECE_BYTES,
                 pos += n
 
 
+def _mac_gb_per_s(repeats: int = 7, pieces: int = 256) -> float:
+    """One core's rate (GB/s, median of ``repeats``) of the receiver's per-byte authentication:
+    GMAC (``chunkmac.Gmac``) over a cached ``RECV_PIECE_BYTES`` piece, as the client feeds it.
+    Its inverse is about what the MAC adds to ``receiver_cpu_s_per_gb`` over the raw loop."""
+    piece = memoryview(bytearray(os.urandom(RECV_PIECE_BYTES)))
+    rates = []
+    for _ in range(repeats):
+        mac = chunkmac.Gmac(chunkmac.new_key())
+        t0 = time.perf_counter()
+        for _ in range(pieces):
+            mac.update(piece)
+        mac.digest()
+        rates.append(pieces * len(piece) / (time.perf_counter() - t0) / 1e9)
+    return statistics.median(rates)
+
+
+def _cpu() -> dict[str, object]:
+    """The CPU's model name and whether it has VPCLMULQDQ (vector carry-less multiply, with
+    which OpenSSL's GHASH, so GMAC, runs ~3x faster: 13.7-21 GB/s per core against ~5)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return {"cpu_model": platform.processor(), "cpu_has_vpclmulqdq": None}
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines()
+                  if ln.startswith("model name")), "")
+    return {"cpu_model": model, "cpu_has_vpclmulqdq": " vpclmulqdq" in info}
+
+
 def _save_recv(port: int) -> dict[str, torch.Tensor]:
     with socket.create_connection(("127.0.0.1", port)) as c:
         c.sendall(b"g")
@@ -384,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                                   for k, cs in cpu.items()}
     out["source_digest_s"] = round(ports[0]["digest_s"], 3)
     out["source_chunk_mac_s"] = round(ports[0]["chunk_mac_s"], 3)
+    out["mac_gb_per_s"] = round(_mac_gb_per_s(), 2)
+    out.update(_cpu())
     if args.link_gbit:
         out["links"] = _linked(args.gib, total, key, keys, into, args.link_gbit, args.repeats)
     out["loadavg_1min_after"] = round(os.getloadavg()[0], 2)
