@@ -87,7 +87,7 @@ def params_from_mapping(mapping: Mapping[str, Any], *, source: str = "<mapping>"
         ConfigError: an unknown table or key, a key in the wrong table, a table that is not a
             table, a value of the wrong type, or values that ``Params.__post_init__`` rejects.
     """
-    values: dict[str, int | float] = {}
+    values: dict[str, Any] = {}  # each checked against its field's type by _typed
     for table, body in mapping.items():
         # A field written at top level ("observers" is both a field and a table name).
         if table in _TABLE_OF and not isinstance(body, Mapping):

@@ -276,6 +276,7 @@ class Agent:
     # ------------------------------------------------------------------ the agent thread
 
     def _run(self) -> None:
+        loop: asyncio.AbstractEventLoop
         try:
             import uvloop
             loop = uvloop.new_event_loop()

@@ -35,9 +35,10 @@ import logging
 import socket
 import struct
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 from torchpass_p2p.core.codec import DecodeError, decode, encode
 from torchpass_p2p.core.configuration import Address
@@ -482,8 +483,8 @@ class Transport:
         self._deliver(Received(sender, incarnation, message, peer))
         return None
 
-    def _own(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _own(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -495,10 +496,10 @@ class _Datagrams(asyncio.DatagramProtocol):
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         self._owner._datagram(data, addr)
 
-    def error_received(self, exc: OSError) -> None:
+    def error_received(self, exc: Exception) -> None:
         # asyncio reports a failed sendto here, synchronously inside sendto(), so the
         # destination is still known; ICMP errors arriving later have none and are counted only.
         owner = self._owner
         owner.traffic["send_errors"] += 1
-        if owner._sending_to is not None:
+        if owner._sending_to is not None and isinstance(exc, OSError):
             owner._on_send_error(owner._sending_to, exc)

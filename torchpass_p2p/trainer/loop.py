@@ -689,7 +689,7 @@ class Trainer:
                                         self.keeper.host_store(group_id).port)
         lacking = fetch_from is not None
         restored = None
-        if lacking and not self.state_over_group:
+        if fetch_from is not None and not self.state_over_group:
             restored = self._fetch(fetch_from, c, resume)
             lacking = False
         snap = None

@@ -78,8 +78,9 @@ def decode_frame(body: bytes) -> dict[str, Any]:
 def field(msg: dict[str, Any], name: str, typ: type, size: int | None = None) -> Any:
     """``msg[name]``, checked to be exactly ``typ`` (and ``size`` long for bytes); raises
     :class:`PeerError` ``bad_frame`` otherwise."""
-    v = msg.get(name)
-    if type(v) is not typ or (size is not None and len(v) != size):
+    v: Any = msg.get(name)
+    exact = type(v) is typ  # exact: a bool is not an int here (and mypy keeps ``v`` Any)
+    if not exact or (size is not None and len(v) != size):
         raise PeerError("bad_frame", f"field {name!r}")
     if typ is int and not 0 <= v < (1 << 63):
         raise PeerError("bad_frame", f"field {name!r} out of range")

@@ -94,7 +94,7 @@ class RNGState:
         sd: dict[str, Any] = {
             "torch": torch.get_rng_state(),
             "python": (version, internal, gauss),
-            "numpy": (str(name), torch.from_numpy(keys.astype(np.uint32).copy()), int(pos),
+            "numpy": (str(name), torch.from_numpy(np.array(keys, dtype=np.uint32)), int(pos),
                       int(has_gauss), float(cached)),
         }
         if torch.cuda.is_available():
@@ -127,7 +127,7 @@ class TensorEntry:
 def byte_view(t: torch.Tensor) -> memoryview:
     """Writable ``memoryview`` (format ``B``) of a contiguous CPU tensor's bytes; no copy."""
     flat = t.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return flat.numpy().data.cast("B")
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:
@@ -284,7 +284,7 @@ class Snapshot:
         self.total_bytes = sum(e.nbytes for e in table)
         self._starts = [e.offset for e in table]
         self._flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
-        self._views: list[memoryview] = [memoryview(f.numpy()).cast("B") for f in self._flat]
+        self._views: list[memoryview] = [f.numpy().data.cast("B") for f in self._flat]
         self._lock = threading.Lock()
         self._digests: dict[str, bytes] = {}
         self._chunk_macs: tuple[bytes, bytes] | None = None
