@@ -12,6 +12,7 @@ import torch
 
 from torchpass_p2p.transfer import PeerError, RNGState, Snapshot
 from torchpass_p2p.transfer.manifest import decode_manifest, encode_manifest
+from torchpass_p2p.transfer.snapshot import _pack
 
 from .states import capture
 
@@ -73,6 +74,14 @@ def test_tied_tensors_are_one_entry():
     assert st["a"] is st["b"]
 
 
+def test_colliding_paths_get_distinct_names():
+    a, b, c, d = (torch.full((2,), float(k)) for k in range(4))
+    snap = Snapshot.capture({"m": {1: a, "1": b}, "x.y": c, "x": {"y": d}}, step=0)
+    assert [e.name for e in snap.table] == ["m.1", "m.1#1", "x.y", "x.y#1"]
+    again = Snapshot.capture({"m": {1: a, "1": b}, "x.y": c, "x": {"y": d}}, step=0)
+    assert again.table == snap.table  # the same state, the same names: receivers match them
+
+
 def test_chunks_cover_every_byte_once():
     snap = capture("edge_tensors", "source")[0]
     joined = b"".join(bytes(v) for i in range(snap.num_chunks) for v in snap.segments(i))
@@ -93,6 +102,20 @@ def test_manifest_fingerprint_is_recomputed():
     assert decode_manifest(data, 1 << 30).fingerprint == snap.fingerprint()
 
 
+def _rows(*rows):
+    """Manifest overrides for a state of exactly ``rows`` (a table of tensors and nothing
+    else), so that only the rows' own checks can refuse it."""
+    total = int(sum(r[3] for r in rows))
+    return {"table": msgpack.packb(list(rows)), "total_bytes": total, "chunk_bytes": 64 << 10,
+            "tree": _pack({"step": 1, "objects": {}, "metadata": {}}),
+            "digests": bytes(16 * -(-total // (64 << 10)))}
+
+
+def test_a_table_alone_is_a_valid_manifest():  # what the cases built with _rows change
+    data, _ = _manifest(**_rows(["w", "float32", [1], 4, 0], ["v", "float32", [1], 4, 4]))
+    assert [e.name for e in decode_manifest(data, 1 << 30).table] == ["w", "v"]
+
+
 @pytest.mark.parametrize(("overrides", "reason"), [
     ({"total_bytes": 4 << 30}, "too_large"),
     ({"total_bytes": 12}, "bad_manifest"),
@@ -105,6 +128,15 @@ def test_manifest_fingerprint_is_recomputed():
     ({"algo": ["xxh3"]}, "bad_manifest"),  # unhashable where a name goes
     ({"table": msgpack.packb([["w", ["float32"], [1], 4, 0]])}, "bad_manifest"),
     ({"table": msgpack.packb([["w", {"f": 1}, [1], 4, 0]])}, "bad_manifest"),
+    # Found by the review of session 16: each crashed or hung the receiver instead.
+    ({"step": 1 << 63}, "bad_manifest"),  # msgpack uint64; the fingerprint packs int64
+    (_rows(["w", "float32", [4], 16.0, 0.0]), "bad_manifest"),  # 16.0 == 16, but a slice
+    # of a float fails in the receiving thread
+    (_rows(["w", "float32", [0, (1 << 64) - 1], 0, 0]), "bad_manifest"),  # no elements, but
+    # torch.empty overflows
+    (_rows(["w", "float32", [1], 4, 0], ["w", "float32", [1], 4, 4]), "bad_manifest"),  # one
+    # name twice: both would be received into one tensor
+    ({"x": [[]] * 64}, "bad_manifest"),  # no list in the outer map: each costs 64 bytes
 ])
 def test_bad_manifest_is_refused(overrides, reason):
     data, _ = _manifest(**overrides)

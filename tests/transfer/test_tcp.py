@@ -7,14 +7,16 @@ import os
 import pickle
 import socket
 import struct
+import threading
 
 import pytest
+import torch
 
 from torchpass_p2p.core.seal import key_id
 from torchpass_p2p.transfer import Refused, Snapshot, TransferFailed, TransferKeys, fetch
 from torchpass_p2p.transfer.auth import client_handshake
 from torchpass_p2p.transfer.frames import Conn, decode_frame, encode_frame
-from torchpass_p2p.transfer.server import TransferServer
+from torchpass_p2p.transfer.server import MAX_HANDSHAKING, TransferServer
 
 from .states import build, capture
 
@@ -445,3 +447,102 @@ def test_transfer_keys_from_a_keyring_equal_those_from_its_raw_keys():
     assert from_ring.primary_id == raw.primary_id
     assert from_ring.primary == raw.primary
     assert all(from_ring.get(kid) == raw.get(kid) for kid in Keyring(a, [b]).key_ids)
+
+
+async def test_colliding_paths_are_received_each_into_its_own_tensor(keys):
+    # Keys 1 and "1" both give the path "m.1": one receiver tensor took both entries' bytes.
+    def state(seed):
+        g = torch.Generator().manual_seed(seed)
+        return {"m": {1: torch.rand(1024, generator=g), "1": torch.rand(1024, generator=g)}}
+
+    source = state(0)
+    snap = Snapshot.capture(source, 5, copy=True, chunk_bytes=4096)
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        objs = state(1)
+        res = await fetch([server.address], keys, CONFIG, into=objs)
+        assert res.allocated_bytes == 0  # both received in place
+        assert received_fingerprint(res) == snap.fingerprint()
+        res.snapshot.restore(objs)
+        assert torch.equal(objs["m"][1], source["m"][1])
+        assert torch.equal(objs["m"]["1"], source["m"]["1"])
+    finally:
+        await server.close()
+
+
+async def test_handshakes_without_the_key_never_hold_the_slots_of_transfers(snap, keys):
+    server = TransferServer(keys, lambda: CONFIG, handshake_timeout_s=60.0)
+    await server.start()
+    server.publish(snap)
+    loop = asyncio.get_running_loop()
+    held = []
+    try:
+        for _ in range(MAX_HANDSHAKING + 4):  # one byte each, then silence: no key to go on
+            s = socket.create_connection(server.address)
+            s.sendall(b"\x00")
+            held.append(s)
+        deadline = loop.time() + 10.0
+        while server.refused["evicted_unproven"] < 4 and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        assert server.refused == {"evicted_unproven": 4}  # the oldest, one per arrival
+        res = await fetch([server.address], keys, CONFIG)
+        assert received_fingerprint(res) == snap.fingerprint() and not res.failures
+        assert server.refused == {"evicted_unproven": 5}  # the fetch's arrival evicted one
+    finally:
+        for s in held:
+            s.close()
+        await server.close()
+
+
+async def test_a_key_holder_past_the_connection_limit_is_told(snap, keys):
+    server = TransferServer(keys, lambda: CONFIG, max_connections=1)
+    await server.start()
+    server.publish(snap)
+    c = Conn(socket.create_connection(server.address), asyncio.get_running_loop())
+    try:
+        await client_handshake(c, keys, CONFIG, os.urandom(16))  # holds the one slot
+        with pytest.raises(TransferFailed) as e:
+            await fetch([server.address], keys, CONFIG)
+        assert e.value.failures == {"too_many_connections": 1}
+        assert server.refused == {"too_many_connections": 1}
+    finally:
+        c.close()
+        await server.close()
+
+
+async def test_an_unexpected_error_in_a_receiving_thread_fails_only_its_source(snap, keys,
+                                                                              monkeypatch):
+    # Before, the thread ended without handing its chunks back and the other source's thread
+    # waited for them forever: fetch never returned.
+    segments, raised = Snapshot.segments, []
+
+    def once(self, index):  # in the first receiving thread only (servers run in this process)
+        if not raised and threading.current_thread().name.startswith("transfer"):
+            raised.append(index)
+            raise TypeError("an input no check caught")
+        return segments(self, index)
+
+    monkeypatch.setattr(Snapshot, "segments", once)
+    servers = await serving(snap, keys, TransferServer, TransferServer)
+    try:
+        res = await asyncio.wait_for(fetch([s.address for s in servers], keys, CONFIG), 60.0)
+        assert res.failures == {"internal_error": 1}
+        assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await close_all(servers)
+
+
+async def test_a_state_that_cannot_be_allocated_fails_the_transfer(snap, keys, monkeypatch):
+    from torchpass_p2p.transfer.manifest import Manifest
+
+    def allocate(self, target, max_alloc_bytes):  # as torch.empty fails for a huge state
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(Manifest, "allocate", allocate)
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        with pytest.raises(TransferFailed) as e:
+            await fetch([server.address], keys, CONFIG)
+        assert e.value.reason == "too_large"
+    finally:
+        await server.close()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import os
 import socket
 import threading
@@ -81,6 +82,7 @@ are shut down first, which ends a blocked receive at once)."""
 _LEN_BYTES = 4
 
 Address = tuple[str, int]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -239,13 +241,16 @@ class _Transfer:
                 if s.failed is not None and not self.stopping:
                     raise PeerError(s.failed)  # marked by the watchdog
             sock.setblocking(False)  # back to the event loop (the closing ``bye``)
-        except (TransferError, OSError) as e:
+        except Exception as e:
             if isinstance(e, TransferError):
                 reason = e.reason
             elif isinstance(e, BlockingIOError):  # SO_RCVTIMEO / SO_SNDTIMEO expired
                 reason = "no_progress"
-            else:
+            elif isinstance(e, OSError):
                 reason = "closed" if isinstance(e, ConnectionError) else type(e).__name__
+            else:  # a bug, or input no check caught: fail the source, never hang the rest
+                log.exception("transfer: receiving from %s failed", s.addr)
+                reason = "internal_error"
             self.started.abort()  # no other thread waits for this one
             with self.cond:
                 s.failed = s.failed or reason
@@ -270,8 +275,9 @@ class _Transfer:
                     s.inflight.append(i)
                     gets.append(i)
                 if not s.inflight:
-                    if self.remaining == 0 or self.stopping or s.failed is not None:
-                        return
+                    if (self.remaining == 0 or self.stopping or s.failed is not None
+                            or not any(o.inflight for o in self.sources)):
+                        return  # (nobody owes a chunk and the queue is empty: none will come)
                     # Until another source fails (its chunks come back) or the last chunk
                     # is in.
                     s.idle = True
@@ -377,6 +383,9 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
             failures[e.reason] += 1
         except OSError as e:
             failures["closed" if isinstance(e, ConnectionError) else "connect_failed"] += 1
+        except Exception:  # input no check caught: this source is left out, the others go on
+            log.exception("transfer: opening %s failed", addr)
+            failures["internal_error"] += 1
         return None
 
     opened = [s for s in await asyncio.gather(*(attempt(a) for a in sources)) if s is not None]
@@ -406,8 +415,12 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
             own = into
         else:
             own = Snapshot.capture(into, step=0)
-        target, allocated = manifest.allocate(
-            own, max_state_bytes if max_alloc_bytes is None else max_alloc_bytes)
+        try:
+            target, allocated = manifest.allocate(
+                own, max_state_bytes if max_alloc_bytes is None else max_alloc_bytes)
+        except (RuntimeError, MemoryError) as e:  # the agreed state does not fit in memory
+            raise TransferFailed("too_large", f"allocating the state: {e}"[:200],
+                                 failures) from None
         # One receiving (and verifying) thread per source.
         with ThreadPoolExecutor(max_workers=len(chosen),
                                 thread_name_prefix="transfer") as pool:

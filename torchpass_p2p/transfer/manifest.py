@@ -27,6 +27,14 @@ MAX_NAME_BYTES = 1024
 MAX_DIMS = 32
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 1 << 30
+_I64 = 1 << 63
+"""Steps, dimensions and byte counts are int64 on both sides (``fingerprint`` packs ``>q``,
+torch sizes are int64)."""
+_OUTER_LIMITS = {"max_map_len": 16, "max_array_len": 0, "max_str_len": 64}
+"""msgpack bounds for the manifest's outer map (8 fields, bins and scalars; bins are bounded by
+the manifest's length). Without them a manifest of empty lists costs ~64x its size in memory."""
+_TABLE_LIMITS = {"max_map_len": 0, "max_array_len": MAX_TENSORS, "max_str_len": MAX_NAME_BYTES,
+                 "max_bin_len": 0}
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +100,10 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     """Parse and validate untrusted manifest bytes. Raises :class:`PeerError`
     ``bad_manifest`` (or ``too_large`` for a state above ``max_state_bytes``)."""
     try:
-        m = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=no_ext)
-        rows = msgpack.unpackb(m["table"], raw=False, strict_map_key=True, ext_hook=no_ext)
+        m = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=no_ext,
+                            **_OUTER_LIMITS)
+        rows = msgpack.unpackb(m["table"], raw=False, strict_map_key=True, ext_hook=no_ext,
+                               **_TABLE_LIMITS)
     except Exception as e:
         raise _bad(type(e).__name__) from None
     if type(m) is not dict or m.get("v") != VERSION:
@@ -101,7 +111,8 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     step, algo = m.get("step"), m.get("algo")
     total, chunk = m.get("total_bytes"), m.get("chunk_bytes")
     tree, digests = m.get("tree"), m.get("digests")
-    if (type(step) is not int or type(algo) is not str or algo not in fp.ALGORITHMS
+    if (type(step) is not int or not 0 <= step < _I64
+            or type(algo) is not str or algo not in fp.ALGORITHMS
             or type(total) is not int
             or type(chunk) is not int or type(tree) is not bytes or type(digests) is not bytes):
         raise _bad("fields")
@@ -111,7 +122,7 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
         raise _bad("chunk_bytes")
     if type(rows) is not list or len(rows) > MAX_TENSORS:
         raise _bad("table")
-    table, offset = [], 0
+    table, offset, names = [], 0, set()
     for r in rows:
         if type(r) is not list or len(r) != 5:
             raise _bad("table row")
@@ -119,8 +130,12 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
         if (type(name) is not str or len(name) > MAX_NAME_BYTES or type(dtype) is not str
                 or dtype not in DTYPES
                 or type(shape) is not list or len(shape) > MAX_DIMS
-                or any(type(d) is not int or d < 0 for d in shape) or off != offset):
+                or any(type(d) is not int or not 0 <= d < _I64 for d in shape)
+                or type(nbytes) is not int or type(off) is not int or off != offset):
             raise _bad(f"table row {name!r}")
+        if name in names:  # the receiver matches its own tensors by name
+            raise _bad(f"duplicate name {name!r}")
+        names.add(name)
         numel = 1
         for d in shape:
             numel *= d

@@ -22,7 +22,8 @@ A receiver that asks for a ``step`` the server does not hold is refused ``step_m
 Bad input never crashes the server: each refused or dropped connection is counted in
 ``refused`` by reason (``bad_frame``, ``frame_too_large``, ``bad_version``, ``unknown_key``,
 ``auth_failed``, ``stale_config``, ``bad_request``, ``no_snapshot``, ``step_mismatch``,
-``withdrawn``, ``handshake_timeout``, ``too_many_connections``, ``closed``).
+``withdrawn``, ``handshake_timeout``, ``evicted_unproven`` (a handshake that was the oldest of
+``MAX_HANDSHAKING`` when one more arrived), ``too_many_connections``, ``closed``).
 
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
 event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
@@ -58,8 +59,15 @@ as soon as a chunk arrives; 60 s only reaps abandoned connections)."""
 SEND_TIMEOUT_S = 30.0
 """No progress on sending one chunk for this long drops the connection."""
 MAX_CONNECTIONS = 64
-"""Concurrent connections; a transfer uses one per receiver per source."""
+"""Concurrent authenticated connections; a transfer uses one per receiver per source."""
+MAX_HANDSHAKING = 16
+"""Connections still in their handshake (not yet shown to hold the key), counted apart from
+``MAX_CONNECTIONS``. One more evicts one of them (counted ``evicted_unproven``; see
+``_evict``): a peer without the key that keeps reconnecting holds only these slots, never
+those of transfers (a review in session 16 held all 64 then shared slots this way: no fetch
+got through)."""
 _LOG_EVERY_S = 10.0
+_LEN_BYTES = 4  # a frame's length prefix
 
 
 class TransferServer:
@@ -73,6 +81,7 @@ class TransferServer:
     def __init__(self, keys: TransferKeys, current_config_id: Callable[[], int], *,
                  host: str = "127.0.0.1", port: int = 0,
                  max_connections: int = MAX_CONNECTIONS,
+                 max_handshaking: int = MAX_HANDSHAKING,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  idle_timeout_s: float = IDLE_TIMEOUT_S,
                  send_timeout_s: float = SEND_TIMEOUT_S,
@@ -90,6 +99,7 @@ class TransferServer:
         self.current_config_id = current_config_id
         self.host, self.port = host, port
         self.max_connections = max_connections
+        self.max_handshaking = max_handshaking
         self.handshake_timeout_s = handshake_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.send_timeout_s = send_timeout_s
@@ -101,7 +111,9 @@ class TransferServer:
         self._withdrawals = 0  # publish(None) calls: a connection older than the last is cut
         self._lsock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
-        self._conns: set[asyncio.Task] = set()
+        self._conns: set[asyncio.Task] = set()  # every connection's task
+        self._handshaking: dict[asyncio.Task, Conn] = {}  # in arrival order: oldest first
+        self._serving = 0  # connections past their handshake
         self._last_log = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -121,6 +133,7 @@ class TransferServer:
     async def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, cancel every connection and wait at most ``timeout_s`` seconds."""
         tasks = list(self._conns)
+        handshaking = list(self._handshaking.values())
         if self._accept_task is not None:
             tasks.append(self._accept_task)
         for t in tasks:
@@ -129,6 +142,8 @@ class TransferServer:
             self._lsock.close()
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
+        for conn in handshaking:  # a task cancelled before it ran never reached its close
+            conn.close()
 
     async def __aenter__(self) -> TransferServer:
         await self.start()
@@ -175,13 +190,35 @@ class TransferServer:
                 log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._conns) >= self.max_connections:
-                self._count("too_many_connections")
-                sock.close()
-                continue
-            task = loop.create_task(self._serve(Conn(sock, loop)))
+            conn = Conn(sock, loop)
+            task = loop.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
+            self._handshaking[task] = conn
+            task.add_done_callback(self._handshook)
+            if len(self._handshaking) > self.max_handshaking:
+                self._evict()
+            # Let the new connection read what it already has before the next accept: with
+            # connections queued, sock_accept returns without yielding, and a burst of them
+            # would evict a key holder's before its hello (already in its buffer) was read.
+            await asyncio.sleep(0)
+
+    def _evict(self) -> None:
+        """Drop the oldest handshake that has not yet delivered a whole frame, else the oldest
+        one: a key holder's hello arrives right after its connect, so a flood of connections
+        that send nothing (or a byte) never evicts a handshake under way."""
+        victim = next((t for t, c in self._handshaking.items() if c.bytes_in <= _LEN_BYTES),
+                      next(iter(self._handshaking)))
+        conn = self._handshaking.pop(victim)
+        victim.cancel()
+        # Closed after the task has handled its cancellation (FIFO callbacks): closing a socket
+        # with a read still registered left the selector a stale entry that broke the next
+        # socket given the same descriptor; a task cancelled before it ran never closes it.
+        asyncio.get_running_loop().call_soon(conn.close)
+        self._count("evicted_unproven")
+
+    def _handshook(self, task: asyncio.Task) -> None:
+        self._handshaking.pop(task, None)
 
     def _count(self, reason: str, detail: str = "") -> None:
         self.refused[reason] += 1
@@ -201,7 +238,18 @@ class TransferServer:
             except TimeoutError:
                 self._count("handshake_timeout")
                 return
-            await self._requests(conn, session, tid)
+            task = asyncio.current_task()
+            assert task is not None
+            self._handshook(task)
+            if self._serving >= self.max_connections:
+                await self._send(conn, encode_frame("error", reason="too_many_connections"))
+                self._count("too_many_connections")
+                return
+            self._serving += 1
+            try:
+                await self._requests(conn, session, tid)
+            finally:
+                self._serving -= 1
         except PeerError as e:
             self._count(e.reason, e.detail)
         except (ConnectionError, OSError) as e:

@@ -143,6 +143,7 @@ class _Encoder:
     def __init__(self) -> None:
         self.tensors: list[torch.Tensor] = []
         self.names: list[str] = []
+        self._named: set[str] = set()
         self._seen: dict[tuple, int] = {}
 
     def tensor_ref(self, t: torch.Tensor, path: str) -> msgpack.ExtType:
@@ -158,10 +159,20 @@ class _Encoder:
             elif not t.is_contiguous():
                 t = t.contiguous()
             self.tensors.append(t)
-            self.names.append(path)
+            self.names.append(self._unique(path))
             if t.numel():
                 self._seen[key] = index
         return msgpack.ExtType(EXT_TENSOR, index.to_bytes(4, "big"))
+
+    def _unique(self, path: str) -> str:
+        """``path``, or ``path#k`` with the first free ``k``: paths can collide (keys ``1`` and
+        ``"1"`` both give ``m.1``; so do a key ``"a.b"`` and ``a`` -> ``b``), and the receiver
+        matches its tensors to the table by name. The same state gives the same names."""
+        name, k = path, 1
+        while name in self._named:
+            name, k = f"{path}#{k}", k + 1
+        self._named.add(name)
+        return name
 
     def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
         if depth > MAX_TREE_DEPTH:
