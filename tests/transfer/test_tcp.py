@@ -64,6 +64,17 @@ class StallServer(TransferServer):
         await super().serve_chunk(conn, snapshot, index, header)
 
 
+class SlowServer(TransferServer):
+    """Serves two chunks, then waits 3 s before each (a source degraded but not stalled: well
+    within the 10 s progress timeout)."""
+
+    async def serve_chunk(self, conn, snapshot, index, header):
+        self.stats["slow_calls"] += 1
+        if self.stats["slow_calls"] > 2:
+            await asyncio.sleep(3.0)
+        await super().serve_chunk(conn, snapshot, index, header)
+
+
 class Recorder(TransferServer):
     """Records every chunk frame it sends (header and bytes, by index); with ``replay``
     (requested index -> recorded index, or None) it answers as an on-path attacker would, with
@@ -350,6 +361,17 @@ async def test_stalled_source_is_dropped_after_no_progress(snap, keys):
         res = await fetch([s.address for s in servers], keys, CONFIG, progress_timeout_s=0.3)
         assert res.failures == {"no_progress": 1}
         assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await close_all(servers)
+
+
+async def test_a_straggler_hands_its_chunks_to_an_idle_source(snap, keys):
+    servers = await serving(snap, keys, SlowServer, TransferServer)
+    try:
+        res = await fetch([s.address for s in servers], keys, CONFIG)
+        assert res.failures == {"too_slow": 1}  # before: one chunk per 3 s to the end
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.bytes_by_source[servers[0].address] <= 2 * snap.chunk_bytes
     finally:
         await close_all(servers)
 

@@ -68,6 +68,13 @@ WINDOW_CHUNKS = 4
 """Chunks per source requested and not yet verified (4 x 16 MiB = 64 MiB): enough to keep a
 loopback or LAN pipe full across the request round trip; a slow source gets no new chunks
 until its outstanding ones arrive (the stripe follows what each source delivers)."""
+STRAGGLER_FACTOR = 8.0
+STRAGGLER_FLOOR_S = 1.0
+"""A busy source whose oldest chunk has taken 8 times the fastest recent chunk, and over 1 s,
+while another source sits idle with the queue empty, is dropped (``too_slow``) and its chunks
+move. Otherwise any source that delivers a piece per ``progress_timeout_s`` (~26 KB/s) kept
+its window to the end: a review in session 16 measured ~37 minutes for 64 MiB at the
+defaults while a healthy source idled. A source behind a 4x slower link is never dropped."""
 DEFAULT_MAX_STATE_BYTES = 1 << 40
 """1 TiB: refuse manifests claiming more (a bound, not a real model size)."""
 RECV_PIECE_BYTES = 256 << 10
@@ -110,6 +117,8 @@ class _Source:
     done: bool = False
     failed: str | None = None
     bytes: int = 0
+    head_since: float = 0.0  # monotonic seconds since its oldest requested chunk is awaited
+    chunk_s: float | None = None  # seconds its last verified chunk took
 
 
 async def _open(addr: Address, keys: TransferKeys, config_id: int, tid: bytes, algo: str,
@@ -210,19 +219,35 @@ class _Transfer:
 
     async def _watchdog(self) -> None:
         """Backstop for the sockets' own receive timeout: a busy source whose bytes stopped
-        for ``progress_timeout_s`` is shut down (its thread then fails it ``no_progress``)."""
+        for ``progress_timeout_s`` is shut down (its thread then fails it ``no_progress``).
+        And the straggler rule: while another source sits idle with nothing left to take, a
+        busy one whose oldest chunk has taken ``STRAGGLER_FACTOR`` times the fastest recent
+        chunk and over ``STRAGGLER_FLOOR_S`` is shut down (``too_slow``): its chunks go to
+        the idle one."""
         period = min(self.progress_timeout_s / 4, 1.0)
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            for s in self.sources:
-                with self.cond:
-                    stuck = (not s.done and not s.idle and s.failed is None
-                             and now - s.conn.last_progress > self.progress_timeout_s)
-                    if stuck:
+            drop = []
+            with self.cond:
+                live = [s for s in self.sources if not s.done and s.failed is None]
+                busy = [s for s in live if not s.idle]
+                limit = None
+                if not self.queue and len(busy) < len(live):
+                    fastest = min((s.chunk_s for s in self.sources if s.chunk_s is not None),
+                                  default=None)
+                    if fastest is not None:
+                        limit = max(STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * fastest)
+                for s in busy:
+                    if now - s.conn.last_progress > self.progress_timeout_s:
                         s.failed = "no_progress"
-                if stuck:
-                    s.conn.shutdown()
+                    elif limit is not None and s.inflight and now - s.head_since > limit:
+                        s.failed = "too_slow"
+                    else:
+                        continue
+                    drop.append(s)
+            for s in drop:
+                s.conn.shutdown()
 
     # -- the receiving thread of one source -------------------------------------------------
     def _pump(self, s: _Source) -> None:
@@ -270,6 +295,8 @@ class _Transfer:
         while True:
             with cond:
                 gets = []
+                if not s.inflight and queue:
+                    s.head_since = time.monotonic()
                 while len(s.inflight) < self.window and queue:
                     i = queue.popleft()
                     s.inflight.append(i)
@@ -312,6 +339,8 @@ class _Transfer:
                 raise PeerError("bad_chunk", f"chunk {i}")  # still in s.inflight: requeued
             with cond:
                 s.inflight.popleft()
+                now = time.monotonic()
+                s.chunk_s, s.head_since = now - s.head_since, now
                 s.bytes += n
                 self.remaining -= 1
                 self.received_bytes += n
