@@ -16,7 +16,8 @@ rank 2 die in the same step; two spares. Must hold: both ranks replaced in one o
 configuration changes, same step, no hang, the same final state as the fault-free run.
 
 A survivor killed as it enters the recovery's configuration (before announcing its state): the
-promoted spare fetches from the others; the same final state.
+promoted spare fetches from the others; the same final state. And a rank (0, which hosts the
+first rendezvous, or 1) killed as the job starts, before its first group forms.
 """
 
 from __future__ import annotations
@@ -199,6 +200,26 @@ def test_a_survivor_dying_as_it_enters_the_recovery(tmp_path: Path, clean: Run) 
     # Every member resumed in configuration 2, at step 37, with the fault-free state:
     resumed = [r for r in faulty.events if r["event"] == "joined" and r["config_id"] == 2]
     assert len(resumed) == 4 and {r["step"] for r in resumed} == {37}
+    assert {r["rank"] for r in faulty.finals} == {0, 1, 2, 3}
+    assert all(r["steps"] == STEPS for r in faulty.finals)
+    assert {r["fingerprint"] for r in clean.finals + faulty.finals} == {
+        clean.finals[0]["fingerprint"]}
+    assert {r["weights_sha256"] for r in clean.finals + faulty.finals} == {
+        clean.finals[0]["weights_sha256"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rank", [0, 1])  # 0 hosts the rendezvous of configuration 0
+def test_a_rank_dying_before_the_first_group_forms(tmp_path: Path, clean: Run,
+                                                   rank: int) -> None:
+    # Found by a new user (session 16): a rank killed while the job started, before its first
+    # group formed, ended the job: the survivors' Superseded escaped the start-up entry.
+    faulty = run_job(tmp_path / "faults", nproc=4, spares=1, steps=STEPS,
+                     faults=f"kill@0:enter:rank={rank}", script_args=ARGS, timeout_s=200)
+    assert faulty.code == 0, faulty.diagnosis()
+    [fault] = recoveries(faulty.events)
+    assert (fault.kind, fault.point, fault.rank, fault.step) == ("kill", "enter", rank, 0)
+    assert fault.resume_step == 0 and fault.steps_lost == 0
     assert {r["rank"] for r in faulty.finals} == {0, 1, 2, 3}
     assert all(r["steps"] == STEPS for r in faulty.finals)
     assert {r["fingerprint"] for r in clean.finals + faulty.finals} == {

@@ -31,9 +31,10 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
 Points: ``compute`` (before forward), ``grad`` (forward and backward done, peers already in the
 all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit all-reduce),
 ``enter`` (a rank holder entering a new configuration, its step the resume step and its rank
-the one it holds there; not for ``reset``: no operation is in flight), and ``serve`` (only for
-``kill``; its number is the fraction of the snapshot, ``0 < f < 1``, that
-one connection has been sent: checked after each chunk, so the kill lands between two chunks,
+the one it holds there; also a rank entering the configuration it was started in, at step 0,
+before its first group forms; not for ``reset``: no operation is in flight), and ``serve``
+(only for ``kill``; its number is the fraction of the snapshot, ``0 < f < 1``, that one
+connection has been sent: checked after each chunk, so the kill lands between two chunks,
 with the receiver's further requests unanswered). The step of a ``serve`` fault is the served
 snapshot's step (the state after that many steps), at least that; its rank is this member's
 rank in the configuration it is entering or training in (``rank_of()``). A ``reset`` takes

@@ -277,7 +277,10 @@ class Trainer:
         """
         self.service.start()
         try:
-            self._begin()
+            try:
+                self._begin()
+            except (CollectiveError, Superseded) as exc:  # a member failed while starting
+                self._recover(exc)
             while self.step < steps:
                 try:
                     self._one_step(loss_fn)
@@ -314,6 +317,7 @@ class Trainer:
         # Every rank enters the configuration it was started in, never "the current one": a
         # change decided while the ranks start up (a spare joined) would otherwise put them in
         # different groups' rendezvous. A later change arrives as usual (``_poll``).
+        self.faults.at(0, "enter", started_in.rank_of(self.me))
         self._enter_configuration(started_in, group_id=started_in.config_id, resume=0,
                                   fetch_from=None)
 
