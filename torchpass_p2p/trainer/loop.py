@@ -145,8 +145,9 @@ class Stopped(RuntimeError):
 
 class Drained(Removed):
     """This member was removed because it asked to leave (a drain): its rank went to a spare as
-    planned. A clean end, not a failure; scripts exit as for :class:`Removed`, which the
-    launcher never counts as a failure."""
+    planned. A clean end, not a failure: scripts exit with code 4
+    (:data:`~torchpass_p2p.launch.outcome.EXIT_DRAINED`), which the launcher never counts as
+    a failure."""
 
 
 @dataclass
