@@ -568,3 +568,50 @@ async def test_a_state_that_cannot_be_allocated_fails_the_transfer(snap, keys, m
         assert e.value.reason == "too_large"
     finally:
         await server.close()
+
+
+async def test_a_refusal_reaches_a_receiver_with_requests_in_flight(keys):
+    # Before, the server closed with the receiver's pipelined requests unread: that sends a
+    # reset, which threw away what the server had not yet sent (the rest of a chunk and the
+    # error frame), and the receiver counted "closed".
+    snap = Snapshot.capture({"w": torch.rand(1 << 20)}, 1, copy=True, chunk_bytes=1 << 20)
+    (server,) = await serving(snap, keys, TransferServer)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # most of a chunk waits
+    sock.connect(server.address)  # in the server's send buffer
+    c = Conn(sock, asyncio.get_running_loop())
+    try:
+        await client_handshake(c, keys, CONFIG, os.urandom(16))
+        await c.send(encode_frame("manifest?", algo="xxh3", step=None))
+        msg = await c.read_frame()
+        await c.recv_exact(msg["size"])
+        await c.send(encode_frame("get", i=0))
+        while server.stats["chunks"] < 1:
+            await asyncio.sleep(0.01)
+        server.publish(None)
+        await c.send(encode_frame("get", i=1) + encode_frame("get", i=2))
+        await asyncio.sleep(0.3)  # the server refuses chunk 1 and closes meanwhile
+        header = await c.read_frame()
+        assert (header["op"], header["i"]) == ("chunk", 0)
+        await c.recv_exact(header["n"])
+        assert await c.read_frame() == {"op": "error", "reason": "withdrawn"}
+    finally:
+        c.close()
+        await server.close()
+
+
+async def test_a_reason_no_server_sends_is_counted_refused(keys):
+    async def impostor(reader, writer):  # no key: answers the hello with a reason of its own
+        await reader.read(1)
+        writer.write(encode_frame("error", reason="your disk is full, call 555-0100"))
+        await writer.drain()
+        writer.close()
+
+    fake = await asyncio.start_server(impostor, "127.0.0.1", 0)
+    try:
+        with pytest.raises(TransferFailed) as e:
+            await fetch([fake.sockets[0].getsockname()[:2]], keys, CONFIG)
+        assert e.value.failures == {"refused": 1}  # a bounded set of labels for counters
+    finally:
+        fake.close()
+        await fake.wait_closed()

@@ -103,7 +103,7 @@ async def client_handshake(conn: Conn, keys: TransferKeys, config_id: int,
                                  config_id=config_id, transfer_id=transfer_id))
     msg = await conn.read_frame()
     if msg["op"] == "error":
-        raise Refused(str(msg.get("reason", "refused"))[:64])
+        raise Refused.of(msg)
     if msg["op"] != "challenge":
         raise PeerError("bad_frame", f"expected challenge, got {msg['op']!r}")
     ns = field(msg, "nonce", bytes, NONCE_BYTES)
@@ -114,7 +114,7 @@ async def client_handshake(conn: Conn, keys: TransferKeys, config_id: int,
                                                    transfer_id)))
     msg = await conn.read_frame()
     if msg["op"] == "error":
-        raise Refused(str(msg.get("reason", "refused"))[:64])
+        raise Refused.of(msg)
     if msg["op"] != "ready":
         raise PeerError("bad_frame", f"expected ready, got {msg['op']!r}")
     server_config = field(msg, "config_id", int)

@@ -135,7 +135,7 @@ async def _open(addr: Address, keys: TransferKeys, config_id: int, tid: bytes, a
         await conn.send(encode_frame("manifest?", algo=algo, step=step))
         msg = await conn.read_frame()
         if msg["op"] == "error":
-            raise Refused(str(msg.get("reason", "refused"))[:64])
+            raise Refused.of(msg)
         if msg["op"] != "manifest":
             raise PeerError("bad_frame", f"expected manifest, got {msg['op']!r}")
         size = get_field(msg, "size", int)
@@ -323,7 +323,7 @@ class _Transfer:
             _recv_exact(conn, memoryview(body))
             msg = decode_frame(bytes(body))
             if msg["op"] == "error":
-                raise Refused(str(msg.get("reason", "refused"))[:64])
+                raise Refused.of(msg)
             if msg["op"] != "chunk":
                 raise PeerError("bad_frame", f"expected chunk, got {msg['op']!r}")
             off, n = m.chunk_range(i)

@@ -26,7 +26,21 @@ class PeerError(TransferError):
 
 
 class Refused(PeerError):
-    """The server answered with an explicit refusal (``reason`` is the server's)."""
+    """The server answered with an explicit refusal (``reason`` is the server's, one of
+    ``REFUSALS``; any other is counted ``refused``)."""
+
+    @classmethod
+    def of(cls, msg: dict) -> Refused:
+        """The refusal an ``error`` frame ``msg`` carries. Its reason comes from the peer, before
+        or without proof of the key: a reason no server sends becomes ``refused``, so counters
+        keep a bounded set of labels."""
+        reason = msg.get("reason")
+        return cls(reason if reason in REFUSALS else "refused")
+
+
+REFUSALS = frozenset({"bad_version", "unknown_key", "auth_failed", "stale_config",
+                      "too_many_connections", "no_snapshot", "step_mismatch", "withdrawn"})
+"""Every reason a transfer server puts in an ``error`` frame."""
 
 
 class TransferFailed(TransferError):

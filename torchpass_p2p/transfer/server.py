@@ -22,8 +22,8 @@ A receiver that asks for a ``step`` the server does not hold is refused ``step_m
 Bad input never crashes the server: each refused or dropped connection is counted in
 ``refused`` by reason (``bad_frame``, ``frame_too_large``, ``bad_version``, ``unknown_key``,
 ``auth_failed``, ``stale_config``, ``bad_request``, ``no_snapshot``, ``step_mismatch``,
-``withdrawn``, ``handshake_timeout``, ``evicted_unproven`` (a handshake that was the oldest of
-``MAX_HANDSHAKING`` when one more arrived), ``too_many_connections``, ``closed``).
+``withdrawn``, ``handshake_timeout``, ``send_timeout``, ``evicted_unproven`` (a handshake
+dropped to make room: ``MAX_HANDSHAKING``), ``too_many_connections``, ``closed``).
 
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
 event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
@@ -40,6 +40,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import NoReturn
 
 from . import chunkmac, splice
 from . import fingerprint as fp
@@ -66,6 +67,9 @@ MAX_HANDSHAKING = 16
 ``_evict``): a peer without the key that keeps reconnecting holds only these slots, never
 those of transfers (a review in session 16 held all 64 then shared slots this way: no fetch
 got through)."""
+LINGER_S = 1.0
+"""After an ``error`` frame: how long the server reads what the peer still sends before it
+closes (the peer closes as soon as it has read the frame)."""
 _LOG_EVERY_S = 10.0
 _LEN_BYTES = 4  # a frame's length prefix
 
@@ -242,9 +246,7 @@ class TransferServer:
             assert task is not None
             self._handshook(task)
             if self._serving >= self.max_connections:
-                await self._send(conn, encode_frame("error", reason="too_many_connections"))
-                self._count("too_many_connections")
-                return
+                await self._refuse(conn, "too_many_connections")
             self._serving += 1
             try:
                 await self._requests(conn, session, tid)
@@ -252,6 +254,10 @@ class TransferServer:
                 self._serving -= 1
         except PeerError as e:
             self._count(e.reason, e.detail)
+            if isinstance(e, _Told):
+                await self._linger(conn)
+        except TimeoutError:  # a send that moved nothing for send_timeout_s
+            self._count("send_timeout")
         except (ConnectionError, OSError) as e:
             self._count("closed", type(e).__name__)
         except Exception as e:  # never let a peer crash the server
@@ -277,8 +283,7 @@ class TransferServer:
                 if snap is None:
                     raise PeerError("bad_request", "get before manifest")
                 if withdrawals != self._withdrawals:
-                    await self._send(conn, encode_frame("error", reason="withdrawn"))
-                    raise PeerError("withdrawn")
+                    await self._refuse(conn, "withdrawn")
                 i = field(msg, "i", int)
                 if i >= snap.num_chunks:
                     raise PeerError("bad_request", f"chunk {i} out of range")
@@ -302,11 +307,9 @@ class TransferServer:
                     raise PeerError("bad_request", "manifest request")
                 snap, served, withdrawals = self._snapshot, 0, self._withdrawals
                 if snap is None:
-                    await self._send(conn, encode_frame("error", reason="no_snapshot"))
-                    raise PeerError("no_snapshot")
+                    await self._refuse(conn, "no_snapshot")
                 if step is not None and step != snap.step:
-                    await self._send(conn, encode_frame("error", reason="step_mismatch"))
-                    raise PeerError("step_mismatch", f"asked {step}, have {snap.step}")
+                    await self._refuse(conn, "step_mismatch", f"asked {step}, have {snap.step}")
                 body = await asyncio.to_thread(encode_manifest, snap, algo)
                 mac_key, inner = await asyncio.to_thread(snap.chunk_macs)
                 wrapped = chunkmac.wrap_key(session, mac_key)
@@ -319,12 +322,35 @@ class TransferServer:
             else:
                 raise PeerError("bad_request", f"op {op!r}")
 
+    async def _refuse(self, conn: Conn, reason: str, detail: str = "") -> NoReturn:
+        """Tell the peer ``reason`` in an ``error`` frame, then raise :class:`_Told`."""
+        await self._send(conn, encode_frame("error", reason=reason))
+        raise _Told(reason, detail)
+
+    @staticmethod
+    async def _linger(conn: Conn) -> None:
+        """Half close, then read what the peer still sends (``LINGER_S`` at most): closing
+        with its pipelined requests unread would send a reset, and its kernel would drop the
+        error frame before the peer read it (it then counted ``closed``)."""
+        loop = asyncio.get_running_loop()
+        try:
+            conn.sock.shutdown(socket.SHUT_WR)
+            async with asyncio.timeout(LINGER_S):
+                while await loop.sock_recv(conn.sock, 1 << 16):
+                    pass
+        except (OSError, TimeoutError):
+            pass
+
     async def _send(self, conn: Conn, *data: bytes) -> None:
         """Send ``data`` within ``send_timeout_s``: a receiver that stops reading is dropped
         (``TimeoutError``) instead of holding its connection and the snapshot."""
         async with asyncio.timeout(self.send_timeout_s):
             for d in data:
                 await conn.send(d)
+
+
+class _Told(PeerError):
+    """A refusal the peer was told in an ``error`` frame (it should read it before the close)."""
 
 
 def _remote(sock: socket.socket) -> bool:
