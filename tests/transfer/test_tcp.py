@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torchpass_p2p.core.seal import key_id
-from torchpass_p2p.transfer import Refused, Snapshot, TransferFailed, TransferKeys, fetch
+from torchpass_p2p.transfer import Refused, Snapshot, TransferFailed, TransferKeys, fetch, splice
 from torchpass_p2p.transfer.auth import client_handshake
 from torchpass_p2p.transfer.frames import Conn, decode_frame, encode_frame
 from torchpass_p2p.transfer.server import MAX_HANDSHAKING, TransferServer
@@ -615,3 +615,34 @@ async def test_a_reason_no_server_sends_is_counted_refused(keys):
     finally:
         fake.close()
         await fake.wait_closed()
+
+
+@pytest.mark.skipif(not splice.available(), reason="no vmsplice/splice here")
+async def test_stalled_receivers_of_zero_copy_sends_starve_no_one(keys):
+    # Each zero-copy send holds a thread until its receiver reads. They ran on the event
+    # loop's default pool, which also encodes manifests: as many stalled receivers as it has
+    # threads kept a healthy receiver from its manifest past its connect timeout.
+    snap = Snapshot.capture({"w": torch.rand(4 << 20)}, 1, copy=True, chunk_bytes=16 << 20)
+    server = TransferServer(keys, lambda: CONFIG, zero_copy=True)
+    await server.start()
+    server.publish(snap)
+    stalled = []
+    try:
+        for _ in range(min(32, (os.cpu_count() or 1) + 4)):  # the default pool's size
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(server.address)
+            c = Conn(sock, asyncio.get_running_loop())
+            stalled.append(c)
+            await client_handshake(c, keys, CONFIG, os.urandom(16))
+            await c.send(encode_frame("manifest?", algo="xxh3", step=None))
+            msg = await c.read_frame()
+            await c.recv_exact(msg["size"])
+            await c.send(encode_frame("get", i=0))  # and never reads the chunk
+        await asyncio.sleep(0.2)
+        res = await fetch([server.address], keys, CONFIG, connect_timeout_s=5.0)
+        assert received_fingerprint(res) == snap.fingerprint() and not res.failures
+    finally:
+        for c in stalled:
+            c.close()
+        await server.close()

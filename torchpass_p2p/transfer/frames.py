@@ -34,6 +34,7 @@ import os
 import socket
 import struct
 import time
+from concurrent.futures import Executor
 from typing import Any
 
 import msgpack
@@ -136,9 +137,11 @@ class Conn:
         self.bytes_out += len(data)
         self.last_progress = time.monotonic()
 
-    async def send_pages(self, buffers: list[memoryview], progress_timeout_s: float) -> None:
+    async def send_pages(self, buffers: list[memoryview], progress_timeout_s: float,
+                         executor: Executor | None = None) -> None:
         """Send writable ``buffers`` by reference (:func:`.splice.send_pages`, check
-        :func:`.splice.available` first) from a worker thread. The thread works on a duplicate
+        :func:`.splice.available` first) from a thread of ``executor`` (default: the event
+        loop's). The thread works on a duplicate
         of the socket's descriptor and closes it itself, so closing this connection meanwhile
         (which shuts the socket down and ends the thread) never hands its number to another
         socket. Raises what ``send_pages`` raises."""
@@ -150,7 +153,7 @@ class Conn:
             finally:
                 os.close(fd)
 
-        self.bytes_out += await asyncio.to_thread(run)
+        self.bytes_out += await self.loop.run_in_executor(executor, run)
         self.last_progress = time.monotonic()
 
     def shutdown(self) -> None:

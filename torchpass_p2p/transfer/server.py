@@ -40,6 +40,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
 from . import chunkmac, splice
@@ -118,6 +119,11 @@ class TransferServer:
         self._conns: set[asyncio.Task] = set()  # every connection's task
         self._handshaking: dict[asyncio.Task, Conn] = {}  # in arrival order: oldest first
         self._serving = 0  # connections past their handshake
+        # Zero-copy sends block a thread each until the receiver reads (up to send_timeout_s):
+        # their own pool, one thread per connection at most. On the event loop's default pool
+        # (6 threads on 2 cores) six stalled receivers starved every other connection's
+        # manifest (a review in session 16).
+        self._senders: ThreadPoolExecutor | None = None
         self._last_log = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -148,6 +154,9 @@ class TransferServer:
             await asyncio.wait(tasks, timeout=timeout_s)
         for conn in handshaking:  # a task cancelled before it ran never reached its close
             conn.close()
+        if self._senders is not None:  # its threads end as their sockets close
+            self._senders.shutdown(wait=False)
+            self._senders = None
 
     async def __aenter__(self) -> TransferServer:
         await self.start()
@@ -178,7 +187,9 @@ class TransferServer:
         by_reference = self.zero_copy if self.zero_copy is not None else _remote(conn.sock)
         if by_reference and all(isinstance(b, memoryview) and not b.readonly
                                 and b.c_contiguous for b in buffers):
-            await conn.send_pages(buffers, self.send_timeout_s)
+            if self._senders is None:
+                self._senders = ThreadPoolExecutor(self.max_connections, "transfer-send")
+            await conn.send_pages(buffers, self.send_timeout_s, self._senders)
             return
         for buf in buffers:
             await conn.send(buf)
