@@ -9,6 +9,7 @@ another source; only when no source is left does :class:`TransferFailed` reach t
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 
 class TransferError(Exception):
@@ -30,7 +31,7 @@ class Refused(PeerError):
     ``REFUSALS``; any other is counted ``refused``)."""
 
     @classmethod
-    def of(cls, msg: dict) -> Refused:
+    def of(cls, msg: dict[str, Any]) -> Refused:
         """The refusal an ``error`` frame ``msg`` carries. Its reason comes from the peer, before
         or without proof of the key: a reason no server sends becomes ``refused``, so counters
         keep a bounded set of labels."""

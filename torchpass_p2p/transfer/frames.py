@@ -141,10 +141,9 @@ class Conn:
                          executor: Executor | None = None) -> None:
         """Send writable ``buffers`` by reference (:func:`.splice.send_pages`, check
         :func:`.splice.available` first) from a thread of ``executor`` (default: the event
-        loop's). The thread works on a duplicate
-        of the socket's descriptor and closes it itself, so closing this connection meanwhile
-        (which shuts the socket down and ends the thread) never hands its number to another
-        socket. Raises what ``send_pages`` raises."""
+        loop's). The thread works on a duplicate of the socket's descriptor and closes it
+        itself, so closing this connection meanwhile (which shuts the socket down and ends the
+        thread) never hands its number to another socket. Raises what ``send_pages`` raises."""
         fd = os.dup(self.sock.fileno())
 
         def run() -> int:
