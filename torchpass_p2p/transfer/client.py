@@ -48,6 +48,7 @@ from .auth import TRANSFER_ID_BYTES, TransferKeys, client_handshake
 from .errors import PeerError, Refused, TransferError, TransferFailed
 from .frames import (
     DEFAULT_MAX_MANIFEST_BYTES,
+    LEN_BYTES,
     MAX_FRAME_BYTES,
     Conn,
     decode_frame,
@@ -86,7 +87,6 @@ memory (``benchmarks.transfer``, cryptography 50 / OpenSSL 4.0: GMAC ~14-21 GB/s
 STOP_TIMEOUT_S = 5.0
 """After a cancelled transfer: how long to wait for the receiving threads to end (their sockets
 are shut down first, which ends a blocked receive at once)."""
-_LEN_BYTES = 4
 
 Address = tuple[str, int]
 log = logging.getLogger(__name__)
@@ -290,7 +290,7 @@ class _Transfer:
 
     def _chunks(self, s: _Source) -> None:
         m, conn, sock, cond, queue = self.m, s.conn, s.conn.sock, self.cond, self.queue
-        head = bytearray(_LEN_BYTES)
+        head = bytearray(LEN_BYTES)
         head_view = memoryview(head)
         while True:
             with cond:

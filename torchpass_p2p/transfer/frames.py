@@ -51,6 +51,8 @@ DEFAULT_MAX_MANIFEST_BYTES = 64 << 20
 ~500k tensors and a 10 TiB state at 8 MiB chunks (a 32-byte digest per chunk: 40 MiB)."""
 
 _LEN = struct.Struct(">I")
+LEN_BYTES = _LEN.size
+"""Bytes of a frame's length prefix."""
 
 
 def encode_frame(op: str, **fields: Any) -> bytes:

@@ -47,7 +47,7 @@ from . import chunkmac, splice
 from . import fingerprint as fp
 from .auth import TransferKeys, server_handshake
 from .errors import PeerError
-from .frames import Conn, encode_frame, field, set_buffers
+from .frames import LEN_BYTES, Conn, encode_frame, field, set_buffers
 from .manifest import encode_manifest
 from .snapshot import Snapshot
 
@@ -72,7 +72,6 @@ LINGER_S = 1.0
 """After an ``error`` frame: how long the server reads what the peer still sends before it
 closes (the peer closes as soon as it has read the frame)."""
 _LOG_EVERY_S = 10.0
-_LEN_BYTES = 4  # a frame's length prefix
 
 
 class TransferServer:
@@ -222,7 +221,7 @@ class TransferServer:
         """Drop the oldest handshake that has not yet delivered a whole frame, else the oldest
         one: a key holder's hello arrives right after its connect, so a flood of connections
         that send nothing (or a byte) never evicts a handshake under way."""
-        victim = next((t for t, c in self._handshaking.items() if c.bytes_in <= _LEN_BYTES),
+        victim = next((t for t, c in self._handshaking.items() if c.bytes_in <= LEN_BYTES),
                       next(iter(self._handshaking)))
         conn = self._handshaking.pop(victim)
         victim.cancel()
@@ -341,8 +340,8 @@ class TransferServer:
     @staticmethod
     async def _linger(conn: Conn) -> None:
         """Half close, then read what the peer still sends (``LINGER_S`` at most): closing
-        with its pipelined requests unread would send a reset, and its kernel would drop the
-        error frame before the peer read it (it then counted ``closed``)."""
+        with its pipelined requests unread sends a reset, which throws away what this side
+        has not sent yet (the tail of a chunk, the error frame): the peer counted ``closed``."""
         loop = asyncio.get_running_loop()
         try:
             conn.sock.shutdown(socket.SHUT_WR)
