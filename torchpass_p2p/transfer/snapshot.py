@@ -295,7 +295,7 @@ class Snapshot:
         self.total_bytes = sum(e.nbytes for e in table)
         self._starts = [e.offset for e in table]
         self._flat = [t.reshape(-1).view(torch.uint8) for t in tensors]
-        self._views: list[memoryview] = [f.numpy().data.cast("B") for f in self._flat]
+        self._views: list[memoryview] = [byte_view(f) for f in self._flat]
         self._lock = threading.Lock()
         self._digests: dict[str, bytes] = {}
         self._chunk_macs: tuple[bytes, bytes] | None = None
