@@ -1,14 +1,15 @@
 """State-transfer throughput between processes on loopback.
 
-Run ``python -m benchmarks.transfer [--json] [--gib 1.0] [--repeats 5]``. Starts two source
-processes that each hold the same ``--gib`` GiB state (16 float32 tensors) and serve it three
-ways; the receiver (this process) measures, in interleaved rounds, the median of ``repeats``
-runs of:
+Run ``python -m benchmarks.transfer [--json] [--gib 1.0] [--repeats 5] [--cases a,b]``. Starts
+two source processes that each hold the same ``--gib`` GiB state (16 float32 tensors) and serve
+it three ways; the receiver (this process) measures, in interleaved rounds, the median of
+``repeats`` runs of:
 
 * ``gb_per_s``: :func:`torchpass_p2p.transfer.fetch` from one source, received in place, every
   byte of every chunk authenticated on the receiver as it lands (``chunkmac``: GMAC inner tags
-  under a per-snapshot key, keyed-BLAKE3 tags under the session key);
-* ``two_sources_gb_per_s``: ``fetch`` striped over both sources;
+  under a per-snapshot key, keyed-BLAKE3 tags under the session key), over ``streams``
+  connections (the client's ``STREAMS``, 2); ``one_stream_gb_per_s``: the same over one;
+* ``two_sources_gb_per_s``: ``fetch`` striped over both sources (one connection each);
 * ``zero_copy_source_gb_per_s``: ``fetch`` from one source whose server passes chunk pages to
   the socket by reference (``zero_copy=True``; by default a server does that only for receivers
   on other hosts, so the cases above copy; ``zero_copy`` in the output says whether this
@@ -28,8 +29,8 @@ runs of:
   it only adds two host copies;
 
 with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (``pg_ratio_vs_raw`` the same for
-``pg_gb_per_s``; ``two_sources_vs_one_paired``: the median over rounds of that round's
-two-source rate over its one-source rate).
+``pg_gb_per_s``; each ``*_paired``: the median over rounds of that round's ratio, the two
+cases having run back to back). ``--cases a,b`` runs only those cases.
 
 The sources above share the loopback and the receiver's cores: once one source runs at the
 loopback's speed, a second one only adds CPU contention. ``--link-gbit G`` (root, iproute2) also
@@ -71,7 +72,7 @@ import torch.distributed as dist
 
 from benchmarks import links
 from torchpass_p2p.transfer import Snapshot, TransferKeys, TransferServer, chunkmac, fetch
-from torchpass_p2p.transfer.client import RECV_PIECE_BYTES
+from torchpass_p2p.transfer.client import RECV_PIECE_BYTES, STREAMS
 from torchpass_p2p.transfer.frames import set_buffers
 from torchpass_p2p.transfer.pg_transport import PgTransport
 from torchpass_p2p.transfer.snapshot import byte_view
@@ -174,6 +175,11 @@ def _join_pg(rank: int, store_port: int) -> None:
                             timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
 
 
+CASES = ("gb_per_s", "raw_socket_gb_per_s", "one_stream_gb_per_s", "raw_socket_4mib_gb_per_s",
+         "two_sources_gb_per_s", "zero_copy_source_gb_per_s", "torch_save_gb_per_s",
+         "pg_gb_per_s", "pg_two_sources_gb_per_s", "pg_staged_gb_per_s")
+"""Every case, in the order each round runs them."""
+
 KEY_VARIABLE = "TORCHPASS_BENCH_KEY"
 """Environment variable carrying the hex key to a source started with ``--serve``."""
 
@@ -190,11 +196,12 @@ class _StdioPipe:
         return "stop"
 
 
-def _fetch_s(sources: list[tuple[str, int]], keys: TransferKeys, into: Snapshot) -> float:
-    """Seconds of one :func:`fetch` from ``sources`` into ``into``, which must need no
-    allocation and see no failure."""
+def _fetch_s(sources: list[tuple[str, int]], keys: TransferKeys, into: Snapshot,
+             streams: int = STREAMS) -> float:
+    """Seconds of one :func:`fetch` from ``sources`` over ``streams`` connections into
+    ``into``, which must need no allocation and see no failure."""
     t0 = time.perf_counter()
-    res = asyncio.run(fetch(sources, keys, 1, into=into))
+    res = asyncio.run(fetch(sources, keys, 1, into=into, streams=streams))
     dt = time.perf_counter() - t0
     assert res.allocated_bytes == 0 and not res.failures
     return dt
@@ -239,6 +246,11 @@ def _linked(gib: float, total: int, key: bytes, keys: TransferKeys, into: Snapsh
         out["two_sources_gb_per_s"] / out["one_source_gb_per_s"], 3)  # type: ignore[operator]
     out["all_gb_per_s"] = {k: [round(r, 3) for r in rs] for k, rs in rates.items()}
     return out
+
+
+def _paired(base: list[float], case: list[float]) -> float:
+    """Median over rounds of ``case``'s rate over ``base``'s (``base`` / ``case`` seconds)."""
+    return round(statistics.median(b / c for b, c in zip(base, case, strict=True)), 3)
 
 
 def _cpu_s(source_pids: list[int]) -> tuple[float, float]:
@@ -317,10 +329,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--cases", default=None,
+                    help="comma-separated keys of the cases to run (default: all)")
     ap.add_argument("--link-gbit", type=float, default=None,
                     help="also run sources behind links of this many Gbit/s (root)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    chosen = args.cases.split(",") if args.cases else list(CASES)
+    if set(chosen) - set(CASES):
+        ap.error(f"unknown cases {sorted(set(chosen) - set(CASES))}; known: {', '.join(CASES)}")
     total = int(args.gib * (1 << 30)) // (4 * N_TENSORS) * 4 * N_TENSORS
     if args.serve:  # a source started by _linked, inside its namespace
         _source_main(_StdioPipe(), total, bytes.fromhex(os.environ[KEY_VARIABLE]), "0.0.0.0")
@@ -350,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     views = [byte_view(t) for t in into.tensors]
     src = [("127.0.0.1", p["transfer"]) for p in ports]
 
-    def run_fetch(sources):
-        return _fetch_s(sources, keys, into)
+    def run_fetch(sources, streams=STREAMS):
+        return _fetch_s(sources, keys, into, streams)
 
     def run_raw(piece: int = RECV_PIECE_BYTES, flags: int = socket.MSG_WAITALL):
         t0 = time.perf_counter()
@@ -375,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = {
         "gb_per_s": lambda: run_fetch(src[:1]),
         "raw_socket_gb_per_s": run_raw,
+        "one_stream_gb_per_s": lambda: run_fetch(src[:1], streams=1),
         "raw_socket_4mib_gb_per_s": lambda: run_raw(PIECE, 0),
         "two_sources_gb_per_s": lambda: run_fetch(src),
         "zero_copy_source_gb_per_s": lambda: run_fetch([("127.0.0.1",
@@ -384,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         "pg_two_sources_gb_per_s": lambda: run_pg([0, 1]),
         "pg_staged_gb_per_s": lambda: run_pg([0], "cpu"),
     }
+    assert list(cases) == list(CASES)
+    cases = {k: f for k, f in cases.items() if k in chosen}
     times: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, list[tuple[float, float]]] = {k: [] for k in cases}
     pids = [p["pid"] for p in ports]
@@ -398,15 +418,16 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, object] = {"bytes": total, "repeats": args.repeats}
     for k, ts in times.items():
         out[k] = round(total / statistics.median(ts) / 1e9, 3)
-    raw = out["raw_socket_gb_per_s"]
-    out["ratio_vs_raw"] = round(out["gb_per_s"] / raw, 3)  # type: ignore[operator]
-    out["pg_ratio_vs_raw"] = round(out["pg_gb_per_s"] / raw, 3)  # type: ignore[operator]
-    out["two_sources_vs_one"] = round(out["two_sources_gb_per_s"] / out["gb_per_s"], 3)  # type: ignore
-    # The same ratio within each round (one source and two run back to back), then the median:
-    # less exposed to the machine's load changing between rounds.
-    out["two_sources_vs_one_paired"] = round(statistics.median(
-        one / two for one, two in zip(times["gb_per_s"], times["two_sources_gb_per_s"],
-                                      strict=True)), 3)
+    for name, case, base in (("ratio_vs_raw", "gb_per_s", "raw_socket_gb_per_s"),
+                             ("pg_ratio_vs_raw", "pg_gb_per_s", "raw_socket_gb_per_s"),
+                             ("two_sources_vs_one", "two_sources_gb_per_s", "gb_per_s"),
+                             ("streams_vs_one_stream", "gb_per_s", "one_stream_gb_per_s")):
+        if case in times and base in times:
+            out[name] = round(out[case] / out[base], 3)  # type: ignore[operator]
+            # The same ratio within each round (the two cases ran back to back), then the
+            # median: less exposed to the machine's load changing between rounds.
+            out[f"{name}_paired"] = _paired(times[base], times[case])
+    out["streams"] = STREAMS
     out["zero_copy"] = ports[0]["zero_copy"]
     out["all_gb_per_s"] = {k: [round(total / t / 1e9, 3) for t in ts] for k, ts in times.items()}
     gb = total / 1e9

@@ -15,6 +15,7 @@ import torch
 from torchpass_p2p.core.seal import key_id
 from torchpass_p2p.transfer import Refused, Snapshot, TransferFailed, TransferKeys, fetch, splice
 from torchpass_p2p.transfer.auth import client_handshake
+from torchpass_p2p.transfer.client import STREAMS
 from torchpass_p2p.transfer.frames import Conn, decode_frame, encode_frame
 from torchpass_p2p.transfer.server import MAX_HANDSHAKING, TransferServer
 
@@ -130,6 +131,51 @@ async def test_two_sources_exact_and_counted(snap, keys):
         assert [s.refused for s in servers] == [{}, {}]
     finally:
         await close_all(servers)
+
+
+async def test_one_source_is_received_over_two_connections(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    try:
+        res = await fetch([server.address], keys, CONFIG)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.bytes_by_source == {server.address: snap.total_bytes}
+        assert server.stats["transfers"] == STREAMS == 2  # a manifest per connection
+        assert server.stats["chunks"] == snap.num_chunks
+        res = await fetch([server.address], keys, CONFIG, streams=1)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert server.stats["transfers"] == 3
+    finally:
+        await server.close()
+
+
+async def test_a_sources_connections_fail_together_and_count_once(snap, keys):
+    servers = await serving(snap, keys, CorruptServer, TransferServer)
+    try:
+        res = await fetch([s.address for s in servers], keys, CONFIG, streams=4, window=1)
+        assert res.failures == {"bad_chunk": 1}  # before: 2, one per connection
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.bytes_by_source[servers[0].address] == 0
+    finally:
+        await close_all(servers)
+
+
+class SlowLastChunkServer(TransferServer):
+    """Waits 2.5 s before the last chunk (twice the straggler floor of 1 s)."""
+
+    async def serve_chunk(self, conn, snapshot, index, header):
+        if index == snapshot.num_chunks - 1:
+            await asyncio.sleep(2.5)
+        await super().serve_chunk(conn, snapshot, index, header)
+
+
+async def test_an_idle_connection_to_the_same_source_makes_no_straggler(snap, keys):
+    (server,) = await serving(snap, keys, SlowLastChunkServer)
+    try:
+        res = await fetch([server.address], keys, CONFIG, streams=2)
+        assert res.failures == {}  # before: too_slow, and with no other source, no state
+        assert received_fingerprint(res) == snap.fingerprint()
+    finally:
+        await server.close()
 
 
 async def test_peer_without_the_key_is_refused(snap, keys):

@@ -10,7 +10,10 @@
    ``sources_disagree``.
 3. **Target.** Tensors of ``into`` (a Snapshot, or live objects captured without copying) with
    the manifest's name, dtype and shape are received into in place; the others are allocated.
-4. **Stripe.** Chunks sit in one work queue; each source has one receiving thread that keeps
+4. **Stripe.** Chunks sit in one work queue. Every agreed source gets a connection, and with
+   fewer sources than ``streams`` more connections are opened to them in turn (a receiving
+   thread verifies only what its own connection brings, so one source's stream alone is capped
+   by one core's receive-and-MAC rate). Each connection has one receiving thread that keeps
    ``window`` chunk requests outstanding and takes the next chunk as one arrives, so faster
    sources carry more. The thread owns its socket in blocking mode (kernel receive timeout, no
    event-loop round trip per chunk), receives each chunk straight into tensor memory in
@@ -19,8 +22,9 @@
    under the connection's session key binding transfer, index, offset and length); a chunk
    counts only once its MAC verifies.
 5. **Failover.** A source that closes, errs, sends a bad chunk, or makes no progress for
-   ``progress_timeout_s`` seconds is dropped; its unverified chunks go back to the queue and the
-   other sources take them. No fixed total deadline: only "no progress for T".
+   ``progress_timeout_s`` seconds on any of its connections is dropped, all its connections
+   with it; their unverified chunks go back to the queue and the other sources take them. No
+   fixed total deadline: only "no progress for T".
 6. **Done** when every chunk is verified: each chunk's bytes are those its source MAC'd from
    the snapshot whose manifest (and so fingerprint) was agreed. Restore the state into live
    objects with ``result.snapshot.restore(objects)``; ``result.snapshot.fingerprint()``
@@ -84,6 +88,11 @@ hashed while cached): receiver CPU ~0.38 s/GB at 256-512 KiB, ~0.41 at 1 MiB, ~0
 Each piece is fed to the chunk's GMAC right after it lands, from cache: 0.25 s/GB of receiver
 CPU in all against 0.38-0.48 with the MAC in a second thread reading each 16 MiB chunk back from
 memory (``benchmarks.transfer``, cryptography 50 / OpenSSL 4.0: GMAC ~14-21 GB/s per core)."""
+STREAMS = 2
+"""Receiving connections per transfer, at least one per source: one source gets two. A stream
+is received and MAC'd by one thread, which caps it at one core's rate of both; on 2 shared
+cores, one source (1 GiB, loopback, ``benchmarks.transfer``, session 17, GMAC 5.3 GB/s) gave
+1.44-1.51 GB/s over one connection against 1.99-2.16 over two, with 2.2 for a raw socket."""
 STOP_TIMEOUT_S = 5.0
 """After a cancelled transfer: how long to wait for the receiving threads to end (their sockets
 are shut down first, which ends a blocked receive at once)."""
@@ -157,8 +166,10 @@ async def _open(addr: Address, keys: TransferKeys, config_id: int, tid: bytes, a
 
 class _Transfer:
     """The stripe-and-failover state of one transfer, shared by one receiving thread per
-    source (``_pump``) and the event loop (``run``, ``_watchdog``). ``cond`` guards the queue,
-    the counters and every source's ``inflight`` / ``idle`` / ``failed``."""
+    connection (``_pump``) and the event loop (``run``, ``_watchdog``). ``sources`` holds one
+    ``_Source`` per connection; those with the same ``addr`` are one source and fail together.
+    ``cond`` guards the queue, the counters and every connection's ``inflight`` / ``idle`` /
+    ``failed``."""
 
     def __init__(self, sources: list[_Source], target: Snapshot, manifest: Manifest,
                  tid: bytes, window: int, progress_timeout_s: float,
@@ -179,6 +190,7 @@ class _Transfer:
         self.received_bytes = 0
         self.refetched = 0
         self.stopping = False
+        self.dropped: set[Address] = set()  # sources counted in ``failures``
         self.loop = asyncio.get_running_loop()
         # Every receiving thread takes its first chunks only once all have started, so a small
         # state is not all taken by the thread that happened to start first.
@@ -232,8 +244,9 @@ class _Transfer:
             with self.cond:
                 live = [s for s in self.sources if not s.done and s.failed is None]
                 busy = [s for s in live if not s.idle]
+                idle_addrs = {s.addr for s in live if s.idle}
                 limit = None
-                if not self.queue and len(busy) < len(live):
+                if not self.queue and idle_addrs:
                     fastest = min((s.chunk_s for s in self.sources if s.chunk_s is not None),
                                   default=None)
                     if fastest is not None:
@@ -241,7 +254,8 @@ class _Transfer:
                 for s in busy:
                     if now - s.conn.last_progress > self.progress_timeout_s:
                         s.failed = "no_progress"
-                    elif limit is not None and s.inflight and now - s.head_since > limit:
+                    elif (limit is not None and s.inflight and now - s.head_since > limit
+                          and idle_addrs - {s.addr}):  # idle: another source, not its own
                         s.failed = "too_slow"
                     else:
                         continue
@@ -279,12 +293,20 @@ class _Transfer:
             self.started.abort()  # no other thread waits for this one
             with self.cond:
                 s.failed = s.failed or reason
-                self.failures[s.failed] += 1
+                if s.addr not in self.dropped:  # a source counts once, by its first reason
+                    self.dropped.add(s.addr)
+                    self.failures[s.failed] += 1
+                siblings = [o for o in self.sources
+                            if o.addr == s.addr and o is not s and o.failed is None]
+                for o in siblings:
+                    o.failed = s.failed
                 self.refetched += len(s.inflight)
                 self.queue.extend(s.inflight)
                 s.inflight.clear()
                 self.cond.notify_all()
             s.conn.close()
+            for o in siblings:  # their threads then requeue their chunks
+                o.conn.shutdown()
         finally:
             s.done = True
 
@@ -376,7 +398,7 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
                 connect_timeout_s: float = CONNECT_TIMEOUT_S, window: int = WINDOW_CHUNKS,
                 max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES,
                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
-                max_alloc_bytes: int | None = None,
+                max_alloc_bytes: int | None = None, streams: int = STREAMS,
                 on_progress: Callable[[int, int], None] | None = None) -> FetchResult:
     """Receive the snapshot the ``sources`` (``(host, port)`` of transfer servers) agree on.
 
@@ -387,16 +409,18 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     (``chunkmac``) either way: a chunk whose MAC fails counts ``bad_chunk`` against its source,
     which is dropped. ``progress_timeout_s``: seconds without a byte from a busy source before
     it is dropped. ``max_alloc_bytes``: bytes the receiver may allocate for tensors it lacks
-    (default ``max_state_bytes``). ``on_progress(received_bytes, total_bytes)`` is called (on
-    the event loop) after each verified chunk.
+    (default ``max_state_bytes``). ``streams``: receiving connections in all, at least one per
+    agreed source (``STREAMS``). ``on_progress(received_bytes, total_bytes)`` is called (on the
+    event loop) after each verified chunk. ``failures`` counts each failed source once, by the
+    first reason one of its connections gave.
 
     Raises :class:`TransferFailed` (``no_sources``, ``sources_disagree``, ``no_sources_left``)
     with ``failures`` counting each source's reason; ``ValueError`` for local misuse.
     """
     if not sources:
         raise ValueError("no sources")
-    if algo not in fp.ALGORITHMS or window < 1:
-        raise ValueError("bad algo or window")
+    if algo not in fp.ALGORITHMS or window < 1 or streams < 1:
+        raise ValueError("bad algo, window or streams")
     t0 = time.monotonic()
     tid = os.urandom(TRANSFER_ID_BYTES)
     failures: Counter[str] = Counter()
@@ -440,6 +464,16 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
             raise TransferFailed("no_sources", "no source holds the expected fingerprint",
                                  failures)
         manifest = chosen[0].manifest
+        extra = [chosen[k % len(chosen)].addr for k in range(streams - len(chosen))]
+        for more in await asyncio.gather(*(attempt(a) for a in extra)):
+            if more is None:
+                continue
+            opened.append(more)
+            if more.manifest.fingerprint == manifest.fingerprint:
+                chosen.append(more)
+            else:  # the source moved to another step since its first connection
+                failures["fingerprint_mismatch"] += 1
+                more.conn.close()
         if into is None or isinstance(into, Snapshot):
             own = into
         else:
@@ -450,7 +484,7 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
         except (RuntimeError, MemoryError) as e:  # the agreed state does not fit in memory
             raise TransferFailed("too_large", f"allocating the state: {e}"[:200],
                                  failures) from None
-        # One receiving (and verifying) thread per source.
+        # One receiving (and verifying) thread per connection.
         with ThreadPoolExecutor(max_workers=len(chosen),
                                 thread_name_prefix="transfer") as pool:
             tr = _Transfer(chosen, target, manifest, tid, window, progress_timeout_s,
@@ -462,9 +496,11 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
                     await asyncio.wait_for(s.conn.send(encode_frame("bye")), 1.0)
                 except (OSError, TimeoutError):
                     pass
-        return FetchResult(target, manifest.fingerprint, failures,
-                           {s.addr: s.bytes for s in chosen}, tr.refetched, allocated,
-                           time.monotonic() - t0)
+        by_source: Counter[Address] = Counter()
+        for s in chosen:
+            by_source[s.addr] += s.bytes
+        return FetchResult(target, manifest.fingerprint, failures, dict(by_source),
+                           tr.refetched, allocated, time.monotonic() - t0)
     finally:
         for s in opened:
             s.conn.close()

@@ -61,7 +61,8 @@ as soon as a chunk arrives; 60 s only reaps abandoned connections)."""
 SEND_TIMEOUT_S = 30.0
 """No progress on sending one chunk for this long drops the connection."""
 MAX_CONNECTIONS = 64
-"""Concurrent authenticated connections; a transfer uses one per receiver per source."""
+"""Concurrent authenticated connections; a receiver opens at least one per source (two to a
+sole source: the client's ``STREAMS``)."""
 MAX_HANDSHAKING = 16
 """Connections still in their handshake (not yet shown to hold the key), counted apart from
 ``MAX_CONNECTIONS``. One more evicts one of them (counted ``evicted_unproven``; see
