@@ -1,10 +1,11 @@
 """A live in-process cluster on the virtual clock: crash one member, stall another, print what
 every member saw and what they agreed.
 
-This is the main job until the training demo exists: the real protocol core, real sealed
-datagrams (encoded, AEAD-sealed, opened and decoded for every hop), a lossy virtual network, one
-crash and one member whose loop keeps stalling. It exits non-zero if a live member never learned
-of the crash, never held a decided configuration without it, a spare did not take its rank, or a
+The membership protocol alone, in seconds (the main job, ``./scripts/main-job``, trains
+through a fault with real processes): the real protocol core, real sealed datagrams (encoded,
+AEAD-sealed, opened and decoded for every hop), a lossy virtual network, one crash and one
+member whose loop keeps stalling. It exits non-zero if a live member never learned of the
+crash, never held a decided configuration without it, a spare did not take its rank, or a
 healthy member was convicted or removed.
 """
 
@@ -119,11 +120,14 @@ def run_demo(members: int, seed: int, loss: float, crash_at_s: float, horizon_s:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sims demo", description=__doc__)
-    parser.add_argument("--members", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--loss", type=float, default=0.01)
-    parser.add_argument("--crash-at", type=float, default=30.0)
-    parser.add_argument("--horizon", type=float, default=60.0)
+    parser.add_argument("--members", type=int, default=64, help="cluster size (default 64)")
+    parser.add_argument("--seed", type=int, default=1, help="seed of every random choice")
+    parser.add_argument("--loss", type=float, default=0.01,
+                        help="probability a datagram is lost (default 0.01)")
+    parser.add_argument("--crash-at", type=float, default=30.0,
+                        help="virtual seconds before one member crashes (default 30)")
+    parser.add_argument("--horizon", type=float, default=60.0,
+                        help="virtual seconds simulated (default 60)")
     parser.add_argument("--objects", action="store_true",
                         help="hand message objects instead of sealed datagrams (faster)")
     args = parser.parse_args(argv)

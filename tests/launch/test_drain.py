@@ -69,7 +69,7 @@ async def test_drain_fails_on_refusal_unreachable_agent_or_missing_key(
     unreachable = address.rsplit(":", 1)[0] + ":1"
     code = await asyncio.to_thread(main, ["drain", unreachable, "--key-file",
                                           str(tmp_path / "wrong"), "--timeout", "2"])
-    assert code == 1 and "unreachable" in capsys.readouterr().err
+    assert code == 2 and "unreachable" in capsys.readouterr().err  # as status says it
     for name in ("TORCHPASS_KEY_FILE", "TORCHPASS_KEY"):
         monkeypatch.delenv(name, raising=False)
     assert await asyncio.to_thread(main, ["drain", address]) == 2

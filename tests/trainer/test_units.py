@@ -28,8 +28,9 @@ from torchpass_p2p.trainer import (
 )
 from torchpass_p2p.trainer.service import StateService
 from torchpass_p2p.trainer.timeline import read_events, recoveries
-from torchpass_p2p.transfer import Snapshot, TransferFailed, TransferKeys, fetch
-from torchpass_p2p.transfer.server import TransferServer
+from torchpass_p2p.transfer import Snapshot, TransferFailed, TransferKeys, client, fetch
+
+from ..transfer.gated import GatedServer
 
 
 @pytest.mark.parametrize(("applied", "reduced", "resume", "action"), [
@@ -195,20 +196,27 @@ def test_a_serve_fault_fires_once_past_its_fraction(monkeypatch: pytest.MonkeyPa
                              started_as_rank=False).serving  # a spare never faults
 
 
-async def test_the_transfer_server_reports_each_chunk_served() -> None:
+async def test_the_transfer_server_reports_each_chunk_served(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The hook a ``serve`` fault rides on: ``on_served(step, served_bytes, total_bytes)`` after
-    each chunk handed to the socket, bytes counted per connection."""
+    each chunk handed to the socket, bytes counted per transfer over all its connections."""
+    monkeypatch.setattr(client, "MIN_STREAM_BYTES", 0)  # two connections for 12 KB
     calls: list[tuple[int, int, int]] = []
     keys = TransferKeys(os.urandom(32))
     snap = Snapshot.capture({"w": {"t": torch.arange(3000, dtype=torch.float32)}}, 9,
                             copy=True, chunk_bytes=4096)  # 12000 bytes: 3 chunks, 4096 .. 3808
-    async with TransferServer(keys, lambda: 3,
-                              on_served=lambda *a: calls.append(a)) as server:
+    # No chunk goes out before both connections of the first receiver ask for one.
+    async with GatedServer(keys, lambda: 3, on_served=lambda *a: calls.append(a)) as server:
         server.publish(snap)
-        for _ in range(2):  # two receivers: counted apart
-            got = await fetch([server.address], keys, 3, step=9, window=1)
+        for streams in (2, 1):  # two receivers: counted apart
+            got = await fetch([server.address], keys, 3, step=9, window=1, streams=streams)
             assert got.fingerprint == snap.fingerprint()
-    assert calls == [(9, n, 12000) for n in (4096, 8192, 12000)] * 2
+        assert server.stats["transfers"] == 3
+    # Over two connections the chunks go out in either order; their bytes add up per transfer.
+    sums = [n for _, n, _ in calls[:3]]
+    assert sorted(b - a for a, b in zip([0, *sums[:-1]], sums, strict=True)) == [3808, 4096, 4096]
+    assert calls[2] == (9, 12000, 12000)
+    assert calls[3:] == [(9, n, 12000) for n in (4096, 8192, 12000)]
 
 
 def test_a_fetch_past_its_deadline_is_cancelled_and_fails_typed() -> None:

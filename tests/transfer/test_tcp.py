@@ -13,12 +13,21 @@ import pytest
 import torch
 
 from torchpass_p2p.core.seal import key_id
-from torchpass_p2p.transfer import Refused, Snapshot, TransferFailed, TransferKeys, fetch, splice
+from torchpass_p2p.transfer import (
+    Refused,
+    Snapshot,
+    TransferFailed,
+    TransferKeys,
+    client,
+    fetch,
+    splice,
+)
 from torchpass_p2p.transfer.auth import client_handshake
 from torchpass_p2p.transfer.client import STREAMS
 from torchpass_p2p.transfer.frames import Conn, decode_frame, encode_frame
 from torchpass_p2p.transfer.server import MAX_HANDSHAKING, TransferServer
 
+from .gated import GatedServer
 from .states import build, capture
 
 CONFIG = 7
@@ -133,8 +142,15 @@ async def test_two_sources_exact_and_counted(snap, keys):
         await close_all(servers)
 
 
+@pytest.fixture
+def streams_for_small_states(monkeypatch):
+    """Extra connections for the few-KB states of these tests (``MIN_STREAM_BYTES``)."""
+    monkeypatch.setattr(client, "MIN_STREAM_BYTES", 0)
+
+
+@pytest.mark.usefixtures("streams_for_small_states")
 async def test_one_source_is_received_over_two_connections(snap, keys):
-    (server,) = await serving(snap, keys, TransferServer)
+    (server,) = await serving(snap, keys, GatedServer)
     try:
         res = await fetch([server.address], keys, CONFIG)
         assert received_fingerprint(res) == snap.fingerprint()
@@ -148,7 +164,8 @@ async def test_one_source_is_received_over_two_connections(snap, keys):
         await server.close()
 
 
-async def test_a_sources_connections_fail_together_and_count_once(snap, keys):
+@pytest.mark.usefixtures("streams_for_small_states")
+async def test_a_sources_connections_count_once(snap, keys):
     servers = await serving(snap, keys, CorruptServer, TransferServer)
     try:
         res = await fetch([s.address for s in servers], keys, CONFIG, streams=4, window=1)
@@ -157,6 +174,90 @@ async def test_a_sources_connections_fail_together_and_count_once(snap, keys):
         assert res.bytes_by_source[servers[0].address] == 0
     finally:
         await close_all(servers)
+
+
+class CorruptOnceServer(GatedServer):
+    """Once both connections of a transfer ask for chunks, corrupts the first chunk it serves
+    (the other connection waits for its own)."""
+
+    def chunk_buffers(self, snapshot, index):
+        bufs = super().chunk_buffers(snapshot, index)
+        self.stats["corrupt_calls"] += 1
+        if self.stats["corrupt_calls"] > 1:
+            return bufs
+        data = bytearray(b"".join(bufs))
+        data[len(data) // 2] ^= 0x01
+        return [memoryview(data)]
+
+
+@pytest.mark.usefixtures("streams_for_small_states")
+async def test_a_bad_chunk_drops_every_connection_of_its_source(snap, keys):
+    (server,) = await serving(snap, keys, CorruptOnceServer)
+    try:
+        with pytest.raises(TransferFailed) as e:  # before: the other connection went on
+            await fetch([server.address], keys, CONFIG, streams=2, window=1)
+        assert e.value.reason == "no_sources_left" and e.value.failures == {"bad_chunk": 1}
+    finally:
+        await server.close()
+
+
+async def _one_connection_proxy(target):
+    """Forwards the first connection to ``target``; accepts the later ones and never answers
+    (a source whose listen queue takes a connection it never serves)."""
+    accepted = []
+
+    async def pipe(reader, writer):
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader, writer):
+        accepted.append(writer)
+        if len(accepted) > 1:
+            return  # the connection stays open, silent, until the proxy closes
+        up_reader, up_writer = await asyncio.open_connection(*target)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    proxy = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return proxy, proxy.sockets[0].getsockname()[:2], accepted
+
+
+@pytest.mark.usefixtures("streams_for_small_states")
+async def test_an_extra_connection_that_never_opens_delays_nothing(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    proxy, address, accepted = await _one_connection_proxy(server.address)
+    try:
+        # Before: the extra connection was awaited before the first chunk, so this waited for
+        # connect_timeout_s (here an hour).
+        res = await asyncio.wait_for(
+            fetch([address], keys, CONFIG, streams=2, connect_timeout_s=3600), 60)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.failures == {} and len(accepted) == 2
+    finally:
+        for w in accepted:
+            w.close()
+        proxy.close()
+        await server.close()
+
+
+@pytest.mark.usefixtures("streams_for_small_states")
+async def test_an_extra_connection_refused_is_not_a_failed_source(snap, keys):
+    server = GatedServer(keys, lambda: CONFIG, max_connections=1)
+    server.ready = lambda server: server.refused["too_many_connections"] >= 1
+    await server.start()
+    server.publish(snap)
+    try:
+        res = await fetch([server.address], keys, CONFIG, streams=2)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.failures == {}  # before: too_many_connections, from a healthy source
+        assert server.refused == {"too_many_connections": 1}
+    finally:
+        await server.close()
 
 
 class SlowLastChunkServer(TransferServer):
@@ -168,6 +269,7 @@ class SlowLastChunkServer(TransferServer):
         await super().serve_chunk(conn, snapshot, index, header)
 
 
+@pytest.mark.usefixtures("streams_for_small_states")
 async def test_an_idle_connection_to_the_same_source_makes_no_straggler(snap, keys):
     (server,) = await serving(snap, keys, SlowLastChunkServer)
     try:
@@ -563,7 +665,8 @@ async def test_handshakes_without_the_key_never_hold_the_slots_of_transfers(snap
 
 
 async def test_a_key_holder_past_the_connection_limit_is_told(snap, keys):
-    server = TransferServer(keys, lambda: CONFIG, max_connections=1)
+    server = GatedServer(keys, lambda: CONFIG, max_connections=1)
+    server.ready = lambda server: server.refused["too_many_connections"] >= 1
     await server.start()
     server.publish(snap)
     c = Conn(socket.create_connection(server.address), asyncio.get_running_loop())

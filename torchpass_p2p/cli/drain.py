@@ -1,8 +1,9 @@
 """``torchpass-p2p drain HOST:PORT``: ask one agent to leave the job gracefully (its rank, if it
 holds one, goes to a spare) by ``POST /drain`` to its status page. Prints the agent's JSON reply.
 
-Exit code: 0 when the agent accepted (HTTP 2xx), 1 when it refused or could not be reached, 2 for
-a usage error or an unreadable key.
+Exit code (as ``torchpass-p2p status``): 0 when the agent accepted (HTTP 2xx), 1 when it
+refused or answered something that is not JSON, 2 when it could not be reached, for a usage error
+or an unreadable key.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from torchpass_p2p.agent.settings import SettingsError, parse_address
 from torchpass_p2p.launch.keyfile import KeyFileError, http_token, read_primary_key
 from torchpass_p2p.launch.plan import format_address
 
-__all__ = ["DrainError", "add_parser", "drain", "run"]
+__all__ = ["EXIT_REFUSED", "EXIT_UNREACHABLE", "DrainError", "add_parser", "drain", "run"]
 
 DEFAULT_TIMEOUT_S = 5.0
 """Deadline of the request: an agent answers at once and drains in the background."""
 MAX_REPLY_BYTES = 1 << 20
 """Largest reply read: a drain reply is a few hundred bytes of JSON."""
+EXIT_REFUSED = 1
+EXIT_UNREACHABLE = 2
 
 
 def add_parser(
@@ -49,18 +52,23 @@ def run(args: argparse.Namespace) -> int:
         key = _key(args.key_file)
     except (SettingsError, KeyFileError, OSError) as exc:
         print(f"torchpass-p2p drain: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_UNREACHABLE
     try:
         reply = drain(format_address(address), key, timeout_s=args.timeout)
     except DrainError as exc:
         print(f"torchpass-p2p drain: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_UNREACHABLE if exc.unreachable else EXIT_REFUSED
     print(json.dumps(reply, indent=1, sort_keys=True))
     return 0
 
 
 class DrainError(Exception):
-    """The agent refused the drain or could not be reached; the message says which."""
+    """The agent refused the drain or could not be reached (``unreachable``); the message says
+    which."""
+
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
 
 
 def drain(address: str, key: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> Any:
@@ -81,7 +89,7 @@ def drain(address: str, key: bytes, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
         raise DrainError(f"{address} refused: HTTP {exc.code} {detail}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise DrainError(f"{address} unreachable: {reason}") from None
+        raise DrainError(f"{address} unreachable: {reason}", unreachable=True) from None
     try:
         return json.loads(body)
     except ValueError:

@@ -12,7 +12,7 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
                                  leaves behind
     kill@37:serve:rank=2:0.25    SIGKILL itself while its transfer server serves the state
                                  after 37 or more steps to a fetching member (a promoted spare),
-                                 as soon as one connection has been sent a quarter of that
+                                 as soon as one transfer has been sent a quarter of that
                                  state's bytes: a source dying mid-transfer (S10)
     kill@37:enter:rank=3         SIGKILL itself as it enters a configuration that resumes at
                                  step 37 holding rank 3 there, just after its change was
@@ -34,18 +34,18 @@ all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit a
 the one it holds there; also a rank entering the configuration it was started in, at step 0,
 before its first group forms; not for ``reset``: no operation is in flight), and ``serve``
 (only for ``kill``; its number is the fraction of the snapshot, ``0 < f < 1``, that one
-connection has been sent: checked after each chunk, so the kill lands between two chunks,
-with the receiver's further requests unanswered). The step of a ``serve`` fault is the served
-snapshot's step (the state after that many steps), at least that; its rank is this member's
-rank in the configuration it is entering or training in (``rank_of()``). A ``reset`` takes
-no number and any point but ``serve``.
+transfer has been sent over all its connections: checked after each chunk, so the kill lands
+between two chunks, with the receiver's further requests unanswered). The step of a
+``serve`` fault is the served snapshot's step (the state after that many steps), at least that;
+its rank is this member's rank in the configuration it is entering or training in
+(``rank_of()``). A ``reset`` takes no number and any point but ``serve``.
 
 A fault fires only in a process started as a rank (``TORCHPASS_ROLE`` is not ``spare``), once:
 the replacement redoing that step must not fault again. ``before(fault, **details)`` is called
 just before one fires, to log it; an ``orphan`` passes ``orphan_pid`` and ``orphan_ports`` (the
 local ports of the sockets it holds), so a test can check the orphan held the rank's port and is
-gone after the run; a ``serve`` fault passes ``snapshot_step``, ``served_bytes`` (sent on that
-connection) and ``total_bytes``.
+gone after the run; a ``serve`` fault passes ``snapshot_step``, ``served_bytes`` (sent to that
+transfer, over all its connections) and ``total_bytes``.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ ORPHAN_SLEEP_S = 3600
 @dataclass(frozen=True, slots=True)
 class Fault:
     """``kind`` ``kill``, ``stop``, ``orphan`` or ``reset``; ``seconds``: how long a ``stop`` lasts;
-    ``fraction``: of the snapshot sent on one connection before a ``serve`` fault fires."""
+    ``fraction``: of the snapshot sent to one transfer before a ``serve`` fault fires."""
 
     kind: str
     step: int
@@ -141,7 +141,7 @@ class FaultInjector:
 
     def served(self, step: int, served_bytes: int, total_bytes: int, rank: int | None) -> None:
         """After a chunk was sent: fire a ``serve`` fault of ``rank`` armed at ``step`` or
-        earlier once ``served_bytes`` (of this connection) reach its fraction of
+        earlier once ``served_bytes`` (of this transfer) reach its fraction of
         ``total_bytes`` (the transfer server's ``on_served``)."""
         with self._lock:
             for f in self.faults:

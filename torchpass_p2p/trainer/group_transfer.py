@@ -44,7 +44,7 @@ objects, check it and return the state as captured (the trainer's part)."""
 class SourceTransport(PgTransport):
     """One transfer over a configuration's group, seen from a source: each chunk it sent is
     reported to ``on_served(step, served_bytes, total_bytes)`` (the ``serve`` faults), bytes
-    counted per receiver as the TCP server counts them per connection."""
+    counted per receiver as the TCP server counts them per transfer."""
 
     def __init__(self, group: ManagedGroup, snapshot: Snapshot,
                  on_served: Callable[[int, int, int], None] | None) -> None:

@@ -10,17 +10,17 @@
    ``sources_disagree``.
 3. **Target.** Tensors of ``into`` (a Snapshot, or live objects captured without copying) with
    the manifest's name, dtype and shape are received into in place; the others are allocated.
-4. **Stripe.** Chunks sit in one work queue. Every agreed source gets a connection, and with
-   fewer sources than ``streams`` more connections are opened to them in turn (a receiving
-   thread verifies only what its own connection brings, so one source's stream alone is capped
-   by one core's receive-and-MAC rate). Each connection has one receiving thread that keeps
-   ``window`` chunk requests outstanding and takes the next chunk as one arrives, so faster
-   sources carry more. The thread owns its socket in blocking mode (kernel receive timeout, no
-   event-loop round trip per chunk), receives each chunk straight into tensor memory in
-   256 KiB pieces and feeds each piece to the chunk's MAC while it is still in cache
-   (``chunkmac``: GMAC over all its bytes under the snapshot's key, then a keyed-BLAKE3 tag
-   under the connection's session key binding transfer, index, offset and length); a chunk
-   counts only once its MAC verifies.
+4. **Stripe.** Chunks sit in one work queue. Every agreed source gets a connection, and with fewer
+   sources than ``streams`` more connections are opened to them in turn while the first ones
+   already receive (a receiving thread verifies only what its own connection brings, so one
+   connection alone is capped by one core's receive-and-MAC rate). Each connection has one
+   receiving thread that keeps ``window`` chunk requests outstanding and takes the next chunk as
+   one arrives, so faster sources carry more. The thread owns its socket in blocking mode (kernel
+   receive timeout, no event-loop round trip per chunk), receives each chunk straight into tensor
+   memory in 256 KiB pieces and feeds each piece to the chunk's MAC while it is still in cache
+   (``chunkmac``: GMAC over all its bytes under the snapshot's key, then a keyed-BLAKE3 tag under
+   the connection's session key binding transfer, index, offset and length); a chunk counts only
+   once its MAC verifies.
 5. **Failover.** A source that closes, errs, sends a bad chunk, or makes no progress for
    ``progress_timeout_s`` seconds on any of its connections is dropped, all its connections
    with it; their unverified chunks go back to the queue and the other sources take them. No
@@ -41,7 +41,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,10 +89,16 @@ Each piece is fed to the chunk's GMAC right after it lands, from cache: 0.25 s/G
 CPU in all against 0.38-0.48 with the MAC in a second thread reading each 16 MiB chunk back from
 memory (``benchmarks.transfer``, cryptography 50 / OpenSSL 4.0: GMAC ~14-21 GB/s per core)."""
 STREAMS = 2
-"""Receiving connections per transfer, at least one per source: one source gets two. A stream
-is received and MAC'd by one thread, which caps it at one core's rate of both; on 2 shared
-cores, one source (1 GiB, loopback, ``benchmarks.transfer``, session 17, GMAC 5.3 GB/s) gave
-1.44-1.51 GB/s over one connection against 1.99-2.16 over two, with 2.2 for a raw socket."""
+"""Receiving connections per transfer, at least one per source: one source gets two. A
+connection is received and MAC'd by one thread, which caps it at one core's rate of both. On 2
+cores shared with the source, 1 GiB on loopback (``benchmarks.transfer``, session 17, medians of
+5-10 paired rounds per run): two connections 1.03x, 1.07x and 1.38x one in three runs (GMAC at
+2.8-5.0 GB/s per core; the slower the MAC, the larger the gain). Not more by default: on those
+2 cores a third thread only competes with the source."""
+MIN_STREAM_BYTES = 64 << 20
+"""Extra connections (past one per source) only for states of at least this many bytes per
+connection: a smaller state is in before a second handshake would pay off, and the extra
+connection would be closed mid-handshake (the source logs a dropped connection)."""
 STOP_TIMEOUT_S = 5.0
 """After a cancelled transfer: how long to wait for the receiving threads to end (their sockets
 are shut down first, which ends a blocked receive at once)."""
@@ -196,13 +202,29 @@ class _Transfer:
         # state is not all taken by the thread that happened to start first.
         self.started = threading.Barrier(len(sources))
 
-    async def run(self) -> None:
+    async def run(self, joining: Sequence[Coroutine[Any, Any, _Source | None]] = ()) -> None:
+        """Receive until every chunk is verified or no connection is left. ``joining``: more
+        connections to open (``fetch``'s extra streams), run as tasks of this call; each that
+        opens while chunks remain gets its own thread, the others are closed."""
         if self.remaining == 0:
+            for c in joining:
+                c.close()
             return
-        threads = [self.loop.run_in_executor(self.pool, self._pump, s) for s in self.sources]
+        threads = {self.loop.run_in_executor(self.pool, self._pump, s, True)
+                   for s in self.sources}
+        opening: set[asyncio.Future[Any]] = {self.loop.create_task(c) for c in joining}
         watchdog = self.loop.create_task(self._watchdog())
         try:
-            await asyncio.wait(threads)
+            while threads:
+                done, _ = await asyncio.wait(threads | opening,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for f in done & opening:
+                    opening.discard(f)
+                    if (s := f.result()) is not None and self._join(s):
+                        threads.add(self.loop.run_in_executor(self.pool, self._pump, s, False))
+                for t in done & threads:
+                    threads.discard(t)
+                    t.result()  # _pump raises only on a bug
         except asyncio.CancelledError:
             # Cancelled from outside: end every thread (bounded) before the target's memory
             # is handed back, so no late byte lands in it.
@@ -210,14 +232,29 @@ class _Transfer:
             await asyncio.wait(threads, timeout=STOP_TIMEOUT_S)
             raise
         finally:
+            for f in opening:
+                f.cancel()  # a connection still opening closes itself (``_open``)
             watchdog.cancel()
-            await asyncio.wait([watchdog])
-        for t in threads:
-            t.result()  # _pump raises only on a bug
+            await asyncio.wait([watchdog, *opening])
+            for f in opening:  # opened after the last wait: not used
+                if not f.cancelled() and (late := f.result()) is not None:
+                    late.conn.close()
         if self.remaining:
             raise TransferFailed("no_sources_left",
                                  f"{self.remaining} chunks missing; failures "
                                  f"{dict(self.failures)}", self.failures)
+
+    def _join(self, s: _Source) -> bool:
+        """Add the opened connection ``s`` to the transfer, or close it: when its manifest is
+        not the agreed one, its source was dropped, or nothing is left to receive."""
+        with self.cond:
+            ok = (s.manifest.fingerprint == self.m.fingerprint and self.remaining > 0
+                  and not self.stopping and s.addr not in self.dropped)
+            if ok:
+                self.sources.append(s)
+        if not ok:
+            s.conn.close()
+        return ok
 
     def _stop(self) -> None:
         self.started.abort()
@@ -264,15 +301,17 @@ class _Transfer:
                 s.conn.shutdown()
 
     # -- the receiving thread of one source -------------------------------------------------
-    def _pump(self, s: _Source) -> None:
+    def _pump(self, s: _Source, first: bool) -> None:
         """Request, receive and verify chunks from ``s`` until none is left or ``s`` fails; a
-        failure puts ``s``'s unverified chunks back in the queue for the other sources."""
+        failure puts ``s``'s unverified chunks back in the queue for the other sources.
+        ``first``: one of the connections the transfer started with (they start together)."""
         try:
             sock = s.conn.sock
             sock.setblocking(True)
             set_timeouts(sock, self.progress_timeout_s)
             try:
-                self.started.wait(self.progress_timeout_s)
+                if first:
+                    self.started.wait(self.progress_timeout_s)
             except threading.BrokenBarrierError:
                 pass  # a thread failed before it (or the wait timed out): go on
             self._chunks(s)
@@ -316,6 +355,8 @@ class _Transfer:
         head_view = memoryview(head)
         while True:
             with cond:
+                if s.failed is not None:  # a sibling failed, or the watchdog dropped it:
+                    return  # take nothing more (_pump requeues what it holds)
                 gets = []
                 if not s.inflight and queue:
                     s.head_since = time.monotonic()
@@ -410,9 +451,11 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     which is dropped. ``progress_timeout_s``: seconds without a byte from a busy source before
     it is dropped. ``max_alloc_bytes``: bytes the receiver may allocate for tensors it lacks
     (default ``max_state_bytes``). ``streams``: receiving connections in all, at least one per
-    agreed source (``STREAMS``). ``on_progress(received_bytes, total_bytes)`` is called (on the
-    event loop) after each verified chunk. ``failures`` counts each failed source once, by the
-    first reason one of its connections gave.
+    agreed source (``STREAMS``; extra ones only for ``MIN_STREAM_BYTES`` of state each).
+    ``on_progress(received_bytes, total_bytes)`` is called (on the event loop) after each
+    verified chunk. ``failures`` counts each failed source once, by the
+    first reason one of its connections gave; an extra connection (past one per source) that
+    fails to open is logged, not counted: its source still serves.
 
     Raises :class:`TransferFailed` (``no_sources``, ``sources_disagree``, ``no_sources_left``)
     with ``failures`` counting each source's reason; ``ValueError`` for local misuse.
@@ -425,21 +468,29 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     tid = os.urandom(TRANSFER_ID_BYTES)
     failures: Counter[str] = Counter()
 
-    async def attempt(addr: Address) -> _Source | None:
+    async def attempt(addr: Address, counts: Counter[str] = failures) -> _Source | None:
         try:
             async with asyncio.timeout(connect_timeout_s):
                 return await _open(addr, keys, config_id, tid, algo, step, max_manifest_bytes,
                                    max_state_bytes)
         except TimeoutError:
-            failures["connect_timeout"] += 1
+            counts["connect_timeout"] += 1
         except TransferError as e:
-            failures[e.reason] += 1
+            counts[e.reason] += 1
         except OSError as e:
-            failures["closed" if isinstance(e, ConnectionError) else "connect_failed"] += 1
+            counts["closed" if isinstance(e, ConnectionError) else "connect_failed"] += 1
         except Exception:  # input no check caught: this source is left out, the others go on
             log.exception("transfer: opening %s failed", addr)
-            failures["internal_error"] += 1
+            counts["internal_error"] += 1
         return None
+
+    async def attempt_extra(addr: Address) -> _Source | None:
+        # An extra connection that fails costs a stream, not the source: logged, not counted.
+        counts: Counter[str] = Counter()
+        more = await attempt(addr, counts)
+        if counts:
+            log.info("transfer: no extra connection to %s: %s", addr, dict(counts))
+        return more
 
     opened = [s for s in await asyncio.gather(*(attempt(a) for a in sources)) if s is not None]
     chosen: list[_Source] = []
@@ -464,16 +515,6 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
             raise TransferFailed("no_sources", "no source holds the expected fingerprint",
                                  failures)
         manifest = chosen[0].manifest
-        extra = [chosen[k % len(chosen)].addr for k in range(streams - len(chosen))]
-        for more in await asyncio.gather(*(attempt(a) for a in extra)):
-            if more is None:
-                continue
-            opened.append(more)
-            if more.manifest.fingerprint == manifest.fingerprint:
-                chosen.append(more)
-            else:  # the source moved to another step since its first connection
-                failures["fingerprint_mismatch"] += 1
-                more.conn.close()
         if into is None or isinstance(into, Snapshot):
             own = into
         else:
@@ -485,22 +526,26 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
             raise TransferFailed("too_large", f"allocating the state: {e}"[:200],
                                  failures) from None
         # One receiving (and verifying) thread per connection.
-        with ThreadPoolExecutor(max_workers=len(chosen),
+        # Fewer sources than streams: more connections to them, opened while the first ones
+        # already receive (one that is slow to open delays nothing).
+        wanted = min(streams, max(len(chosen), manifest.total_bytes // max(MIN_STREAM_BYTES, 1)))
+        extra = [chosen[k % len(chosen)].addr for k in range(wanted - len(chosen))]
+        with ThreadPoolExecutor(max_workers=len(chosen) + len(extra),
                                 thread_name_prefix="transfer") as pool:
             tr = _Transfer(chosen, target, manifest, tid, window, progress_timeout_s,
                            on_progress, pool, failures)
-            await tr.run()
-        for s in chosen:
+            await tr.run([attempt_extra(a) for a in extra])
+        for s in tr.sources:
             if s.failed is None:
                 try:
                     await asyncio.wait_for(s.conn.send(encode_frame("bye")), 1.0)
                 except (OSError, TimeoutError):
                     pass
         by_source: Counter[Address] = Counter()
-        for s in chosen:
+        for s in tr.sources:
             by_source[s.addr] += s.bytes
         return FetchResult(target, manifest.fingerprint, failures, dict(by_source),
                            tr.refetched, allocated, time.monotonic() - t0)
     finally:
-        for s in opened:
+        for s in opened + chosen:  # ``chosen``: the transfer's, extra connections included
             s.conn.close()

@@ -27,7 +27,8 @@ dropped to make room: ``MAX_HANDSHAKING``), ``too_many_connections``, ``closed``
 
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
 event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
-this connection has sent of it so far, and its total bytes. It must not block; the trainer's
+sent of it so far to this transfer (the receiver's transfer id, over all its connections), and
+its total bytes. It must not block; the trainer's
 fault injection uses it (``kill@S:serve``, :mod:`torchpass_p2p.trainer.faults`).
 """
 
@@ -38,7 +39,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
@@ -63,6 +64,8 @@ SEND_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 64
 """Concurrent authenticated connections; a receiver opens at least one per source (two to a
 sole source: the client's ``STREAMS``)."""
+SERVED_ENTRIES = 256
+"""Transfers whose served bytes are kept for ``on_served`` (the most recent)."""
 MAX_HANDSHAKING = 16
 """Connections still in their handshake (not yet shown to hold the key), counted apart from
 ``MAX_CONNECTIONS``. One more evicts one of them (counted ``evicted_unproven``; see
@@ -111,7 +114,8 @@ class TransferServer:
         self.refused: Counter[str] = Counter()
         """Dropped connections by reason (a peer's fault, or a refusal)."""
         self.stats: Counter[str] = Counter()
-        """``connections``, ``transfers`` (manifests served), ``chunks``, ``bytes``."""
+        """``connections``, ``transfers`` (manifests served: one per connection, so a receiver
+        with two connections counts two), ``chunks``, ``bytes``."""
         self._snapshot: Snapshot | None = None
         self._withdrawals = 0  # publish(None) calls: a connection older than the last is cut
         self._lsock: socket.socket | None = None
@@ -119,6 +123,9 @@ class TransferServer:
         self._conns: set[asyncio.Task] = set()  # every connection's task
         self._handshaking: dict[asyncio.Task, Conn] = {}  # in arrival order: oldest first
         self._serving = 0  # connections past their handshake
+        # Chunk bytes served per transfer (the receiver's transfer id) and step, over all its
+        # connections; the most recent SERVED_ENTRIES only.
+        self._served: OrderedDict[tuple[bytes, int], int] = OrderedDict()
         # Zero-copy sends block a thread each until the receiver reads (up to send_timeout_s):
         # their own pool, one thread per connection at most. On the event loop's default pool
         # (6 threads on 2 cores) six stalled receivers starved every other connection's
@@ -280,7 +287,6 @@ class TransferServer:
     async def _requests(self, conn: Conn, session: bytes, tid: bytes) -> None:
         snap: Snapshot | None = None
         inner = b""
-        served = 0  # chunk bytes of ``snap`` sent on this connection
         withdrawals = self._withdrawals  # as when ``snap`` was taken
         while True:
             try:
@@ -306,7 +312,11 @@ class TransferServer:
                                            encode_frame("chunk", i=i, o=off, n=n, tag=tag))
                 self.stats["chunks"] += 1
                 self.stats["bytes"] += n
-                served += n
+                key = (tid, snap.step)
+                served = self._served.pop(key, 0) + n
+                self._served[key] = served
+                if len(self._served) > SERVED_ENTRIES:
+                    self._served.popitem(last=False)
                 if self.on_served is not None:
                     self.on_served(snap.step, served, snap.total_bytes)
             elif op == "manifest?":
@@ -316,7 +326,7 @@ class TransferServer:
                 step = msg.get("step")
                 if algo not in fp.ALGORITHMS or (step is not None and type(step) is not int):
                     raise PeerError("bad_request", "manifest request")
-                snap, served, withdrawals = self._snapshot, 0, self._withdrawals
+                snap, withdrawals = self._snapshot, self._withdrawals
                 if snap is None:
                     await self._refuse(conn, "no_snapshot")
                 if step is not None and step != snap.step:
