@@ -246,6 +246,28 @@ async def test_an_extra_connection_that_never_opens_delays_nothing(snap, keys):
 
 
 @pytest.mark.usefixtures("streams_for_small_states")
+async def test_a_bug_in_one_receiving_thread_ends_the_others(snap, keys, monkeypatch):
+    """``_pump`` catches every Exception; should one escape it anyway, the transfer shuts the
+    other connections down before it raises. Before, the thread pool's exit waited for them
+    with the event loop blocked (here: an hour of ``progress_timeout_s``)."""
+    pump = client._Transfer._pump
+
+    def buggy(self, s, first):
+        if not first:
+            raise RuntimeError("a bug")
+        return pump(self, s, first)
+
+    monkeypatch.setattr(client._Transfer, "_pump", buggy)
+    (server,) = await serving(snap, keys, GatedServer)  # the first connection waits
+    try:
+        with pytest.raises(RuntimeError, match="a bug"):
+            await asyncio.wait_for(
+                fetch([server.address], keys, CONFIG, streams=2, progress_timeout_s=3600), 60)
+    finally:
+        await server.close()
+
+
+@pytest.mark.usefixtures("streams_for_small_states")
 async def test_an_extra_connection_refused_is_not_a_failed_source(snap, keys):
     server = GatedServer(keys, lambda: CONFIG, max_connections=1)
     server.ready = lambda server: server.refused["too_many_connections"] >= 1

@@ -11,16 +11,16 @@
 3. **Target.** Tensors of ``into`` (a Snapshot, or live objects captured without copying) with
    the manifest's name, dtype and shape are received into in place; the others are allocated.
 4. **Stripe.** Chunks sit in one work queue. Every agreed source gets a connection, and with fewer
-   sources than ``streams`` more connections are opened to them in turn while the first ones
-   already receive (a receiving thread verifies only what its own connection brings, so one
-   connection alone is capped by one core's receive-and-MAC rate). Each connection has one
-   receiving thread that keeps ``window`` chunk requests outstanding and takes the next chunk as
-   one arrives, so faster sources carry more. The thread owns its socket in blocking mode (kernel
-   receive timeout, no event-loop round trip per chunk), receives each chunk straight into tensor
-   memory in 256 KiB pieces and feeds each piece to the chunk's MAC while it is still in cache
-   (``chunkmac``: GMAC over all its bytes under the snapshot's key, then a keyed-BLAKE3 tag under
-   the connection's session key binding transfer, index, offset and length); a chunk counts only
-   once its MAC verifies.
+   sources than ``streams`` (and ``MIN_STREAM_BYTES`` of state per connection) more connections are
+   opened to them in turn while the first ones already receive (a receiving thread verifies only
+   what its own connection brings, so one connection alone is capped by one core's receive-and-MAC
+   rate). Each connection has one receiving thread that keeps ``window`` chunk requests outstanding
+   and takes the next chunk as one arrives, so faster sources carry more. The thread owns its
+   socket in blocking mode (kernel receive timeout, no event-loop round trip per chunk), receives
+   each chunk straight into tensor memory in 256 KiB pieces and feeds each piece to the chunk's MAC
+   while it is still in cache (``chunkmac``: GMAC over all its bytes under the snapshot's key, then
+   a keyed-BLAKE3 tag under the connection's session key binding transfer, index, offset and
+   length); a chunk counts only once its MAC verifies.
 5. **Failover.** A source that closes, errs, sends a bad chunk, or makes no progress for
    ``progress_timeout_s`` seconds on any of its connections is dropped, all its connections
    with it; their unverified chunks go back to the queue and the other sources take them. No
@@ -89,12 +89,13 @@ Each piece is fed to the chunk's GMAC right after it lands, from cache: 0.25 s/G
 CPU in all against 0.38-0.48 with the MAC in a second thread reading each 16 MiB chunk back from
 memory (``benchmarks.transfer``, cryptography 50 / OpenSSL 4.0: GMAC ~14-21 GB/s per core)."""
 STREAMS = 2
-"""Receiving connections per transfer, at least one per source: one source gets two. A
-connection is received and MAC'd by one thread, which caps it at one core's rate of both. On 2
-cores shared with the source, 1 GiB on loopback (``benchmarks.transfer``, session 17, medians of
-5-10 paired rounds per run), two connections gave 0.88x, 1.10x, 1.07x, 1.03x and 1.38x one in
-five runs (GMAC at 2.8-5.4 GB/s per core: the slower the MAC, the larger the gain). Not more by
-default: on those 2 cores a third thread only competes with the source."""
+"""Receiving connections per transfer, at least one per source: one source gets two (for a state of
+``MIN_STREAM_BYTES`` per connection or more). A connection is received and MAC'd by one thread,
+which caps it at one core's rate of both. On 2 cores shared with the source, 1 GiB on loopback
+(``benchmarks.transfer``, session 17, medians of 5-10 paired rounds per run), two connections
+gave 0.88x, 1.10x, 1.07x, 1.03x and 1.38x one in five runs (GMAC at 2.8-5.4 GB/s per core: the
+slower the MAC, the larger the gain). Not more by default: on those 2 cores a third thread only
+competes with the source."""
 MIN_STREAM_BYTES = 64 << 20
 """Extra connections (past one per source) only for states of at least this many bytes per
 connection: a smaller state is in before a second handshake would pay off, and the extra
@@ -225,11 +226,12 @@ class _Transfer:
                 for t in done & threads:
                     threads.discard(t)
                     t.result()  # _pump raises only on a bug
-        except asyncio.CancelledError:
-            # Cancelled from outside: end every thread (bounded) before the target's memory
-            # is handed back, so no late byte lands in it.
+        except BaseException:
+            # Cancelled from outside (or a thread's bug): end every thread (bounded) before the
+            # target's memory is handed back, so no late byte lands in it.
             self._stop()
-            await asyncio.wait(threads, timeout=STOP_TIMEOUT_S)
+            if threads:
+                await asyncio.wait(threads, timeout=STOP_TIMEOUT_S)
             raise
         finally:
             for f in opening:
