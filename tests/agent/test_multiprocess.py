@@ -74,11 +74,15 @@ def _pid_listening(port: int) -> int:
         if not pid.isdigit():
             continue
         try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone, or not ours to read
+            continue
+        for fd in fds:
+            try:
                 if os.readlink(f"/proc/{pid}/fd/{fd}") == f"socket:[{inode}]":
                     return int(pid)
-        except OSError:
-            continue
+            except OSError:  # this descriptor closed since the listing: the next one
+                continue
     raise AssertionError(f"no process listens on {port}")
 
 

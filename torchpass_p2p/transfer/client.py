@@ -302,7 +302,7 @@ class _Transfer:
             for s in drop:
                 s.conn.shutdown()
 
-    # -- the receiving thread of one source -------------------------------------------------
+    # -- the receiving thread of one connection ---------------------------------------------
     def _pump(self, s: _Source, first: bool) -> None:
         """Request, receive and verify chunks from ``s`` until none is left or ``s`` fails; a
         failure puts ``s``'s unverified chunks back in the queue for the other sources.
@@ -455,9 +455,9 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     (default ``max_state_bytes``). ``streams``: receiving connections in all, at least one per
     agreed source (``STREAMS``; extra ones only for ``MIN_STREAM_BYTES`` of state each).
     ``on_progress(received_bytes, total_bytes)`` is called (on the event loop) after each
-    verified chunk. ``failures`` counts each failed source once, by the
-    first reason one of its connections gave; an extra connection (past one per source) that
-    fails to open is logged, not counted: its source still serves.
+    verified chunk. ``failures`` counts each failed source once, by the first reason one of its
+    connections gave; an extra connection (past one per source) that fails to open is logged,
+    not counted: its source still serves.
 
     Raises :class:`TransferFailed` (``no_sources``, ``sources_disagree``, ``no_sources_left``)
     with ``failures`` counting each source's reason; ``ValueError`` for local misuse.

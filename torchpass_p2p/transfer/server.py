@@ -28,8 +28,8 @@ dropped to make room: ``MAX_HANDSHAKING``), ``too_many_connections``, ``closed``
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
 event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
 sent of it so far to this transfer (the receiver's transfer id, over all its connections), and
-its total bytes. It must not block; the trainer's
-fault injection uses it (``kill@S:serve``, :mod:`torchpass_p2p.trainer.faults`).
+its total bytes. It must not block; the trainer's fault injection uses it (``kill@S:serve``,
+:mod:`torchpass_p2p.trainer.faults`).
 """
 
 from __future__ import annotations
