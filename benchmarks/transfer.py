@@ -2,7 +2,7 @@
 
 Run ``python -m benchmarks.transfer [--json] [--gib 1.0] [--repeats 5] [--cases a,b]``. Starts
 two source processes that each hold the same ``--gib`` GiB state (16 float32 tensors) and serve
-it three ways; the receiver (this process) measures, in interleaved rounds, the median of
+it in each way below; the receiver (this process) measures, in interleaved rounds, the median of
 ``repeats`` runs of:
 
 * ``gb_per_s``: :func:`torchpass_p2p.transfer.fetch` from one source, received in place, every
@@ -30,7 +30,7 @@ it three ways; the receiver (this process) measures, in interleaved rounds, the 
 
 with ``ratio_vs_raw`` = ``gb_per_s / raw_socket_gb_per_s`` (``pg_ratio_vs_raw`` the same for
 ``pg_gb_per_s``; each ``*_paired``: the median over rounds of that round's ratio, the two
-cases having run back to back). ``--cases a,b`` runs only those cases.
+cases having run in the same round). ``--cases a,b`` runs only those cases.
 
 The sources above share the loopback and the receiver's cores: once one source runs at the
 loopback's speed, a second one only adds CPU contention. ``--link-gbit G`` (root, iproute2) also
@@ -424,8 +424,8 @@ def main(argv: list[str] | None = None) -> int:
                              ("streams_vs_one_stream", "gb_per_s", "one_stream_gb_per_s")):
         if case in times and base in times:
             out[name] = round(out[case] / out[base], 3)  # type: ignore[operator]
-            # The same ratio within each round (the two cases ran back to back), then the
-            # median: less exposed to the machine's load changing between rounds.
+            # The same ratio within each round, then the median: less exposed to the
+            # machine's load changing between rounds.
             out[f"{name}_paired"] = _paired(times[base], times[case])
     out["streams"] = STREAMS
     out["zero_copy"] = ports[0]["zero_copy"]

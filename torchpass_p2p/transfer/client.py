@@ -367,7 +367,7 @@ class _Transfer:
                     s.inflight.append(i)
                     gets.append(i)
                 if not s.inflight:
-                    if (self.remaining == 0 or self.stopping or s.failed is not None
+                    if (self.remaining == 0 or self.stopping
                             or not any(o.inflight for o in self.sources)):
                         return  # (nobody owes a chunk and the queue is empty: none will come)
                     # Until another source fails (its chunks come back) or the last chunk
