@@ -5,12 +5,14 @@ from __future__ import annotations
 import random
 from collections import OrderedDict
 
+import blake3
 import msgpack
 import numpy as np
 import pytest
 import torch
+import xxhash
 
-from torchpass_p2p.transfer import PeerError, RNGState, Snapshot
+from torchpass_p2p.transfer import PeerError, RNGState, Snapshot, SnapshotChanged, chunkmac
 from torchpass_p2p.transfer.manifest import decode_manifest, encode_manifest
 from torchpass_p2p.transfer.snapshot import _pack
 
@@ -64,6 +66,46 @@ def test_copy_snapshot_is_frozen_and_reference_is_live():
     assert Snapshot.capture({"m": {"w": w}}, step=1, copy=True).fingerprint() != f0
     assert frozen.fingerprint() == f0  # cached, and its bytes are a copy anyway
     assert Snapshot(1, frozen.table, frozen.tensors, frozen.tree).fingerprint() == f0
+
+
+def _live_snapshot():
+    """A snapshot of live tensors (``copy=False``), 3 chunks of 4 KiB, and its weights."""
+    w = torch.arange(3 * 1024, dtype=torch.float32)
+    return Snapshot.capture({"m": {"w": w}}, step=2, chunk_bytes=4096), w
+
+
+def test_the_mac_pass_covers_the_bytes_the_digests_describe():
+    snap, w = _live_snapshot()
+    data = w.numpy().tobytes()
+    digests = snap.digests("xxh3")
+    assert digests == b"".join(xxhash.xxh3_128_digest(data[i:i + 4096])
+                               for i in range(0, len(data), 4096))
+    key, tags = snap.chunk_macs()
+    assert tags == b"".join(chunkmac.inner_tag(key, i, [data[i * 4096:(i + 1) * 4096]])
+                            for i in range(3))
+    assert snap.digests("blake3") == b"".join(
+        blake3.blake3(data[i:i + 4096]).digest() for i in range(0, len(data), 4096))
+    assert snap.digests("xxh3") == digests and snap.chunk_macs() == (key, tags)
+
+
+def test_bytes_changed_after_the_digests_are_never_maced():
+    snap, w = _live_snapshot()
+    before = snap.fingerprint()
+    w[1500] += 1  # chunk 1: a live snapshot while training goes on
+    with pytest.raises(SnapshotChanged, match="1 of 3 chunks differ.*first: chunk 1"):
+        snap.chunk_macs()
+    w[1500] -= 1  # once changed, never served again, even if the bytes come back
+    with pytest.raises(SnapshotChanged):
+        snap.chunk_macs()
+    assert snap.fingerprint() == before  # what it announced stays on record
+
+
+def test_bytes_changed_before_a_second_digest_algorithm_are_caught():
+    snap, w = _live_snapshot()
+    snap.digests("xxh3")
+    w[0] = -1.0
+    with pytest.raises(SnapshotChanged, match="first: chunk 0"):
+        snap.digests("blake3")
 
 
 def test_tied_tensors_are_one_entry():

@@ -432,6 +432,25 @@ async def test_bad_chunk_moves_to_a_good_source(snap, keys, bad_server):
         await close_all(servers)
 
 
+async def test_a_source_whose_bytes_changed_after_its_fingerprint_is_refused(snap, keys):
+    live = Snapshot(snap.step, snap.table, [t.clone() for t in snap.tensors], snap.tree,
+                    snap.chunk_bytes)
+    assert live.fingerprint() == snap.fingerprint()  # announced (gossiped) before the change
+    for i in range(live.num_chunks):  # then training went on in every chunk
+        live.segments(i)[0][0] ^= 1
+    (changed,) = await serving(live, keys, TransferServer)
+    (good_server,) = await serving(snap, keys, TransferServer)
+    try:
+        res = await fetch([changed.address, good_server.address], keys, CONFIG,
+                          expected_fingerprint=snap.fingerprint())
+        assert res.failures == {"snapshot_changed": 1}
+        assert changed.refused == {"snapshot_changed": 1} and changed.stats["chunks"] == 0
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.bytes_by_source == {good_server.address: snap.total_bytes}
+    finally:
+        await close_all([changed, good_server])
+
+
 async def test_chunk_moved_to_another_index_fails_its_tag(snap, keys):
     # An on-path attacker answers ``get 1`` with chunk 0's frame from this same connection
     # (its bytes and its tag), relabelled as chunk 1 (chunks 0 and 1 are both 4096 bytes).

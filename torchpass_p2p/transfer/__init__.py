@@ -14,11 +14,12 @@ peer-to-peer from surviving replicas.
 
 from .auth import TransferKeys
 from .client import FetchResult, fetch
-from .errors import PeerError, Refused, TransferError, TransferFailed
+from .errors import PeerError, Refused, SnapshotChanged, TransferError, TransferFailed
 from .server import TransferServer
 from .snapshot import RNGState, Snapshot, Stateful, TensorEntry
 
 __all__ = [
-    "FetchResult", "PeerError", "RNGState", "Refused", "Snapshot", "Stateful", "TensorEntry",
+    "FetchResult", "PeerError", "RNGState", "Refused", "Snapshot", "SnapshotChanged",
+    "Stateful", "TensorEntry",
     "TransferError", "TransferFailed", "TransferKeys", "TransferServer", "fetch",
 ]

@@ -26,9 +26,12 @@
    with it; their unverified chunks go back to the queue and the other sources take them. No
    fixed total deadline: only "no progress for T".
 6. **Done** when every chunk is verified: each chunk's bytes are those its source MAC'd from
-   the snapshot whose manifest (and so fingerprint) was agreed. Restore the state into live
-   objects with ``result.snapshot.restore(objects)``; ``result.snapshot.fingerprint()``
-   recomputes the fingerprint from the received bytes (the trainer compares it again).
+   the snapshot whose manifest (and so fingerprint) was agreed, and a source MACs only bytes
+   that still have the digests its manifest announces (else it refuses, ``snapshot_changed``),
+   so the state received has the agreed fingerprint at no cost to the receiver. Restore it into
+   live objects with ``result.snapshot.restore(objects)``; ``result.snapshot.fingerprint()``
+   recomputes the fingerprint from the received bytes (the trainer compares it again, which
+   also covers the receiver's own memory).
 """
 
 from __future__ import annotations

@@ -39,8 +39,16 @@ class Refused(PeerError):
         return cls(reason if reason in REFUSALS else "refused")
 
 
+class SnapshotChanged(TransferError):
+    """A snapshot's bytes differ from the digests first computed from them: something wrote
+    into tensors it references (a snapshot captured without ``copy`` while training went on, or
+    a memory fault). Its digests, and so its fingerprint, no longer describe it; the server
+    refuses it (``snapshot_changed``) and the receiver takes the other sources."""
+
+
 REFUSALS = frozenset({"bad_version", "unknown_key", "auth_failed", "stale_config",
-                      "too_many_connections", "no_snapshot", "step_mismatch", "withdrawn"})
+                      "too_many_connections", "no_snapshot", "step_mismatch", "withdrawn",
+                      "snapshot_changed"})
 """Every reason a transfer server puts in an ``error`` frame."""
 
 

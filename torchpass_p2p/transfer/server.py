@@ -47,7 +47,7 @@ from typing import NoReturn
 from . import chunkmac, splice
 from . import fingerprint as fp
 from .auth import TransferKeys, server_handshake
-from .errors import PeerError
+from .errors import PeerError, SnapshotChanged
 from .frames import LEN_BYTES, Conn, encode_frame, field, set_buffers
 from .manifest import encode_manifest
 from .snapshot import Snapshot
@@ -331,8 +331,11 @@ class TransferServer:
                     await self._refuse(conn, "no_snapshot")
                 if step is not None and step != snap.step:
                     await self._refuse(conn, "step_mismatch", f"asked {step}, have {snap.step}")
-                body = await asyncio.to_thread(encode_manifest, snap, algo)
-                mac_key, inner = await asyncio.to_thread(snap.chunk_macs)
+                try:
+                    body = await asyncio.to_thread(encode_manifest, snap, algo)
+                    mac_key, inner = await asyncio.to_thread(snap.chunk_macs)
+                except SnapshotChanged as e:  # not the bytes its fingerprint describes
+                    await self._refuse(conn, e.reason, e.detail)
                 wrapped = chunkmac.wrap_key(session, mac_key)
                 tag = fp.frame_tag(session, b"manifest", wrapped + body)
                 await self._send(conn, encode_frame("manifest", size=len(body), key=wrapped,

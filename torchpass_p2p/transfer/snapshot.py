@@ -44,6 +44,7 @@ import torch
 
 from . import chunkmac
 from . import fingerprint as fp
+from .errors import SnapshotChanged
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """16 MiB, the top of DESIGN section 7's 4-16 MiB. Per-chunk costs (a header, a tag, a thread
@@ -53,8 +54,15 @@ same 0.83 of a raw socket as with 8 MiB, two sources went from 0.93 to 1.14 of o
 Every member must use the same value: the fingerprint covers the chunk layout."""
 
 MAC_THREADS = 4
-"""Threads computing a snapshot's inner chunk tags (GMAC releases the GIL): the source's
-one-time cost, ~0.2 s of CPU per GB, is on the path of the first transfer it serves."""
+"""Threads computing a snapshot's inner chunk tags or digests (GMAC, xxh3 and BLAKE3 release the
+GIL): the source's one-time cost, ~0.2 s of CPU per GB, is on the path of the first transfer it
+serves."""
+SCAN_PIECE_BYTES = 256 << 10
+"""A pass that computes two things over a chunk (a digest and the MAC) feeds both each 256 KiB
+piece in turn, so the second reads it from cache."""
+REFERENCE_ALGO = "xxh3"
+"""Every pass over a snapshot's bytes digests them under this algorithm too (~0.05 s per GiB) and
+checks them against the first pass's (:meth:`Snapshot._scan`)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -299,6 +307,7 @@ class Snapshot:
         self._lock = threading.Lock()
         self._digests: dict[str, bytes] = {}
         self._chunk_macs: tuple[bytes, bytes] | None = None
+        self._changed: SnapshotChanged | None = None
         self.table_bytes = _pack([e.encode() for e in table])
 
     # -- building ---------------------------------------------------------------------------
@@ -401,30 +410,70 @@ class Snapshot:
 
     def digests(self, algo: str) -> bytes:
         """Concatenated chunk digests under ``algo``, computed once (thread-safe, blocking:
-        call from a worker thread; ~0.05 s per GiB for xxh3, ~0.4 s for blake3 here)."""
+        call from a worker thread; ~0.05 s per GiB for xxh3, ~0.4 s for blake3 here, on up to
+        ``MAC_THREADS`` threads). Raises :class:`SnapshotChanged` (see :meth:`_scan`)."""
         with self._lock:
             d = self._digests.get(algo)
             if d is None:
-                d = b"".join(fp.digest_buffers(algo, self.segments(i))
-                             for i in range(self.num_chunks))
-                self._digests[algo] = d
+                d, _ = self._scan(algo, None)
             return d
 
     def chunk_macs(self) -> tuple[bytes, bytes]:
         """``(key, inner_tags)``: this snapshot's chunk-MAC key ``R`` (drawn once) and every
         chunk's 16-byte inner tag (``chunkmac``), concatenated in chunk order; computed once
         from the snapshot's bytes (thread-safe, blocking: call from a worker thread; ~0.2 s of
-        CPU per GB, on up to ``MAC_THREADS`` threads since GMAC releases the GIL)."""
+        CPU per GB, on up to ``MAC_THREADS`` threads since GMAC releases the GIL). Raises
+        :class:`SnapshotChanged` (see :meth:`_scan`)."""
         with self._lock:
             if self._chunk_macs is None:
                 key = chunkmac.new_key()
-                n = self.num_chunks
-                workers = max(1, min(MAC_THREADS, os.cpu_count() or 1, n))
-                with ThreadPoolExecutor(workers, thread_name_prefix="chunk-mac") as pool:
-                    tags = pool.map(lambda i: chunkmac.inner_tag(key, i, self.segments(i)),
-                                    range(n))
-                    self._chunk_macs = (key, b"".join(tags))
+                _, tags = self._scan(None, key)
+                self._chunk_macs = (key, tags)
             return self._chunk_macs
+
+    def _scan(self, algo: str | None, mac_key: bytes | None) -> tuple[bytes, bytes]:
+        """One pass over every chunk's bytes: ``(digests under algo, inner tags under
+        mac_key)`` (``b""`` for what is not asked). Caller holds ``_lock``.
+
+        Every pass also digests under ``REFERENCE_ALGO``: the first pass records those digests
+        and every later one must find them again, so the digests a manifest announces and the
+        bytes the chunk MACs cover are the same bytes. A snapshot captured without ``copy``
+        changes when its objects do; if it did between two passes, :class:`SnapshotChanged`
+        is raised, now and on every later pass (the snapshot is not served any more)."""
+        if self._changed is not None:
+            raise self._changed
+        algos = [REFERENCE_ALGO] + ([algo] if algo not in (None, REFERENCE_ALGO) else [])
+
+        def chunk(i: int) -> tuple[list[bytes], bytes]:
+            hashers = [fp.new_hasher(a) for a in algos]
+            mac = chunkmac.Gmac(chunkmac.chunk_key(mac_key, i)) if mac_key else None
+            for seg in self.segments(i):
+                for lo in range(0, len(seg), SCAN_PIECE_BYTES):  # each piece read from cache
+                    piece = seg[lo:lo + SCAN_PIECE_BYTES]
+                    for h in hashers:
+                        h.update(piece)
+                    if mac is not None:
+                        mac.update(piece)
+            return [h.digest() for h in hashers], mac.digest() if mac is not None else b""
+
+        n = self.num_chunks
+        with ThreadPoolExecutor(max(1, min(MAC_THREADS, os.cpu_count() or 1, n)),
+                                thread_name_prefix="snapshot-scan") as pool:
+            results = list(pool.map(chunk, range(n)))
+        ref = [r[0][0] for r in results]
+        known = self._digests.get(REFERENCE_ALGO)
+        if known is not None and b"".join(ref) != known:
+            size = fp.DIGEST_BYTES[REFERENCE_ALGO]
+            bad = [i for i, d in enumerate(ref) if d != known[i * size:(i + 1) * size]]
+            self._changed = SnapshotChanged(
+                "snapshot_changed", f"step {self.step}: {len(bad)} of {n} chunks differ from "
+                f"their first digests (first: chunk {bad[0]})")
+            raise self._changed
+        self._digests[REFERENCE_ALGO] = b"".join(ref)
+        if algo is not None:
+            self._digests[algo] = b"".join(r[0][-1] for r in results)
+        digests = self._digests[algo] if algo is not None else b""
+        return digests, b"".join(r[1] for r in results)
 
     def fingerprint(self, algo: str = "xxh3") -> bytes:
         """32-byte fingerprint of this state (see ``fingerprint``); blocking like
