@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import tracemalloc
 from collections import OrderedDict
 
 import blake3
@@ -179,12 +180,36 @@ def test_a_table_alone_is_a_valid_manifest():  # what the cases built with _rows
     (_rows(["w", "float32", [1], 4, 0], ["w", "float32", [1], 4, 4]), "bad_manifest"),  # one
     # name twice: both would be received into one tensor
     ({"x": [[]] * 64}, "bad_manifest"),  # no list in the outer map: each costs 64 bytes
+    (_rows(["w", "float32", [[1]], 4, 0]), "bad_manifest"),  # a list where a dimension goes
+    (_rows([["w"], "float32", [1], 4, 0]), "bad_manifest"),
+    ({"table": msgpack.packb([[[]] * 5] * 3)}, "bad_manifest"),  # rows of shapes
+    ({"table": msgpack.packb([[["w", "float32", [1], 4, 0]]])}, "bad_manifest"),  # a table
+    # in a table
+    ({"table": msgpack.packb([1, 2])}, "bad_manifest"),  # a shape where the table goes
 ])
 def test_bad_manifest_is_refused(overrides, reason):
     data, _ = _manifest(**overrides)
     with pytest.raises(PeerError) as e:
         decode_manifest(data, 1 << 31)
     assert e.value.reason == reason
+
+
+def test_a_table_of_nested_lists_is_refused_at_its_first_inner_list():
+    table = msgpack.packb([[[] for _ in range(2000)] for _ in range(500)])  # 1 MB, 1M lists
+    data, _ = _manifest(**{"table": table})
+    tracemalloc.start()
+    try:
+        with pytest.raises(PeerError, match="bad_manifest"):
+            decode_manifest(data, 1 << 30)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(data)  # ~60 MB when every list was decoded before any check
+
+
+def test_an_empty_table_is_a_valid_manifest():
+    data, _ = _manifest(**_rows())
+    assert decode_manifest(data, 1 << 30).table == ()
 
 
 def test_pickle_as_manifest_is_refused():
