@@ -43,10 +43,12 @@ async def live_decided_all(ranks: int, spares: int, seed: int, *, pulse: bool = 
     cluster = LocalCluster(ranks, spares, seed=seed, pulse=pulse)
     await cluster.start()
     try:
-        await cluster.until(lambda: all(
-            a.member.counters["probe_acks"] >= 2 for a in cluster.live()), timeout_s=10)
+        await cluster.until(lambda: all(  # start() gave every agent its member
+            a.member is not None and a.member.counters["probe_acks"] >= 2
+            for a in cluster.live()), timeout_s=10)
         await asyncio.sleep(1.0)
         victim = cluster.configuration.ranks[seed % ranks]
+        assert victim is not None  # configuration 0 has no vacant rank
         await cluster[victim].stop(leave=False)
         crashed_at = time.monotonic()
         survivors = cluster.live()

@@ -43,7 +43,8 @@ def one_run(members: int, failures: int, seed: int, overrides: tuple[str, ...] =
     recorder = DetectionRecorder(cluster)
     safety = SafetyChecker(cluster)
     checker = InvariantChecker(cluster, recorder)
-    ranks = cluster.configuration.ranks
+    # All of them: configuration 0 has no vacant rank (the filter only narrows the type).
+    ranks = [m for m in cluster.configuration.ranks if m is not None]
     victims = [cluster.by_id[m] for m in cluster.rng.sample(ranks, failures)]
 
     def crash_all() -> None:

@@ -262,8 +262,8 @@ def run_torchft(work: Path, *, steps: int, faults: str, spares: int,
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
-        for f in logs:
-            f.close()
+        for log in logs:
+            log.close()
     events = _read_jsonl(work / "logs") if (work / "logs").exists() else []
     finals = [json.loads(p.read_text()) for p in sorted((work / "out").glob("final-*.json"))]
     commits = [r for r in events if r["event"] == "step"]
@@ -511,7 +511,9 @@ def _timeline_ratios(rows: list[dict]) -> dict[str, Any]:
     for method, key in (("torchpass_p2p", "torchpass_p2p_s"), ("torchrun", "torchrun_s"),
                         ("torchft", "torchft_next_commit_s")):
         values = [row.get(key) for row in rows]
-        means[method] = (statistics.mean(values) if values and None not in values else None)
+        figures = [v for v in values if v is not None]
+        means[method] = (statistics.mean(figures) if figures and len(figures) == len(values)
+                         else None)
     out["lost_per_fault_by_timeline_s"] = means
     ours = means["torchpass_p2p"]
     for method in ("torchrun", "torchft"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import os
 import re
 import subprocess
@@ -28,7 +29,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from torchpass_p2p.agent.lifeline import STACKS_SIGNAL
 from torchpass_p2p.launch.children import children_of
@@ -110,7 +111,8 @@ def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = ""
                read_events(work / "logs"), b"".join(chunks).decode(errors="replace"))
 
 
-def _read_all(stream: IO[bytes], chunks: list[bytes]) -> None:
+def _read_all(stream: io.BufferedReader, chunks: list[bytes]) -> None:
+    # A Popen pipe is buffered by default: it has read1 (Popen.stdout's IO[bytes] has not).
     while data := stream.read1(1 << 16):
         chunks.append(data)
 

@@ -31,7 +31,9 @@ def run_demo(members: int, seed: int, loss: float, crash_at_s: float, horizon_s:
     config = cluster.configuration
     recorder = DetectionRecorder(cluster)
     safety = SafetyChecker(cluster)
-    victim, busy = (cluster.by_id[m] for m in cluster.rng.sample(config.ranks, 2))
+    # All of them: configuration 0 has no vacant rank (the filter only narrows the type).
+    ranks = [m for m in config.ranks if m is not None]
+    victim, busy = (cluster.by_id[m] for m in cluster.rng.sample(ranks, 2))
     timeline: list[tuple[float, str]] = []
     announced: set[int] = set()
     ready: list[ev.PlanReady] = []

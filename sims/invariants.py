@@ -71,10 +71,11 @@ _LEFT = int(MemberState.LEFT)
 _ALIVE = int(MemberState.ALIVE)
 _SUSPECT = int(MemberState.SUSPECT)
 
-_SUBJECT_OF = {
-    ev.MemberAlive: "member", ev.MemberSuspected: "member", ev.AlertRaised: "subject",
-    ev.MemberDead: "member", ev.MemberLeft: "member",
-}
+_MEMBER_EVENTS = (ev.MemberAlive, ev.MemberSuspected, ev.MemberDead, ev.MemberLeft)
+"""Events about one member, named ``member`` (``AlertRaised`` names it ``subject``)."""
+
+_SubjectEvent = (ev.MemberAlive | ev.MemberSuspected | ev.AlertRaised | ev.MemberDead
+                 | ev.MemberLeft)
 
 
 class InvariantChecker:
@@ -161,19 +162,19 @@ class InvariantChecker:
         if me in self._removed:
             self._fail("silent-after-removal",
                        f"{self._who(sm, at)} was removed, yet emitted {event!r}")
-        kind = type(event)
-        attr = _SUBJECT_OF.get(kind)
-        if attr is not None:
-            self._about_subject(sm, event, getattr(event, attr))
-        elif kind is ev.SelfRefuted:
+        if isinstance(event, ev.AlertRaised):
+            self._about_subject(sm, event, event.subject)
+        elif isinstance(event, _MEMBER_EVENTS):
+            self._about_subject(sm, event, event.member)
+        elif isinstance(event, ev.SelfRefuted):
             self._self_refuted(sm, event)
-        elif kind is ev.SelfRemoved:
+        elif isinstance(event, ev.SelfRemoved):
             self._removed.add(me)
             last = self._last_decided.get(me)
             if last is None or me in last.configuration:
                 self._fail("removed-by-decision", f"{self._who(sm, at)} SelfRemoved without a "
                                                   f"decided configuration that drops it")
-        elif kind is ev.ConfigurationDecided:
+        elif isinstance(event, ev.ConfigurationDecided):
             self._last_decided[me] = event
 
     def _self_refuted(self, sm: SimMember, event: ev.SelfRefuted) -> None:
@@ -190,7 +191,7 @@ class InvariantChecker:
                        f"{self._who(sm, event.at)} refuted incarnation {accused}, which no "
                        f"observer accused")
 
-    def _about_subject(self, sm: SimMember, event: ev.Event, subject: MemberId) -> None:
+    def _about_subject(self, sm: SimMember, event: _SubjectEvent, subject: MemberId) -> None:
         me = sm.id
         kind = type(event)
         inc = event.incarnation
@@ -219,14 +220,14 @@ class InvariantChecker:
         elif inc > known:  # the older suspicion is over for this holder: keep memory bounded
             self._suspected_at.pop((me, subject, known), None)
             self._held_alerts.pop((me, subject, known), None)
-        if kind is ev.MemberAlive:
+        if isinstance(event, ev.MemberAlive):
             self._view[key] = (_ALIVE, inc)
-        elif kind is ev.MemberSuspected:
+        elif isinstance(event, ev.MemberSuspected):
             self._view[key] = (_SUSPECT, inc)
             self._suspected_at.setdefault((me, subject, inc), event.at)
-        elif kind is ev.AlertRaised:
+        elif isinstance(event, ev.AlertRaised):
             self._alert(sm, event, state, known)
-        elif kind is ev.MemberDead:
+        elif isinstance(event, ev.MemberDead):
             self._view[key] = (_DEAD, inc)
             self._dead(sm, event)
         else:  # MemberLeft

@@ -176,7 +176,10 @@ class TrainingJob:
         compute = []
         for member in self.world:
             scale = 1.0 + jitter * (2.0 * rng.random() - 1.0) if jitter else 1.0
-            compute.append(self.step_time_s * self.slowdown(member, now) * scale)
+            # A vacant rank (a decision before ``start_at`` can leave one) runs at nominal
+            # speed: _finish waits for it to be filled anyway.
+            slow = 1.0 if member is None else self.slowdown(member, now)
+            compute.append(self.step_time_s * slow * scale)
         self._compute = tuple(compute)
         end = now + max(compute) + self.allreduce_s
         self.cluster.at(end, lambda: self._finish(epoch))
@@ -185,15 +188,16 @@ class TrainingJob:
         if epoch != self._epoch:
             return  # abandoned: a replacement restarted the step
         now = self.cluster.now
-        if any(not self._can_train(m) for m in self.world):
-            self.cluster.at(now + self.poll_s, lambda: self._finish(epoch))
-            return
+        world: list[MemberId] = []
+        for member in self.world:
+            if member is None or not self._can_train(member):  # vacant or stalled
+                self.cluster.at(now + self.poll_s, lambda: self._finish(epoch))
+                return
+            world.append(member)
         self.history.append(StepRecord(self.step, self._started_at, now, self._compute))
-        for member in self.world:  # the commit all-reduce completed on every rank
-            if member is not None:
-                self.cluster.by_id[member].core.report_progress(self.step)
-        flags = self.detector.observe(self.step, dict(zip(self.world, self._compute,
-                                                          strict=True)))
+        for member in world:  # the commit all-reduce completed on every rank
+            self.cluster.by_id[member].core.report_progress(self.step)
+        flags = self.detector.observe(self.step, dict(zip(world, self._compute, strict=True)))
         self.step += 1
         for flag in flags:
             rank = self.world.index(flag.member)

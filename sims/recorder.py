@@ -74,17 +74,16 @@ class DetectionRecorder:
         self.faults.setdefault(sm.id, FaultRecord(sm.id, self.cluster.now))
 
     def _on_event(self, sm: SimMember, event: ev.Event) -> None:
-        kind = type(event)
-        if kind is ev.AlertRaised:
+        if isinstance(event, ev.AlertRaised):
             rec = self.faults.get(event.subject)
             if rec is not None and rec.first_alert is None:
                 rec.first_alert = event.at
-        elif kind is ev.MemberSuspected:
+        elif isinstance(event, ev.MemberSuspected):
             self.suspicions += 1
             rec = self.faults.get(event.member)
             if rec is not None and rec.first_suspected is None:
                 rec.first_suspected = event.at
-        elif kind is ev.MemberDead:
+        elif isinstance(event, ev.MemberDead):
             rec = self.faults.get(event.member)
             if rec is None:
                 self.false_removals.setdefault(event.member, event.at)
@@ -92,9 +91,9 @@ class DetectionRecorder:
             if rec.first_dead is None:
                 rec.first_dead = event.at
             rec.dead_known.setdefault(sm.id, event.at)
-        elif kind is ev.SelfRefuted:
+        elif isinstance(event, ev.SelfRefuted):
             self.refutations += 1
-        elif kind is ev.ConfigurationDecided:
+        elif isinstance(event, ev.ConfigurationDecided):
             config = event.configuration
             for member, rec in self.faults.items():
                 if member not in config:

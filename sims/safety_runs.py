@@ -45,6 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from torchpass_p2p.core import Configuration, MemberId
 from torchpass_p2p.core import events as ev
@@ -155,8 +156,8 @@ class _Watch:
                 hook(sm, event)
         elif kind is ev.RankAssigned:
             assert isinstance(event, ev.RankAssigned)
-            for hook in list(self.on_rank):
-                hook(sm, event)
+            for rank_hook in list(self.on_rank):
+                rank_hook(sm, event)
 
 
 class _SafetyRun:
@@ -228,11 +229,11 @@ class _SafetyRun:
             if kind == "halves":
                 span = min(rng.uniform(3.0, 12.0), slot - 0.5)
                 start = lo + rng.uniform(0.0, max(0.0, slot - span - 0.5))
-                self.cluster.at(start, lambda s=span: self._halves(s))
+                self.cluster.at(start, partial(self._halves, span))
             elif kind == "one_way":
                 span = min(rng.uniform(2.0, 10.0), slot - 0.5)
                 start = lo + rng.uniform(0.0, max(0.0, slot - span - 0.5))
-                self.cluster.at(start, lambda s=span: self._one_way(s))
+                self.cluster.at(start, partial(self._one_way, span))
             else:
                 flaps = rng.randint(3, 6)
                 t = lo
@@ -241,7 +242,7 @@ class _SafetyRun:
                     cut_s, heal_s = rng.uniform(1.0, 3.0), rng.uniform(1.0, 3.0)
                     if t + cut_s > lo + slot - 0.5:
                         break
-                    self.cluster.at(t, lambda s=cut_s, f=frac: self._split(f, s, "flap"))
+                    self.cluster.at(t, partial(self._split, frac, cut_s, "flap"))
                     t += cut_s + heal_s
         if "crash_many" in self.kinds:
             self.cluster.at(rng.uniform(1.0, window - 5.0), self._crash_many)
@@ -261,7 +262,7 @@ class _SafetyRun:
         now = self.cluster.now
         for sm in victims:
             self.cluster.at(now + self.rng.uniform(0.0, CRASH_SPREAD_S),
-                            lambda sm=sm: self.cluster.crash(sm))
+                            partial(self.cluster.crash, sm))
 
     def _crash_rank_holder(self) -> None:
         holders = [sm for sm in self._live()
@@ -420,8 +421,8 @@ class _SafetyRun:
                     elsewhere = by_key[(d.config_id, d.plan.hash)] - side
                     # Legitimate if a quorum of the previous configuration had voted this
                     # cut before the partition began: its bits were already in flight.
-                    key = (d.config_id - 1, d.plan.removed, d.plan.joined)
-                    before = cut.votes.get(key, 0)
+                    cut_key = (d.config_id - 1, d.plan.removed, d.plan.joined)
+                    before = cut.votes.get(cut_key, 0)
                     previous = self.safety.configurations.get(d.config_id - 1)
                     in_flight = previous is not None and before >= classic_quorum(len(previous))
                     if not elsewhere and not in_flight:

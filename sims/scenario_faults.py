@@ -189,7 +189,8 @@ class _Resolver:
         self.gpus_per_host = gpus_per_host
         self.rng = random.Random(cluster.rng.getrandbits(64))
         config = cluster.configuration
-        self.ranks = [cluster.by_id[m] for m in config.ranks]
+        # All of them: configuration 0 has no vacant rank (the filter only narrows the type).
+        self.ranks = [cluster.by_id[m] for m in config.ranks if m is not None]
         self.spares = [cluster.by_id[m] for m in config.spares]
         self.used: set[int] = set()
 
