@@ -7,7 +7,8 @@ receives. Rank 0, the victim, injects ``FAULT`` right after the second chunk of 
 left: ``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself: a hung source; the test kills it
 afterwards); or ``kill_at_manifest``: SIGKILL itself once its manifest has left, while the
 receiver waits ``LATE_POST_S`` before posting its receives (the post itself then fails); or
-``kill_one_shot``: as ``kill``, with a receiver that follows NCCL's rule (no repair round). The
+``kill_one_shot``: as ``kill``, with a receiver that follows NCCL's rule (no repair round); or
+``alloc``: no fault at the sources, a receiver that holds no tensors and cannot allocate any. The
 receiver writes its outcome as JSON and every rank leaves with ``os._exit`` (a group with a
 dead or stopped peer is not torn down: destroying it can block)."""
 
@@ -22,9 +23,10 @@ import sys
 import time
 import traceback
 
+import torch
 import torch.distributed as dist
 
-from torchpass_p2p.transfer import Snapshot, TransferFailed
+from torchpass_p2p.transfer import Snapshot, TransferFailed, manifest
 from torchpass_p2p.transfer.pg_transport import PgTransport
 from torchpass_p2p.transfer.transport import TransferPlan
 
@@ -82,6 +84,20 @@ class LateReceiver(PgTransport):
             time.sleep(LATE_POST_S)
 
 
+class _NoMemoryTorch:
+    """torch, with an ``empty`` that fails as for a state larger than memory (but for
+    ``decode_manifest``'s placeholders)."""
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape: object, **kw: object) -> torch.Tensor:
+        if shape != (0,):
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+        return torch.empty(0, **kw)  # type: ignore[arg-type]
+
+
 async def main(rank: int, world: int, out: str, fault: str, device: str | None) -> None:
     sources = tuple(range(world - 1))
     receiver = world - 1
@@ -94,6 +110,9 @@ async def main(rank: int, world: int, out: str, fault: str, device: str | None) 
         return
     into = Snapshot.capture({"model": {k: t.zero_() for k, t in state(SIZE_MIB).items()}},
                             step=0, chunk_bytes=CHUNK_BYTES)
+    if fault == "alloc":
+        into = None
+        manifest.torch = _NoMemoryTorch()  # type: ignore[assignment]
     report: dict = {}
     try:
         cls = {"kill_at_manifest": LateReceiver,

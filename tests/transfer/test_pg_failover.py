@@ -114,3 +114,12 @@ def test_over_nccl_the_first_lost_source_ends_the_transfer():
     assert report in (STALLED, {"error": "TransferFailed", "reason": "source_failed",
                                 "failures": {"source_failed": 1}})
     assert codes == [-signal.SIGKILL, 3, 0]
+
+
+@pytest.mark.slow
+def test_a_state_the_receiver_cannot_allocate_is_a_typed_error():
+    report, codes = run("alloc", 3, None)
+    assert report["error"] == "TransferFailed" and report["reason"] == "too_large"
+    # The sources already stream their stripes, which nobody receives: each ends on its own
+    # deadline ("no progress for T"), with a typed error, as with a dead receiver.
+    assert codes == [3, 3, 0]

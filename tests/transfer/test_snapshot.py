@@ -13,7 +13,14 @@ import pytest
 import torch
 import xxhash
 
-from torchpass_p2p.transfer import PeerError, RNGState, Snapshot, SnapshotChanged, chunkmac
+from torchpass_p2p.transfer import (
+    PeerError,
+    RNGState,
+    Snapshot,
+    SnapshotChanged,
+    chunkmac,
+    snapshot,
+)
 from torchpass_p2p.transfer.manifest import decode_manifest, encode_manifest
 from torchpass_p2p.transfer.snapshot import _pack
 
@@ -109,6 +116,28 @@ def test_bytes_changed_before_a_second_digest_algorithm_are_caught():
         snap.digests("blake3")
 
 
+def test_a_changed_snapshot_is_refused_afresh_and_never_maced_again():
+    snap, w = _live_snapshot()
+    snap.chunk_macs()  # tags of the bytes as they were
+    w[0] += 1
+    with pytest.raises(SnapshotChanged) as first:
+        snap.digests("blake3")
+    with pytest.raises(SnapshotChanged) as again:
+        snap.chunk_macs()  # its cached tags describe other bytes
+    # A new exception each time: one raised again keeps every raiser's frame alive.
+    assert again.value is not first.value and str(again.value) == str(first.value)
+
+
+def test_digests_recorded_by_a_receiver_are_the_reference():
+    snap, w = _live_snapshot()
+    data = w.numpy().tobytes()
+    snap.set_digests("blake3", b"".join(blake3.blake3(data[i:i + 4096]).digest()
+                                        for i in range(0, len(data), 4096)))
+    w[2000] += 1  # after the process-group receiver verified its chunks
+    with pytest.raises(SnapshotChanged, match="first: chunk 1"):
+        snap.chunk_macs()
+
+
 def test_tied_tensors_are_one_entry():
     t = torch.rand(4, 4)
     snap = Snapshot.capture({"m": {"a": t, "b": t, "c": t[1]}}, step=0)
@@ -119,9 +148,9 @@ def test_tied_tensors_are_one_entry():
 
 def test_colliding_paths_get_distinct_names():
     a, b, c, d = (torch.full((2,), float(k)) for k in range(4))
-    snap = Snapshot.capture({"m": {1: a, "1": b}, "x.y": c, "x": {"y": d}}, step=0)
-    assert [e.name for e in snap.table] == ["m.1", "m.1#1", "x.y", "x.y#1"]
-    again = Snapshot.capture({"m": {1: a, "1": b}, "x.y": c, "x": {"y": d}}, step=0)
+    snap = Snapshot.capture({"m": {1: a, "1": b}, "x": {"y.z": c, "y": {"z": d}}}, step=0)
+    assert [e.name for e in snap.table] == ["m.1", "m.1#1", "x.y.z", "x.y.z#1"]
+    again = Snapshot.capture({"m": {1: a, "1": b}, "x": {"y.z": c, "y": {"z": d}}}, step=0)
     assert again.table == snap.table  # the same state, the same names: receivers match them
 
 
@@ -150,7 +179,7 @@ def _rows(*rows):
     else), so that only the rows' own checks can refuse it."""
     total = int(sum(r[3] for r in rows))
     return {"table": msgpack.packb(list(rows)), "total_bytes": total, "chunk_bytes": 64 << 10,
-            "tree": _pack({"step": 1, "objects": {}, "metadata": {}}),
+            "step": 1, "tree": _pack({"step": 1, "objects": {}, "metadata": {}}),
             "digests": bytes(16 * -(-total // (64 << 10)))}
 
 
@@ -210,6 +239,63 @@ def test_a_table_of_nested_lists_is_refused_at_its_first_inner_list():
 def test_an_empty_table_is_a_valid_manifest():
     data, _ = _manifest(**_rows())
     assert decode_manifest(data, 1 << 30).table == ()
+
+
+@pytest.mark.parametrize("tree", [
+    [], {"step": 1}, {"step": 1, "objects": 3, "metadata": {}},
+    {"step": 1, "objects": {"m": [1]}, "metadata": {}},
+    {"step": 1, "objects": {}, "metadata": {}, "more": 1},
+    {"step": 999, "objects": {}, "metadata": {}},  # not the manifest's step
+    {"step": True, "objects": {}, "metadata": {}},
+])
+def test_a_tree_restore_cannot_load_is_refused(tree):
+    data, _ = _manifest(**{**_rows(), "tree": _pack(tree)})
+    with pytest.raises(PeerError, match="bad_manifest"):
+        decode_manifest(data, 1 << 30)
+
+
+def test_a_tree_of_nested_lists_is_refused_before_it_costs_memory(monkeypatch):
+    monkeypatch.setattr(snapshot, "MAX_TREE_CONTAINERS", 10_000)
+    tree = _pack({"step": 1, "objects": {}, "metadata": {"x": [[] for _ in range(200_000)]}})
+    data, _ = _manifest(**{**_rows(), "tree": tree})
+    tracemalloc.start()
+    try:
+        with pytest.raises(PeerError, match="more than 10000 lists and maps"):
+            decode_manifest(data, 1 << 30)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 100 * 10_000  # 100 bytes per list decoded before the refusal; 12 MB without
+
+
+def test_a_shape_whose_strides_overflow_is_refused():
+    data, _ = _manifest(**_rows(["w", "float32", [0, 1 << 62, 1 << 62], 0, 0]))
+    with pytest.raises(PeerError, match="shape of 'w'"):
+        decode_manifest(data, 1 << 30)
+
+
+@pytest.mark.parametrize(("objects", "match"), [
+    ({"w": torch.zeros(1)}, "w: a Stateful object or a state dict"),
+    ({"m": {"w": torch.zeros([1] * 33)}}, "m.w: 33 dimensions, over 32"),
+    ({"m": {"k" * 1100: torch.zeros(1)}}, "a path of over 1024 bytes"),
+])
+def test_capture_refuses_what_a_receiver_would(objects, match):
+    with pytest.raises(TypeError, match=match):
+        Snapshot.capture(objects, step=0)
+
+
+def test_capture_counts_containers_as_a_receiver_does(monkeypatch):
+    # the tree's map, objects, metadata; m's [pairs, _metadata], pairs and its 2 pairs;
+    # [1, (2,)], (2,) and {}: 10
+    state = {"m": OrderedDict([("a", [1, (2,)]), ("b", {})])}
+    monkeypatch.setattr(snapshot, "MAX_TREE_CONTAINERS", 10)
+    snap = Snapshot.capture(state, step=0)
+    assert snapshot.decode_tree(snap.tree, [], 1 << 20)["objects"] == state
+    monkeypatch.setattr(snapshot, "MAX_TREE_CONTAINERS", 9)
+    with pytest.raises(TypeError, match="10 lists, tuples, dicts"):
+        Snapshot.capture(state, step=0)
+    with pytest.raises(ValueError, match="more than 9 lists and maps"):
+        snapshot.decode_tree(snap.tree, [], 1 << 20)
 
 
 def test_pickle_as_manifest_is_refused():

@@ -527,9 +527,8 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
         try:
             target, allocated = manifest.allocate(
                 own, max_state_bytes if max_alloc_bytes is None else max_alloc_bytes)
-        except (RuntimeError, MemoryError) as e:  # the agreed state does not fit in memory
-            raise TransferFailed("too_large", f"allocating the state: {e}"[:200],
-                                 failures) from None
+        except PeerError as e:  # the agreed state does not fit
+            raise TransferFailed(e.reason, e.detail, failures) from None
         # One receiving (and verifying) thread per connection.
         # Fewer sources than streams: more connections to them, opened while the first ones
         # already receive (one that is slow to open delays nothing).

@@ -10,6 +10,7 @@ the others (e.g. Adam's moments before the spare's first step) are allocated.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +20,18 @@ import torch
 from . import fingerprint as fp
 from .errors import PeerError
 from .frames import no_ext
-from .snapshot import DTYPES, Snapshot, TensorEntry, decode_tree
+from .snapshot import (
+    DTYPES,
+    MAX_DIMS,
+    MAX_NAME_BYTES,
+    Snapshot,
+    TensorEntry,
+    decode_tree,
+)
 
 VERSION = 1
 MAX_TENSORS = 1 << 20
 """A million tensors: far above any model's state (a 1T-parameter model has ~1e5)."""
-MAX_NAME_BYTES = 1024
-MAX_DIMS = 32
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 1 << 30
 _I64 = 1 << 63
@@ -89,7 +95,7 @@ class Manifest:
         """The receive snapshot: ``target``'s tensors where name, dtype and shape match (in
         place), new ones elsewhere. Returns ``(snapshot, bytes_allocated)``. Raises
         :class:`PeerError` ``too_large`` when new allocations would exceed
-        ``max_alloc_bytes``."""
+        ``max_alloc_bytes`` or do not fit in memory."""
         have: dict[str, torch.Tensor] = {}
         if target is not None:
             have = {e.name: t for e, t in zip(target.table, target.tensors, strict=True)}
@@ -102,7 +108,10 @@ class Manifest:
                 new += e.nbytes
                 if new > max_alloc_bytes:
                     raise PeerError("too_large", f"needs more than {max_alloc_bytes} new bytes")
-                t = torch.empty(e.shape, dtype=dtype)
+                try:
+                    t = torch.empty(e.shape, dtype=dtype)
+                except (RuntimeError, MemoryError) as err:
+                    raise PeerError("too_large", f"allocating {e.name!r}: {err}"[:200]) from None
             tensors.append(t)
         snap = Snapshot(self.step, list(self.table), tensors, self.tree, self.chunk_bytes)
         return snap, new
@@ -156,9 +165,12 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
         if name in names:  # the receiver matches its own tensors by name
             raise _bad(f"duplicate name {name!r}")
         names.add(name)
-        numel = 1
+        numel, span = 1, DTYPES[dtype].itemsize
         for d in shape:
             numel *= d
+            span *= max(d, 1)
+        if span >= _I64:  # torch's strides overflow even with no elements
+            raise _bad(f"shape of {name!r}")
         if nbytes != numel * DTYPES[dtype].itemsize:
             raise _bad(f"byte length of {name!r}")
         offset += nbytes
@@ -170,11 +182,19 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     n_chunks = -(-total // chunk)
     if len(digests) != n_chunks * fp.DIGEST_BYTES[algo]:
         raise _bad("digests")
-    # The tree must decode against this table (tensor references in range, plain data).
+    # The tree must decode against this table (tensor references in range, plain data) and
+    # have capture's layout, so that restore cannot fail on it.
     try:
-        decode_tree(tree, [torch.empty(0)] * len(table), len(data))
+        st = decode_tree(tree, [torch.empty(0)] * len(table), len(data))
     except (ValueError, TypeError, RecursionError) as e:
         raise _bad(f"tree: {e}") from None
+    if (type(st) is not dict or st.keys() != {"step", "objects", "metadata"}
+            or type(st["objects"]) is not dict or type(st["metadata"]) is not dict
+            or any(type(k) is not str or type(v) not in (dict, OrderedDict)
+                   for k, v in st["objects"].items())):
+        raise _bad("tree layout")
+    if st["step"] != step or type(st["step"]) is not int:
+        raise _bad(f"tree step {st['step']!r}, manifest step {step}")
     fpr = fp.fingerprint(algo, step, total, chunk, m["table"], tree, digests)
     return Manifest(step, algo, total, chunk, tuple(table), m["table"], tree, digests, fpr)
 

@@ -80,7 +80,7 @@ import torch.distributed as dist
 
 from . import fingerprint as fp
 from .client import FetchResult
-from .errors import TransferError, TransferFailed
+from .errors import PeerError, TransferError, TransferFailed
 from .frames import DEFAULT_MAX_MANIFEST_BYTES
 from .manifest import Manifest, decode_manifest, encode_manifest
 from .snapshot import Snapshot
@@ -453,7 +453,10 @@ class PgTransport(Transport):
                 raise TransferFailed("bad_manifest", "algorithm")
             own = (into if into is None or isinstance(into, Snapshot)
                    else Snapshot.capture(into, 0))
-            target, allocated = m.allocate(own, self.max_state_bytes)
+            try:
+                target, allocated = m.allocate(own, self.max_state_bytes)
+            except PeerError as e:  # the agreed state does not fit
+                raise TransferFailed(e.reason, e.detail, failures) from None
         except BaseException:
             self._release(dev, alive, t, abort=True)
             raise

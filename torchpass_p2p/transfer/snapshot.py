@@ -61,8 +61,9 @@ SCAN_PIECE_BYTES = 256 << 10
 """A pass that computes two things over a chunk (a digest and the MAC) feeds both each 256 KiB
 piece in turn, so the second reads it from cache."""
 REFERENCE_ALGO = "xxh3"
-"""Every pass over a snapshot's bytes digests them under this algorithm too (~0.05 s per GiB) and
-checks them against the first pass's (:meth:`Snapshot._scan`)."""
+"""Every pass over a snapshot's bytes digests them under this algorithm too (~0.05 s per GiB),
+unless digests under another were recorded first, and checks them against the first pass's
+(:meth:`Snapshot._scan`)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
@@ -80,6 +81,13 @@ EXT_ODICT = 3
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 MAX_TREE_DEPTH = 64
 """Nesting depth of the metadata tree; real state dicts are under 10 deep."""
+MAX_TREE_CONTAINERS = 4 << 20
+"""Lists, tuples, dicts and OrderedDict entries of the tree (a decoded container costs ~60 bytes
+for 1 encoded): a few per tensor in real state dicts, so 4M admits a million tensors and holds a
+hostile tree's decoding to ~250 MB (a 4 MB tree of empty lists took 296 MB before, session 18)."""
+MAX_NAME_BYTES = 1024
+"""A tensor's table name (its path in the state, UTF-8)."""
+MAX_DIMS = 32
 
 
 @runtime_checkable
@@ -153,9 +161,12 @@ class _Encoder:
         self.names: list[str] = []
         self._named: set[str] = set()
         self._seen: dict[tuple, int] = {}
+        self.containers = 2  # as decode_tree counts them: the tree's map, its objects' map
 
     def tensor_ref(self, t: torch.Tensor, path: str) -> msgpack.ExtType:
         _check_tensor(t, path)
+        if t.dim() > MAX_DIMS:
+            raise TypeError(f"{path}: {t.dim()} dimensions, over {MAX_DIMS}")
         t = t.detach()
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
                tuple(t.stride()), t.dtype, t.device)
@@ -166,8 +177,11 @@ class _Encoder:
                 t = t.to("cpu")  # the TCP path stages accelerator tensors through host memory
             elif not t.is_contiguous():
                 t = t.contiguous()
+            name = self._unique(path)
+            if len(name.encode()) > MAX_NAME_BYTES:
+                raise TypeError(f"{name[:64]}...: a path of over {MAX_NAME_BYTES} bytes")
             self.tensors.append(t)
-            self.names.append(self._unique(path))
+            self.names.append(name)
             if t.numel():
                 self._seen[key] = index
         return msgpack.ExtType(EXT_TENSOR, index.to_bytes(4, "big"))
@@ -194,6 +208,10 @@ class _Encoder:
             return obj
         if isinstance(obj, torch.Tensor):
             return self.tensor_ref(obj, path)
+        if t is list or t is tuple or t is dict:
+            self.containers += 1
+        elif t is OrderedDict:
+            self.containers += len(obj) + 2  # its pairs and the list of them, each a list
         if t is list:
             return [self.encode(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(obj)]
         if t is tuple:
@@ -227,6 +245,13 @@ def decode_tree(data: bytes, tensors: list[torch.Tensor], max_bytes: int) -> Any
     if len(data) > max_bytes:
         raise ValueError(f"tree of {len(data)} bytes exceeds {max_bytes}")
     depth = [0]
+    containers = [0]
+
+    def counted(container: Any) -> Any:  # every list and map, as soon as it is decoded
+        containers[0] += 1
+        if containers[0] > MAX_TREE_CONTAINERS:
+            raise ValueError(f"more than {MAX_TREE_CONTAINERS} lists and maps")
+        return container
 
     def hook(code: int, payload: bytes) -> Any:
         if code == EXT_TENSOR:
@@ -262,7 +287,7 @@ def decode_tree(data: bytes, tensors: list[torch.Tensor], max_bytes: int) -> Any
 
     def _unpack(b: bytes) -> Any:
         return msgpack.unpackb(b, ext_hook=hook, raw=False, strict_map_key=False,
-                               use_list=True)
+                               use_list=True, list_hook=counted, object_hook=counted)
 
     try:
         return _unpack(data)
@@ -307,7 +332,7 @@ class Snapshot:
         self._lock = threading.Lock()
         self._digests: dict[str, bytes] = {}
         self._chunk_macs: tuple[bytes, bytes] | None = None
-        self._changed: SnapshotChanged | None = None
+        self._changed: str | None = None  # why the bytes are not those first digested
         self.table_bytes = _pack([e.encode() for e in table])
 
     # -- building ---------------------------------------------------------------------------
@@ -329,8 +354,15 @@ class Snapshot:
             if type(name) is not str:
                 raise TypeError(f"object name {name!r} must be a str")
             sd = obj.state_dict() if isinstance(obj, Stateful) else obj
+            if type(sd) is not dict and type(sd) is not OrderedDict:
+                raise TypeError(f"{name}: a Stateful object or a state dict (dict), got "
+                                f"{type(sd).__qualname__}")
             objs[name] = enc.encode(sd, name)
         meta = enc.encode(dict(metadata or {}), "metadata")
+        if enc.containers > MAX_TREE_CONTAINERS:
+            raise TypeError(f"the state has {enc.containers} lists, tuples, dicts and "
+                            f"OrderedDict entries, over {MAX_TREE_CONTAINERS}: keep bulk data "
+                            "in tensors")
         tree = _pack({"step": step, "objects": objs, "metadata": meta})
         table, offset = [], 0
         tensors = enc.tensors
@@ -425,6 +457,8 @@ class Snapshot:
         CPU per GB, on up to ``MAC_THREADS`` threads since GMAC releases the GIL). Raises
         :class:`SnapshotChanged` (see :meth:`_scan`)."""
         with self._lock:
+            if self._changed is not None:  # even with tags from before: not these bytes
+                raise SnapshotChanged("snapshot_changed", self._changed)
             if self._chunk_macs is None:
                 key = chunkmac.new_key()
                 _, tags = self._scan(None, key)
@@ -435,14 +469,18 @@ class Snapshot:
         """One pass over every chunk's bytes: ``(digests under algo, inner tags under
         mac_key)`` (``b""`` for what is not asked). Caller holds ``_lock``.
 
-        Every pass also digests under ``REFERENCE_ALGO``: the first pass records those digests
-        and every later one must find them again, so the digests a manifest announces and the
-        bytes the chunk MACs cover are the same bytes. A snapshot captured without ``copy``
-        changes when its objects do; if it did between two passes, :class:`SnapshotChanged`
-        is raised, now and on every later pass (the snapshot is not served any more)."""
+        Every pass also digests under the reference algorithm: the first one digests were
+        recorded under (:meth:`set_digests` included), else ``REFERENCE_ALGO``. The first pass
+        records those digests and every later one must find them again, so the digests a
+        manifest announces and the bytes the chunk MACs cover are the same bytes. A snapshot
+        captured without ``copy`` changes when its objects do; if it did between two passes,
+        :class:`SnapshotChanged` is raised, now and by every later pass or :meth:`chunk_macs`
+        (the snapshot is not served any more). A write racing a pass is not caught: publish a
+        snapshot of live tensors only while nothing writes them."""
         if self._changed is not None:
-            raise self._changed
-        algos = [REFERENCE_ALGO] + ([algo] if algo not in (None, REFERENCE_ALGO) else [])
+            raise SnapshotChanged("snapshot_changed", self._changed)
+        ref_algo = next(iter(self._digests), REFERENCE_ALGO)
+        algos = [ref_algo] + ([algo] if algo not in (None, ref_algo) else [])
 
         def chunk(i: int) -> tuple[list[bytes], bytes]:
             hashers = [fp.new_hasher(a) for a in algos]
@@ -461,15 +499,16 @@ class Snapshot:
                                 thread_name_prefix="snapshot-scan") as pool:
             results = list(pool.map(chunk, range(n)))
         ref = [r[0][0] for r in results]
-        known = self._digests.get(REFERENCE_ALGO)
+        known = self._digests.get(ref_algo)
         if known is not None and b"".join(ref) != known:
-            size = fp.DIGEST_BYTES[REFERENCE_ALGO]
+            size = fp.DIGEST_BYTES[ref_algo]
             bad = [i for i, d in enumerate(ref) if d != known[i * size:(i + 1) * size]]
-            self._changed = SnapshotChanged(
-                "snapshot_changed", f"step {self.step}: {len(bad)} of {n} chunks differ from "
-                f"their first digests (first: chunk {bad[0]})")
-            raise self._changed
-        self._digests[REFERENCE_ALGO] = b"".join(ref)
+            # Kept as text: a stored exception raised again would grow its traceback and hold
+            # every refused connection's frame (a review in session 18).
+            self._changed = (f"step {self.step}: {len(bad)} of {n} chunks differ from their "
+                             f"first digests (first: chunk {bad[0]})")
+            raise SnapshotChanged("snapshot_changed", self._changed)
+        self._digests[ref_algo] = b"".join(ref)
         if algo is not None:
             self._digests[algo] = b"".join(r[0][-1] for r in results)
         digests = self._digests[algo] if algo is not None else b""
