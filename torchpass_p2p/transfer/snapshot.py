@@ -61,9 +61,10 @@ SCAN_PIECE_BYTES = 256 << 10
 """A pass that computes two things over a chunk (a digest and the MAC) feeds both each 256 KiB
 piece in turn, so the second reads it from cache."""
 REFERENCE_ALGO = "xxh3"
-"""Every pass over a snapshot's bytes digests them under this algorithm too (~0.05 s per GiB),
-unless digests under another were recorded first, and checks them against the first pass's
-(:meth:`Snapshot._scan`)."""
+"""Every pass over a snapshot's bytes digests them under this algorithm too, unless digests
+under another were recorded first, and checks them against the first pass's
+(:meth:`Snapshot._scan`). It costs the source's MAC pass 0.20 s per GiB against 0.13 without
+(2 cores, median of 5 paired runs, session 18), once per snapshot."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
