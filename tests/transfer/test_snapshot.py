@@ -19,6 +19,7 @@ from torchpass_p2p.transfer import (
     Snapshot,
     SnapshotChanged,
     chunkmac,
+    manifest,
     snapshot,
 )
 from torchpass_p2p.transfer.manifest import decode_manifest, encode_manifest
@@ -296,6 +297,65 @@ def test_capture_counts_containers_as_a_receiver_does(monkeypatch):
         Snapshot.capture(state, step=0)
     with pytest.raises(ValueError, match="more than 9 lists and maps"):
         snapshot.decode_tree(snap.tree, [], 1 << 20)
+
+
+def test_a_tensor_where_the_trees_step_goes_is_refused():
+    tree = msgpack.packb({"step": msgpack.ExtType(snapshot.EXT_TENSOR, (0).to_bytes(4, "big")),
+                          "objects": {}, "metadata": {}}, use_bin_type=True)
+    data, _ = _manifest(**{**_rows(["w", "float32", [1], 4, 0]), "tree": tree})
+    with pytest.raises(PeerError, match="tree step"):
+        decode_manifest(data, 1 << 30)
+
+
+def _nested(levels: int) -> object:
+    x: object = 1
+    for _ in range(levels):
+        x = [x]
+    return x
+
+
+def test_a_tree_as_deep_as_capture_allows_is_accepted_and_no_deeper():
+    snap = Snapshot.capture({"m": {"x": _nested(63)}}, step=1, metadata={"y": _nested(63)})
+    with pytest.raises(TypeError, match="nested deeper than 64"):
+        Snapshot.capture({"m": {"x": _nested(64)}}, step=1)
+    data, _ = _manifest(**{**_rows(), "tree": snap.tree})
+    assert decode_manifest(data, 1 << 30).tree == snap.tree
+    deeper = _pack({"step": 1, "objects": {"m": {"x": _nested(64)}}, "metadata": {}})
+    data, _ = _manifest(**{**_rows(), "tree": deeper})
+    with pytest.raises(PeerError, match="nested deeper than 64"):
+        decode_manifest(data, 1 << 30)  # before: load_state_dict's RecursionError at ~1,000
+    too_deep_to_pack = (b"\x83" + _pack("step") + _pack(1) + _pack("objects") + b"\x80"
+                        + _pack("metadata") + b"\x81" + _pack("y") + b"\x91" * 2000 + b"\x01")
+    data, _ = _manifest(**{**_rows(), "tree": too_deep_to_pack})
+    with pytest.raises(PeerError, match="StackError"):  # msgpack's own bound
+        decode_manifest(data, 1 << 30)
+
+
+def test_a_tree_over_its_byte_bound_is_refused_by_both_sides(monkeypatch):
+    state = {"m": {"names": ["x" * 100] * 100}}
+    tree = Snapshot.capture(state, step=1).tree
+    monkeypatch.setattr(snapshot, "MAX_TREE_BYTES", len(tree) - 1)
+    with pytest.raises(TypeError, match=f"takes {len(tree)} bytes encoded"):
+        Snapshot.capture(state, step=1)
+    monkeypatch.setattr(manifest, "MAX_TREE_BYTES", len(tree) - 1)
+    data, _ = _manifest(**{**_rows(), "tree": tree})
+    with pytest.raises(PeerError, match=f"tree of {len(tree)} bytes exceeds"):
+        decode_manifest(data, 1 << 30)
+
+
+def test_a_str_that_is_not_utf8_is_refused_at_capture():
+    with pytest.raises(TypeError, match="not valid UTF-8"):
+        Snapshot.capture({"m": {"\udc80": torch.zeros(1)}}, step=1)
+    with pytest.raises(TypeError, match="not valid UTF-8"):
+        Snapshot.capture({"m": {"k": "\udc80"}}, step=1)
+
+
+def test_an_empty_tensor_with_a_huge_dimension_round_trips():
+    snap = Snapshot.capture({"m": {"w": torch.zeros((0, 1 << 61), dtype=torch.float64)}}, 1)
+    data = encode_manifest(snap, "xxh3")
+    m = decode_manifest(data, 1 << 30)
+    assert m.table[0].shape == (0, 1 << 61)
+    assert m.allocate(None, 1 << 30)[0].tensors[0].shape == (0, 1 << 61)
 
 
 def test_pickle_as_manifest_is_refused():

@@ -97,8 +97,8 @@ STREAMS = 2
 which caps it at one core's rate of both. On 2 cores shared with the source, 1 GiB on loopback
 (``benchmarks.transfer``, session 17, medians of 5-10 paired rounds per run), two connections
 gave 0.88x, 1.10x, 1.07x, 1.03x and 1.38x one in five runs (GMAC at 2.8-5.4 GB/s per core: the
-slower the MAC, the larger the gain), 0.89x in a sixth (session 18, GMAC 5.6 GB/s). Not more by default: on those 2 cores a third thread only
-competes with the source."""
+slower the MAC, the larger the gain), 0.89x in a sixth (session 18, GMAC 5.6 GB/s). Not more
+by default: on those 2 cores a third thread only competes with the source."""
 MIN_STREAM_BYTES = 64 << 20
 """Extra connections (past one per source) only for states of at least this many bytes per
 connection: a smaller state is in before a second handshake would pay off, and the extra

@@ -24,6 +24,8 @@ from .snapshot import (
     DTYPES,
     MAX_DIMS,
     MAX_NAME_BYTES,
+    MAX_TREE_BYTES,
+    MAX_TREE_DEPTH,
     Snapshot,
     TensorEntry,
     decode_tree,
@@ -125,13 +127,37 @@ def encode_manifest(snap: Snapshot, algo: str) -> bytes:
         "digests": snap.digests(algo)}, use_bin_type=True)
 
 
+def _depth(tree: Any) -> int:
+    """Nesting depth of the tree's values, the top map being 1, as capture counts it (leaves
+    too), up to ``MAX_TREE_DEPTH + 4``. Iterative: the tree may be deeper than Python's
+    recursion limit (msgpack alone admits ~1,000 levels)."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack and deepest <= MAX_TREE_DEPTH + 3:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        if isinstance(node, (list, tuple, dict)):
+            stack.extend((c, d + 1) for c in (node.values() if isinstance(node, dict) else node))
+    return deepest
+
+
 def _bad(what: str) -> PeerError:
     return PeerError("bad_manifest", what)
 
 
 def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     """Parse and validate untrusted manifest bytes. Raises :class:`PeerError`
-    ``bad_manifest`` (or ``too_large`` for a state above ``max_state_bytes``)."""
+    ``bad_manifest`` (or ``too_large`` for a state above ``max_state_bytes``), and nothing
+    else: a check that some input gets past and that then fails (a tensor reference compared as
+    the tree's step raised RuntimeError, a review in session 18) is a bad manifest too."""
+    try:
+        return _decode_manifest(data, max_state_bytes)
+    except PeerError:
+        raise
+    except Exception as e:
+        raise _bad(f"{type(e).__name__}: {e}"[:200]) from None
+
+
+def _decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     try:
         m = msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=no_ext,
                             **_OUTER_LIMITS)
@@ -165,11 +191,11 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
         if name in names:  # the receiver matches its own tensors by name
             raise _bad(f"duplicate name {name!r}")
         names.add(name)
-        numel, span = 1, DTYPES[dtype].itemsize
+        numel, span = 1, 1
         for d in shape:
             numel *= d
             span *= max(d, 1)
-        if span >= _I64:  # torch's strides overflow even with no elements
+        if span >= _I64:  # torch's strides (in elements) overflow even with no elements
             raise _bad(f"shape of {name!r}")
         if nbytes != numel * DTYPES[dtype].itemsize:
             raise _bad(f"byte length of {name!r}")
@@ -182,10 +208,11 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     n_chunks = -(-total // chunk)
     if len(digests) != n_chunks * fp.DIGEST_BYTES[algo]:
         raise _bad("digests")
-    # The tree must decode against this table (tensor references in range, plain data) and
-    # have capture's layout, so that restore cannot fail on it.
+    # The tree must decode against this table (tensor references in range, plain data) with
+    # capture's bounds and layout. What a state dict's own load_state_dict accepts is the
+    # trainer's to check: it restores only a state whose fingerprint the members agreed on.
     try:
-        st = decode_tree(tree, [torch.empty(0)] * len(table), len(data))
+        st = decode_tree(tree, [torch.empty(0)] * len(table), MAX_TREE_BYTES)
     except (ValueError, TypeError, RecursionError) as e:
         raise _bad(f"tree: {e}") from None
     if (type(st) is not dict or st.keys() != {"step", "objects", "metadata"}
@@ -193,8 +220,10 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
             or any(type(k) is not str or type(v) not in (dict, OrderedDict)
                    for k, v in st["objects"].items())):
         raise _bad("tree layout")
-    if st["step"] != step or type(st["step"]) is not int:
+    if type(st["step"]) is not int or st["step"] != step:
         raise _bad(f"tree step {st['step']!r}, manifest step {step}")
+    if _depth(st) > MAX_TREE_DEPTH + 3:  # capture's, from each state dict (3 below the top)
+        raise _bad(f"tree nested deeper than {MAX_TREE_DEPTH}")
     fpr = fp.fingerprint(algo, step, total, chunk, m["table"], tree, digests)
     return Manifest(step, algo, total, chunk, tuple(table), m["table"], tree, digests, fpr)
 

@@ -82,10 +82,16 @@ EXT_ODICT = 3
 _I64_MIN, _U64_MAX = -(1 << 63), (1 << 64) - 1
 MAX_TREE_DEPTH = 64
 """Nesting depth of the metadata tree; real state dicts are under 10 deep."""
-MAX_TREE_CONTAINERS = 4 << 20
-"""Lists, tuples, dicts and OrderedDict entries of the tree (a decoded container costs ~60 bytes
-for 1 encoded): a few per tensor in real state dicts, so 4M admits a million tensors and holds a
-hostile tree's decoding to ~250 MB (a 4 MB tree of empty lists took 296 MB before, session 18)."""
+MAX_TREE_BYTES = 16 << 20
+"""The encoded tree (everything but tensor bytes): a Transformer with AdamW and a scheduler takes
+a few KB, ~50 bytes per tensor. A decoded leaf costs up to ~21 times its encoded bytes (2-char
+strings; a review in session 18), so this bound also bounds a hostile tree's decoding."""
+MAX_TREE_CONTAINERS = 2 << 20
+"""Lists, tuples, dicts and OrderedDict entries of the tree: ~5 per tensor in real state dicts
+(195 for a Transformer, AdamW and LambdaLR), so 2M admits ~400k tensors. A decoded empty
+container costs ~70 times its encoded byte: without the bound a 4 MB tree of empty lists took
+296 MB (session 18). With both bounds the worst tree found (2M empty maps, then 2-char
+strings up to 16 MiB) took 492 MiB and 1.1 s to decode here."""
 MAX_NAME_BYTES = 1024
 """A tensor's table name (its path in the state, UTF-8)."""
 MAX_DIMS = 32
@@ -179,7 +185,7 @@ class _Encoder:
             elif not t.is_contiguous():
                 t = t.contiguous()
             name = self._unique(path)
-            if len(name.encode()) > MAX_NAME_BYTES:
+            if len(name.encode(errors="replace")) > MAX_NAME_BYTES:
                 raise TypeError(f"{name[:64]}...: a path of over {MAX_NAME_BYTES} bytes")
             self.tensors.append(t)
             self.names.append(name)
@@ -292,8 +298,6 @@ def decode_tree(data: bytes, tensors: list[torch.Tensor], max_bytes: int) -> Any
 
     try:
         return _unpack(data)
-    except ValueError:
-        raise
     except Exception as e:  # msgpack's ExtraData, FormatError, StackError, TypeError...
         raise ValueError(f"malformed tree: {type(e).__name__}: {e}") from None
 
@@ -364,7 +368,13 @@ class Snapshot:
             raise TypeError(f"the state has {enc.containers} lists, tuples, dicts and "
                             f"OrderedDict entries, over {MAX_TREE_CONTAINERS}: keep bulk data "
                             "in tensors")
-        tree = _pack({"step": step, "objects": objs, "metadata": meta})
+        try:
+            tree = _pack({"step": step, "objects": objs, "metadata": meta})
+        except UnicodeEncodeError as e:
+            raise TypeError(f"a str of the state is not valid UTF-8: {e}") from None
+        if len(tree) > MAX_TREE_BYTES:
+            raise TypeError(f"the state's plain data takes {len(tree)} bytes encoded, over "
+                            f"{MAX_TREE_BYTES}: keep bulk data in tensors")
         table, offset = [], 0
         tensors = enc.tensors
         for name, t in zip(enc.names, tensors, strict=True):
