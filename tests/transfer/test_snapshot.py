@@ -139,6 +139,18 @@ def test_digests_recorded_by_a_receiver_are_the_reference():
         snap.chunk_macs()
 
 
+def test_a_state_another_model_refuses_names_the_object():
+    torch.manual_seed(0)
+    source = {"model": torch.nn.Linear(4, 2), "extra": {"k": 1}}
+    snap = Snapshot.capture(source, step=3)
+    other = {"model": torch.nn.Linear(4, 3), "extra": {}}  # another model definition
+    with pytest.raises(ValueError, match="model: the state does not load: RuntimeError") as e:
+        snap.restore(other)
+    assert isinstance(e.value.__cause__, RuntimeError)
+    with pytest.raises(KeyError):
+        snap.restore({"model": torch.nn.Linear(4, 2)})  # no "extra" here
+
+
 def test_tied_tensors_are_one_entry():
     t = torch.rand(4, 4)
     snap = Snapshot.capture({"m": {"a": t, "b": t, "c": t[1]}}, step=0)

@@ -803,9 +803,15 @@ class Trainer:
     def _restored(self, result: FetchResult, config_id: int, total_s: float, sources: int,
                   served_by: dict[str, int], **details: Any) -> Snapshot:
         """Load a fetched state into the live objects and check its fingerprint; returns the
-        restored state as captured for that check. Raises ``RuntimeError`` if the restored
-        state's fingerprint differs from the sources'."""
-        got_step, _metadata = result.snapshot.restore(self.objects)
+        restored state as captured for that check. Raises ``RuntimeError`` if the state does
+        not load into the live objects or the restored state's fingerprint differs from the
+        sources'."""
+        try:
+            got_step, _metadata = result.snapshot.restore(self.objects)
+        except (KeyError, ValueError) as e:
+            raise RuntimeError(f"the received state does not load into this process's objects "
+                               f"({e}): do all members build the same model, optimizer and "
+                               "scheduler?") from e
         self.step = got_step
         self._reduced = None
         mine = self._capture()

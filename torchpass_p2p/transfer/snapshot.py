@@ -394,15 +394,21 @@ class Snapshot:
     def restore(self, objects: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         """Load the state into live objects (``load_state_dict`` of each Stateful; a plain dict
         is updated in place). Returns ``(step, metadata)``. Raises ``KeyError`` if an object
-        of the snapshot is missing from ``objects``."""
+        of the snapshot is missing from ``objects``, ``ValueError`` naming the object if its
+        ``load_state_dict`` refuses the state (another model, say: whatever it raised is the
+        cause); objects before it are already loaded."""
         st = self.state()
         for name, sd in st["objects"].items():
             obj = objects[name]
-            if isinstance(obj, Stateful):
-                obj.load_state_dict(sd)
-            else:
-                obj.clear()
-                obj.update(sd)
+            try:
+                if isinstance(obj, Stateful):
+                    obj.load_state_dict(sd)
+                else:
+                    obj.clear()
+                    obj.update(sd)
+            except Exception as e:  # load_state_dict raises what it likes (RuntimeError, ...)
+                raise ValueError(f"{name}: the state does not load: {type(e).__name__}: "
+                                 f"{e}"[:500]) from e
         return st["step"], st["metadata"]
 
     @property
