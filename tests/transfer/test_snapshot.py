@@ -139,6 +139,18 @@ def test_digests_recorded_by_a_receiver_are_the_reference():
         snap.chunk_macs()
 
 
+def test_a_state_dict_passed_as_an_object_loads_into_its_module():
+    torch.manual_seed(0)
+    src = torch.nn.Linear(4, 2)
+    snap = Snapshot.capture({"model": src.state_dict(), "extra": {"a": {"t": torch.ones(3)}}}, 7)
+    dst = torch.nn.Linear(4, 2)
+    extra = {"a": {"t": torch.zeros(3)}, "gone": 1}
+    held = extra["a"]["t"]
+    assert snap.restore({"model": dst.state_dict(), "extra": extra}) == (7, {})
+    assert torch.equal(dst.weight, src.weight) and torch.equal(dst.bias, src.bias)
+    assert extra == {"a": {"t": held}} and torch.equal(held, torch.ones(3))  # in place
+
+
 def test_a_state_another_model_refuses_names_the_object():
     torch.manual_seed(0)
     source = {"model": torch.nn.Linear(4, 2), "extra": {"k": 1}}

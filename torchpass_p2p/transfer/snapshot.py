@@ -302,6 +302,26 @@ def decode_tree(data: bytes, tensors: list[torch.Tensor], max_bytes: int) -> Any
         raise ValueError(f"malformed tree: {type(e).__name__}: {e}") from None
 
 
+def load_plain(obj: dict[Any, Any], sd: Mapping[Any, Any]) -> None:
+    """Make the dict ``obj`` equal ``sd`` in place: a tensor of ``obj`` with the dtype and shape
+    of its new value is copied into (so the dicts of ``module.state_dict()``, which hold the
+    module's own tensors, load into the module), a dict of both is loaded the same way, anything
+    else is replaced; keys ``sd`` lacks are removed."""
+    for k in [k for k in obj if k not in sd]:
+        del obj[k]
+    for k, v in sd.items():
+        cur = obj.get(k)
+        if (isinstance(cur, torch.Tensor) and isinstance(v, torch.Tensor)
+                and cur.dtype == v.dtype and cur.shape == v.shape):
+            if cur.data_ptr() != v.data_ptr() or cur.stride() != v.stride():  # else: it is v
+                with torch.no_grad():
+                    cur.copy_(v)
+        elif isinstance(cur, dict) and isinstance(v, dict):
+            load_plain(cur, v)
+        else:
+            obj[k] = v
+
+
 def _tensor_leaves(obj: Any) -> Iterator[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         yield obj
@@ -393,7 +413,8 @@ class Snapshot:
 
     def restore(self, objects: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         """Load the state into live objects (``load_state_dict`` of each Stateful; a plain dict
-        is updated in place). Returns ``(step, metadata)``. Raises ``KeyError`` if an object
+        is loaded by :func:`load_plain`, so ``module.state_dict()`` passed as an object loads
+        into the module's tensors). Returns ``(step, metadata)``. Raises ``KeyError`` if an object
         of the snapshot is missing from ``objects``, ``ValueError`` naming the object if its
         ``load_state_dict`` refuses the state (another model, say: whatever it raised is the
         cause); objects before it are already loaded."""
@@ -404,8 +425,7 @@ class Snapshot:
                 if isinstance(obj, Stateful):
                     obj.load_state_dict(sd)
                 else:
-                    obj.clear()
-                    obj.update(sd)
+                    load_plain(obj, sd)
             except Exception as e:  # load_state_dict raises what it likes (RuntimeError, ...)
                 raise ValueError(f"{name}: the state does not load: {type(e).__name__}: "
                                  f"{e}"[:500]) from e
