@@ -8,8 +8,16 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"demo": "sims.demo", "run": "sims.run_cli", "report": "sims.report"}
+    usage = (f"usage: python -m sims {{{','.join(commands)}}} [options]\n"
+             "  demo    a simulated crash among 64 members, in a few seconds\n"
+             "  run     run one scenario (TOML) and print its metrics\n"
+             "  report  PNG plots of a scenario over several seeds\n"
+             "python -m sims COMMAND --help: that command's options")
+    if argv[:1] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if not argv or argv[0] not in commands:
-        print(f"usage: python -m sims {{{','.join(commands)}}} [options]", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     import importlib
 

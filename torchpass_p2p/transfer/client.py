@@ -448,13 +448,20 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
                 on_progress: Callable[[int, int], None] | None = None) -> FetchResult:
     """Receive the snapshot the ``sources`` (``(host, port)`` of transfer servers) agree on.
 
+    ``keys``: derived from the cluster key. ``config_id``: the receiver's current configuration;
+    a source whose own is newer refuses it (``stale_config``), an older or equal one serves.
     ``into``: the receiver's own state (a :class:`Snapshot`, or the dict of live objects it
-    would pass to ``Snapshot.capture``) to receive into in place. ``step``: ask for exactly this
+    would pass to ``Snapshot.capture``) to receive into in place.
+    ``expected_fingerprint``: the 32-byte fingerprint the plan names; only sources holding it
+    are used (without it, the one most sources hold). ``step``: ask for exactly this
     step (sources holding another refuse). ``algo``: the digest algorithm of the fingerprint,
     ``"xxh3"`` or ``"blake3"`` (see ``fingerprint``); chunks are authenticated by their MACs
     (``chunkmac``) either way: a chunk whose MAC fails counts ``bad_chunk`` against its source,
     which is dropped. ``progress_timeout_s``: seconds without a byte from a busy source before
-    it is dropped. ``max_alloc_bytes``: bytes the receiver may allocate for tensors it lacks
+    it is dropped. ``connect_timeout_s``: seconds per source to connect, authenticate and read
+    its manifest. ``window``: chunks requested ahead per connection. ``max_manifest_bytes`` /
+    ``max_state_bytes``: manifests and states claiming more bytes are refused (``too_large``).
+    ``max_alloc_bytes``: bytes the receiver may allocate for tensors it lacks
     (default ``max_state_bytes``). ``streams``: receiving connections in all, at least one per
     agreed source (``STREAMS``; extra ones only for ``MIN_STREAM_BYTES`` of state each).
     ``on_progress(received_bytes, total_bytes)`` is called (on the event loop) after each
@@ -462,8 +469,10 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     connections gave; an extra connection (past one per source) that fails to open is logged,
     not counted: its source still serves.
 
-    Raises :class:`TransferFailed` (``no_sources``, ``sources_disagree``, ``no_sources_left``)
-    with ``failures`` counting each source's reason; ``ValueError`` for local misuse.
+    Raises :class:`TransferFailed` (``no_sources``, ``sources_disagree``, ``no_sources_left``,
+    ``too_large`` when the state does not fit) with ``failures`` counting each source's reason;
+    ``ValueError`` for local misuse; ``TypeError`` for an ``into`` that ``Snapshot.capture``
+    refuses.
     """
     if not sources:
         raise ValueError("no sources")

@@ -22,8 +22,10 @@ A receiver that asks for a ``step`` the server does not hold is refused ``step_m
 Bad input never crashes the server: each refused or dropped connection is counted in
 ``refused`` by reason (``bad_frame``, ``frame_too_large``, ``bad_version``, ``unknown_key``,
 ``auth_failed``, ``stale_config``, ``bad_request``, ``no_snapshot``, ``step_mismatch``,
-``withdrawn``, ``handshake_timeout``, ``send_timeout``, ``evicted_unproven`` (a handshake
-dropped to make room: ``MAX_HANDSHAKING``), ``too_many_connections``, ``closed``).
+``withdrawn``, ``snapshot_changed`` (its bytes are not those its fingerprint describes:
+``Snapshot._scan``), ``handshake_timeout``, ``send_timeout``, ``evicted_unproven`` (a handshake
+dropped to make room: ``MAX_HANDSHAKING``), ``too_many_connections``, ``closed``,
+``internal_error`` (a bug, logged with its traceback)).
 
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
 event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
