@@ -326,11 +326,14 @@ def _save_recv(port: int) -> dict[str, torch.Tensor]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default: 1)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="rounds, each running every case once in turn; figures are medians "
+                         "(default: 5)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--cases", default=None,
-                    help="comma-separated keys of the cases to run (default: all)")
+                    help=f"comma-separated keys of the cases to run, of: {', '.join(CASES)} "
+                         "(default: all)")
     ap.add_argument("--link-gbit", type=float, default=None,
                     help="also run sources behind links of this many Gbit/s (root)")
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
