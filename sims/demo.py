@@ -15,6 +15,7 @@ import argparse
 import statistics
 import sys
 
+from torchpass_p2p.cli import plain
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core import format_member_id
 
@@ -121,7 +122,7 @@ def run_demo(members: int, seed: int, loss: float, crash_at_s: float, horizon_s:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sims demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m sims demo", description=plain(__doc__))
     parser.add_argument("--members", type=int, default=64, help="cluster size (default 64)")
     parser.add_argument("--seed", type=int, default=1, help="seed of every random choice")
     parser.add_argument("--loss", type=float, default=0.01,

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from torchpass_p2p.cli import plain
+
 from .scenario import ScenarioError, load_scenario, run_scenario
 
 _MAX_LEGEND = 10
@@ -135,7 +137,7 @@ def _draw_views(ax: Any, runs: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sims report", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m sims report", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenario", nargs="?",
                         help="a scenario file or a name in sims/scenarios/")

@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any
 
+from torchpass_p2p.cli import plain
+
 from .scenario import ScenarioError, load_scenario, run_scenario
 
 _TABLE: tuple[tuple[str, str], ...] = (
@@ -76,7 +78,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sims run", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m sims run", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenario", help="a scenario file or a name in sims/scenarios/")
     parser.add_argument("--members", type=int, help="override the member count")

@@ -17,6 +17,7 @@ import urllib.request
 from typing import Any
 
 from torchpass_p2p.agent.settings import SettingsError, parse_address
+from torchpass_p2p.cli import plain
 from torchpass_p2p.launch.keyfile import KeyFileError, http_token, read_primary_key
 from torchpass_p2p.launch.plan import format_address
 
@@ -36,7 +37,7 @@ def add_parser(
     """Register this command's parser (``set_defaults(func=run)``) and return it."""
     p = subparsers.add_parser(
         "drain", help="ask one agent to leave gracefully (POST /drain)",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("address", metavar="HOST:PORT", help="the agent's status page")
     p.add_argument("--key-file", metavar="F",
                    help="cluster key file (default: $TORCHPASS_KEY_FILE, else $TORCHPASS_KEY)")

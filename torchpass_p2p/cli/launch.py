@@ -13,6 +13,7 @@ import logging
 import sys
 
 from torchpass_p2p.agent.settings import SettingsError, parse_address
+from torchpass_p2p.cli import plain
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import Topology
 from torchpass_p2p.launch.launcher import (
@@ -35,7 +36,7 @@ def add_parser(
     """Register this command's parser (``set_defaults(func=run)``) and return it."""
     p = subparsers.add_parser(
         "launch", help="start and supervise the ranks and spares of a training script",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=1, metavar="N",
                    help="rank processes (the world size) (default: 1)")
     p.add_argument("--spares", type=int, default=0, metavar="S",
