@@ -15,8 +15,8 @@ it in each way below; the receiver (this process) measures, in interleaved round
   on other hosts, so the cases above copy; ``zero_copy`` in the output says whether this
   machine allows it);
 * ``raw_socket_gb_per_s``: a plain blocking-socket loop, ``sendall`` in 4 MiB pieces /
-  ``recv_into`` with ``MSG_WAITALL`` in pieces of the client's ``RECV_PIECE_BYTES`` (256 KiB,
-  the cheapest receive loop measured here) of the same bytes into a preallocated buffer, no
+  ``recv_into`` with ``MSG_WAITALL`` in pieces of the client's ``RECV_PIECE_BYTES`` (1 MiB,
+  the transfer's own receive call) of the same bytes into a preallocated buffer, no
   protocol and no integrity checks (same 4 MiB kernel socket buffers as the transfer client);
 * ``raw_socket_4mib_gb_per_s``: the same loop receiving in 4 MiB pieces without
   ``MSG_WAITALL`` (this benchmark's raw loop before: ~0.75 of the one above here);

@@ -17,7 +17,7 @@
    rate). Each connection has one receiving thread that keeps ``window`` chunk requests outstanding
    and takes the next chunk as one arrives, so faster sources carry more. The thread owns its
    socket in blocking mode (kernel receive timeout, no event-loop round trip per chunk), receives
-   each chunk straight into tensor memory in 256 KiB pieces and feeds each piece to the chunk's MAC
+   each chunk straight into tensor memory in 1 MiB pieces and feeds each piece to the chunk's MAC
    while it is still in cache (``chunkmac``: GMAC over all its bytes under the snapshot's key, then
    a keyed-BLAKE3 tag under the connection's session key binding transfer, index, offset and
    length); a chunk counts only once its MAC verifies.
@@ -85,12 +85,16 @@ its window to the end: a review in session 16 measured ~37 minutes for 64 MiB at
 defaults while a healthy source idled. A source behind a 4x slower link is never dropped."""
 DEFAULT_MAX_STATE_BYTES = 1 << 40
 """1 TiB: refuse manifests claiming more (a bound, not a real model size)."""
-RECV_PIECE_BYTES = 256 << 10
-"""Bytes per receive call (``MSG_WAITALL``). Measured (0.5 GiB, loopback, 2 cores, each piece
-hashed while cached): receiver CPU ~0.38 s/GB at 256-512 KiB, ~0.41 at 1 MiB, ~0.47 at 4 MiB.
-Each piece is fed to the chunk's GMAC right after it lands, from cache: 0.25 s/GB of receiver
-CPU in all against 0.38-0.48 with the MAC in a second thread reading each 16 MiB chunk back from
-memory (``benchmarks.transfer``, cryptography 50 / OpenSSL 4.0: GMAC ~14-21 GB/s per core)."""
+RECV_PIECE_BYTES = 1 << 20
+"""Bytes per receive call (``MSG_WAITALL``); each piece is fed to the chunk's GMAC right after
+it lands, from cache (L2 or L3). Two GIL hand-offs per piece (the receive and the MAC each
+release it) are what a second receiving thread contends for, so larger pieces cost two
+connections less: receiver CPU with two connections (1 GiB, loopback, 2 cores, session 19,
+medians over three alternating runs of 3 rounds each) 0.47, 0.60 and 0.62 s/GB at 256-512 KiB
+against 0.38, 0.52 and 0.55 at 1 MiB; with one connection 0.34-0.47 at 256 KiB against
+0.34-0.48 at 1 MiB. An earlier host, one connection: ~0.38 s/GB at 256-512 KiB, ~0.41 at
+1 MiB, ~0.47 at 4 MiB. With the MAC in a second thread reading each 16 MiB chunk back from
+memory the receiver needed 0.38-0.48 s/GB against 0.25 fed from cache (session 7)."""
 STREAMS = 2
 """Receiving connections per transfer, at least one per source: one source gets two (for a state of
 ``MIN_STREAM_BYTES`` per connection or more). A connection is received and MAC'd by one thread,
