@@ -20,10 +20,10 @@ from torchpass_p2p.transfer import (
     SnapshotChanged,
     chunkmac,
     manifest,
-    snapshot,
 )
+from torchpass_p2p.transfer import tree as tree_codec
 from torchpass_p2p.transfer.manifest import decode_manifest, encode_manifest
-from torchpass_p2p.transfer.snapshot import _pack
+from torchpass_p2p.transfer.tree import EXT_TENSOR, decode_tree, pack
 
 from .states import capture
 
@@ -204,7 +204,7 @@ def _rows(*rows):
     else), so that only the rows' own checks can refuse it."""
     total = int(sum(r[3] for r in rows))
     return {"table": msgpack.packb(list(rows)), "total_bytes": total, "chunk_bytes": 64 << 10,
-            "step": 1, "tree": _pack({"step": 1, "objects": {}, "metadata": {}}),
+            "step": 1, "tree": pack({"step": 1, "objects": {}, "metadata": {}}),
             "digests": bytes(16 * -(-total // (64 << 10)))}
 
 
@@ -274,14 +274,14 @@ def test_an_empty_table_is_a_valid_manifest():
     {"step": True, "objects": {}, "metadata": {}},
 ])
 def test_a_tree_restore_cannot_load_is_refused(tree):
-    data, _ = _manifest(**{**_rows(), "tree": _pack(tree)})
+    data, _ = _manifest(**{**_rows(), "tree": pack(tree)})
     with pytest.raises(PeerError, match="bad_manifest"):
         decode_manifest(data, 1 << 30)
 
 
 def test_a_tree_of_nested_lists_is_refused_before_it_costs_memory(monkeypatch):
-    monkeypatch.setattr(snapshot, "MAX_TREE_CONTAINERS", 10_000)
-    tree = _pack({"step": 1, "objects": {}, "metadata": {"x": [[] for _ in range(200_000)]}})
+    monkeypatch.setattr(tree_codec, "MAX_TREE_CONTAINERS", 10_000)
+    tree = pack({"step": 1, "objects": {}, "metadata": {"x": [[] for _ in range(200_000)]}})
     data, _ = _manifest(**{**_rows(), "tree": tree})
     tracemalloc.start()
     try:
@@ -313,18 +313,18 @@ def test_capture_counts_containers_as_a_receiver_does(monkeypatch):
     # the tree's map, objects, metadata; m's [pairs, _metadata], pairs and its 2 pairs;
     # [1, (2,)], (2,) and {}: 10
     state = {"m": OrderedDict([("a", [1, (2,)]), ("b", {})])}
-    monkeypatch.setattr(snapshot, "MAX_TREE_CONTAINERS", 10)
+    monkeypatch.setattr(tree_codec, "MAX_TREE_CONTAINERS", 10)
     snap = Snapshot.capture(state, step=0)
-    assert snapshot.decode_tree(snap.tree, [], 1 << 20)["objects"] == state
-    monkeypatch.setattr(snapshot, "MAX_TREE_CONTAINERS", 9)
+    assert decode_tree(snap.tree, [], 1 << 20)["objects"] == state
+    monkeypatch.setattr(tree_codec, "MAX_TREE_CONTAINERS", 9)
     with pytest.raises(TypeError, match="10 lists, tuples, dicts"):
         Snapshot.capture(state, step=0)
     with pytest.raises(ValueError, match="more than 9 lists and maps"):
-        snapshot.decode_tree(snap.tree, [], 1 << 20)
+        decode_tree(snap.tree, [], 1 << 20)
 
 
 def test_a_tensor_where_the_trees_step_goes_is_refused():
-    tree = msgpack.packb({"step": msgpack.ExtType(snapshot.EXT_TENSOR, (0).to_bytes(4, "big")),
+    tree = msgpack.packb({"step": msgpack.ExtType(EXT_TENSOR, (0).to_bytes(4, "big")),
                           "objects": {}, "metadata": {}}, use_bin_type=True)
     data, _ = _manifest(**{**_rows(["w", "float32", [1], 4, 0]), "tree": tree})
     with pytest.raises(PeerError, match="tree step"):
@@ -344,12 +344,12 @@ def test_a_tree_as_deep_as_capture_allows_is_accepted_and_no_deeper():
         Snapshot.capture({"m": {"x": _nested(64)}}, step=1)
     data, _ = _manifest(**{**_rows(), "tree": snap.tree})
     assert decode_manifest(data, 1 << 30).tree == snap.tree
-    deeper = _pack({"step": 1, "objects": {"m": {"x": _nested(64)}}, "metadata": {}})
+    deeper = pack({"step": 1, "objects": {"m": {"x": _nested(64)}}, "metadata": {}})
     data, _ = _manifest(**{**_rows(), "tree": deeper})
     with pytest.raises(PeerError, match="nested deeper than 64"):
         decode_manifest(data, 1 << 30)  # before: load_state_dict's RecursionError at ~1,000
-    too_deep_to_pack = (b"\x83" + _pack("step") + _pack(1) + _pack("objects") + b"\x80"
-                        + _pack("metadata") + b"\x81" + _pack("y") + b"\x91" * 2000 + b"\x01")
+    too_deep_to_pack = (b"\x83" + pack("step") + pack(1) + pack("objects") + b"\x80"
+                        + pack("metadata") + b"\x81" + pack("y") + b"\x91" * 2000 + b"\x01")
     data, _ = _manifest(**{**_rows(), "tree": too_deep_to_pack})
     with pytest.raises(PeerError, match="StackError"):  # msgpack's own bound
         decode_manifest(data, 1 << 30)
@@ -358,7 +358,7 @@ def test_a_tree_as_deep_as_capture_allows_is_accepted_and_no_deeper():
 def test_a_tree_over_its_byte_bound_is_refused_by_both_sides(monkeypatch):
     state = {"m": {"names": ["x" * 100] * 100}}
     tree = Snapshot.capture(state, step=1).tree
-    monkeypatch.setattr(snapshot, "MAX_TREE_BYTES", len(tree) - 1)
+    monkeypatch.setattr(tree_codec, "MAX_TREE_BYTES", len(tree) - 1)
     with pytest.raises(TypeError, match=f"takes {len(tree)} bytes encoded"):
         Snapshot.capture(state, step=1)
     monkeypatch.setattr(manifest, "MAX_TREE_BYTES", len(tree) - 1)

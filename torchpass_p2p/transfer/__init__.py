@@ -2,7 +2,7 @@
 peer-to-peer from surviving replicas.
 
 * ``snapshot``: the state as a table of tensors plus plain metadata (``Snapshot.capture``,
-  ``restore``, ``RNGState``);
+  ``restore``, ``RNGState``); ``tree``: that metadata's bounded msgpack codec;
 * ``fingerprint``: chunk digests (xxh3 / blake3), the state fingerprint, control-frame tags;
 * ``chunkmac``: the per-chunk MAC of the TCP transfer (GMAC, then keyed BLAKE3);
 * ``frames``: bounded msgpack control frames on a socket; ``manifest``: the table a source sends;

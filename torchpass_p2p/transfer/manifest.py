@@ -20,16 +20,8 @@ import torch
 from . import fingerprint as fp
 from .errors import PeerError
 from .frames import no_ext
-from .snapshot import (
-    DTYPES,
-    MAX_DIMS,
-    MAX_NAME_BYTES,
-    MAX_TREE_BYTES,
-    MAX_TREE_DEPTH,
-    Snapshot,
-    TensorEntry,
-    decode_tree,
-)
+from .snapshot import Snapshot, TensorEntry
+from .tree import DTYPES, MAX_DIMS, MAX_NAME_BYTES, MAX_TREE_BYTES, MAX_TREE_DEPTH, decode_tree
 
 VERSION = 1
 MAX_TENSORS = 1 << 20
