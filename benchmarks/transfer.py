@@ -45,7 +45,8 @@ GB = 1e9 bytes. A source's one-time costs per published snapshot, paid before th
 source per GB moved) say where the time goes; on a shared machine they vary less than the
 rates. ``mac_gb_per_s``: one core's rate of the receiver's per-byte MAC (GMAC) on this CPU,
 with ``cpu_model`` and ``cpu_has_vpclmulqdq``; where the MAC is slow, ``ratio_vs_raw`` is lower
-(session 16: 0.79 with GMAC at ~5 GB/s, against 0.97-0.99 at 14-21 GB/s in sessions 7-8).
+(0.59-0.79 on AMD EPYCs with GMAC at 4-6 GB/s, against 0.97-0.99 on a host where it ran at
+14-21 GB/s).
 Figures only: nothing here asserts a time.
 """
 

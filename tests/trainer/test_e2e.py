@@ -212,7 +212,7 @@ def test_a_survivor_dying_as_it_enters_the_recovery(tmp_path: Path, clean: Run) 
 @pytest.mark.parametrize("rank", [0, 1])  # 0 hosts the rendezvous of configuration 0
 def test_a_rank_dying_before_the_first_group_forms(tmp_path: Path, clean: Run,
                                                    rank: int) -> None:
-    # Found by a new user (session 16): a rank killed while the job started, before its first
+    # Found by a new user: a rank killed while the job started, before its first
     # group formed, ended the job: the survivors' Superseded escaped the start-up entry.
     faulty = run_job(tmp_path / "faults", nproc=4, spares=1, steps=STEPS,
                      faults=f"kill@0:enter:rank={rank}", script_args=ARGS, timeout_s=200)

@@ -225,7 +225,7 @@ def test_a_table_alone_is_a_valid_manifest():  # what the cases built with _rows
     ({"algo": ["xxh3"]}, "bad_manifest"),  # unhashable where a name goes
     ({"table": msgpack.packb([["w", ["float32"], [1], 4, 0]])}, "bad_manifest"),
     ({"table": msgpack.packb([["w", {"f": 1}, [1], 4, 0]])}, "bad_manifest"),
-    # Found by the review of session 16: each crashed or hung the receiver instead.
+    # Found by a review: each crashed or hung the receiver instead.
     ({"step": 1 << 63}, "bad_manifest"),  # msgpack uint64; the fingerprint packs int64
     (_rows(["w", "float32", [4], 16.0, 0.0]), "bad_manifest"),  # 16.0 == 16, but a slice
     # of a float fails in the receiving thread

@@ -77,7 +77,7 @@ class StallServer(TransferServer):
 class SlowServer(TransferServer):
     """Serves two chunks, then waits 6 s before each (a source degraded but not stalled: within
     the 10 s progress timeout). It is a straggler while the fastest chunk takes under 6 / 8 s:
-    room for a loaded host (a 3 s wait failed once in session 18, with a second test run on
+    room for a loaded host (a 3 s wait failed once, with a second test run on
     the 2 cores)."""
 
     async def serve_chunk(self, conn, snapshot, index, header):

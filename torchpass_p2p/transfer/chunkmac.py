@@ -33,7 +33,7 @@ that pass also checks the bytes against the digests computed before it (``Snapsh
 bytes that changed between the fingerprint and the first serve are never MAC'd.
 
 Cost (measured here, see ``benchmarks.transfer``): GMAC ran at ~5.6 GB/s per core with the
-``cryptography`` of session 6 and at 13.7-21 GB/s with ``cryptography`` 50 on OpenSSL 4.0. The
+an earlier ``cryptography`` and at 13.7-21 GB/s with ``cryptography`` 50 on OpenSSL 4.0. The
 receiving thread feeds each 1 MiB piece to the chunk's GMAC as it lands, from cache: 0.97-0.99
 of a plain socket's rate where sender and receiver share 2 cores (0.60-0.70 when a second thread
 checked each 16 MiB chunk after it arrived, reading it back from memory). The source computes

@@ -81,7 +81,7 @@ STRAGGLER_FLOOR_S = 1.0
 """A busy source whose oldest chunk has taken 8 times the fastest recent chunk, and over 1 s,
 while another source sits idle with the queue empty, is dropped (``too_slow``) and its chunks
 move. Otherwise any source that delivers a piece per ``progress_timeout_s`` (~26 KB/s) kept
-its window to the end: a review in session 16 measured ~37 minutes for 64 MiB at the
+its window to the end: a review measured ~37 minutes for 64 MiB at the
 defaults while a healthy source idled. A source behind a 4x slower link is never dropped."""
 DEFAULT_MAX_STATE_BYTES = 1 << 40
 """1 TiB: refuse manifests claiming more (a bound, not a real model size)."""
@@ -89,20 +89,21 @@ RECV_PIECE_BYTES = 1 << 20
 """Bytes per receive call (``MSG_WAITALL``); each piece is fed to the chunk's GMAC right after
 it lands, from cache (L2 or L3). Two GIL hand-offs per piece (the receive and the MAC each
 release it) are what a second receiving thread contends for, so larger pieces cost two
-connections less: receiver CPU with two connections (1 GiB, loopback, 2 cores, session 19,
-medians over three alternating runs of 3 rounds each) 0.47, 0.60 and 0.62 s/GB at 256-512 KiB
-against 0.38, 0.52 and 0.55 at 1 MiB; with one connection 0.34-0.47 at 256 KiB against
-0.34-0.48 at 1 MiB. An earlier host, one connection: ~0.38 s/GB at 256-512 KiB, ~0.41 at
+connections less: receiver CPU with two connections (1 GiB, loopback, 2 cores, an AMD EPYC
+with VPCLMULQDQ, medians over three alternating runs of 3 rounds each) 0.47, 0.60 and 0.62 s/GB
+at 256-512 KiB against 0.38, 0.52 and 0.55 at 1 MiB; with one connection 0.34-0.47 at 256 KiB
+against 0.34-0.48 at 1 MiB. An earlier host, one connection: ~0.38 s/GB at 256-512 KiB, ~0.41 at
 1 MiB, ~0.47 at 4 MiB. With the MAC in a second thread reading each 16 MiB chunk back from
-memory the receiver needed 0.38-0.48 s/GB against 0.25 fed from cache (session 7)."""
+memory the receiver needed 0.38-0.48 s/GB against 0.25 fed from cache (an earlier host)."""
 STREAMS = 2
 """Receiving connections per transfer, at least one per source: one source gets two (for a state of
 ``MIN_STREAM_BYTES`` per connection or more). A connection is received and MAC'd by one thread,
 which caps it at one core's rate of both. On 2 cores shared with the source, 1 GiB on loopback
-(``benchmarks.transfer``, session 17, medians of 5-10 paired rounds per run), two connections
-gave 0.88x, 1.10x, 1.07x, 1.03x and 1.38x one in five runs (GMAC at 2.8-5.4 GB/s per core: the
-slower the MAC, the larger the gain), 0.89x in a sixth (session 18, GMAC 5.6 GB/s). Not more
-by default: on those 2 cores a third thread only competes with the source."""
+(``benchmarks.transfer``, an AMD EPYC without VPCLMULQDQ, medians of 5-10 paired rounds per
+run), two connections gave 0.88x, 1.10x, 1.07x, 1.03x and 1.38x one in five runs (GMAC at
+2.8-5.4 GB/s per core: the slower the MAC, the larger the gain), 0.89x in a sixth (GMAC
+5.6 GB/s); with VPCLMULQDQ and 1 MiB pieces, 1.02x (GMAC 4.7 GB/s). Not more by default: on
+those 2 cores a third thread only competes with the source."""
 MIN_STREAM_BYTES = 64 << 20
 """Extra connections (past one per source) only for states of at least this many bytes per
 connection: a smaller state is in before a second handshake would pay off, and the extra

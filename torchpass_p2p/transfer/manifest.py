@@ -50,7 +50,7 @@ def _table_list(items: list[Any]) -> Any:
     """msgpack ``list_hook`` of the table: each list is checked as soon as it is decoded and must
     be a shape, a row, or the table (a list of rows). A table of nested lists is refused at its
     first inner list that is none of them, so it never holds more than one list's elements at a
-    time: without this check a 60 MB table of empty lists took 3.9 GB to decode (session 18)."""
+    time: without this check a 60 MB table of empty lists took 3.9 GB to decode."""
     if len(items) <= MAX_DIMS and all(type(d) is int for d in items):
         return _Shape(items)
     if (len(items) == 5 and type(items[0]) is str and type(items[1]) is str
@@ -140,7 +140,7 @@ def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     """Parse and validate untrusted manifest bytes. Raises :class:`PeerError`
     ``bad_manifest`` (or ``too_large`` for a state above ``max_state_bytes``), and nothing
     else: a check that some input gets past and that then fails (a tensor reference compared as
-    the tree's step raised RuntimeError, a review in session 18) is a bad manifest too."""
+    the tree's step raised RuntimeError, found by a review) is a bad manifest too."""
     try:
         return _decode_manifest(data, max_state_bytes)
     except PeerError:

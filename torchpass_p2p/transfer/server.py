@@ -72,7 +72,7 @@ MAX_HANDSHAKING = 16
 """Connections still in their handshake (not yet shown to hold the key), counted apart from
 ``MAX_CONNECTIONS``. One more evicts one of them (counted ``evicted_unproven``; see
 ``_evict``): a peer without the key that keeps reconnecting holds only these slots, never
-those of transfers (a review in session 16 held all 64 then shared slots this way: no fetch
+those of transfers (a review held all 64 then shared slots this way: no fetch
 got through)."""
 LINGER_S = 1.0
 """After an ``error`` frame: how long the server reads what the peer still sends before it
@@ -131,7 +131,7 @@ class TransferServer:
         # Zero-copy sends block a thread each until the receiver reads (up to send_timeout_s):
         # their own pool, one thread per connection at most. On the event loop's default pool
         # (6 threads on 2 cores) six stalled receivers starved every other connection's
-        # manifest (a review in session 16).
+        # manifest (found by a review).
         self._senders: ThreadPoolExecutor | None = None
         self._last_log = 0.0
 

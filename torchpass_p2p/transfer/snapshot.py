@@ -61,7 +61,7 @@ REFERENCE_ALGO = "xxh3"
 """Every pass over a snapshot's bytes digests them under this algorithm too, unless digests
 under another were recorded first, and checks them against the first pass's
 (:meth:`Snapshot._scan`). It costs the source's MAC pass 0.20 s per GiB against 0.13 without
-(2 cores, median of 5 paired runs, session 18), once per snapshot."""
+(2 cores, median of 5 paired runs), once per snapshot."""
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -347,7 +347,7 @@ class Snapshot:
             size = fp.DIGEST_BYTES[ref_algo]
             bad = [i for i, d in enumerate(ref) if d != known[i * size:(i + 1) * size]]
             # Kept as text: a stored exception raised again would grow its traceback and hold
-            # every refused connection's frame (a review in session 18).
+            # every refused connection's frame (found by a review).
             self._changed = (f"step {self.step}: {len(bad)} of {n} chunks differ from their "
                              f"first digests (first: chunk {bad[0]})")
             raise SnapshotChanged("snapshot_changed", self._changed)

@@ -36,12 +36,12 @@ MAX_TREE_DEPTH = 64
 MAX_TREE_BYTES = 16 << 20
 """The encoded tree (everything but tensor bytes): a Transformer with AdamW and a scheduler takes
 a few KB, ~50 bytes per tensor. A decoded leaf costs up to ~21 times its encoded bytes (2-char
-strings; a review in session 18), so this bound also bounds a hostile tree's decoding."""
+strings, found by a review), so this bound also bounds a hostile tree's decoding."""
 MAX_TREE_CONTAINERS = 2 << 20
 """Lists, tuples, dicts and OrderedDict entries of the tree: ~5 per tensor in real state dicts
 (195 for a Transformer, AdamW and LambdaLR), so 2M admits ~400k tensors. A decoded empty
 container costs ~70 times its encoded byte: without the bound a 4 MB tree of empty lists took
-296 MB (session 18). With both bounds the worst tree found (2M empty maps, then 2-char
+296 MB. With both bounds the worst tree found (2M empty maps, then 2-char
 strings up to 16 MiB) took 492 MiB and 1.1 s to decode here."""
 MAX_NAME_BYTES = 1024
 """A tensor's table name (its path in the state, UTF-8)."""
