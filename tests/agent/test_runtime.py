@@ -95,6 +95,20 @@ async def test_drain_hands_the_rank_to_a_spare_and_the_drained_member_is_removed
         await cluster.stop()
 
 
+async def test_a_drain_with_no_spare_to_take_the_rank_is_refused():
+    # Found by a chaos run: accepted, it left the rank vacant and every rank waited (policy
+    # wait) up to its give-up time, with nothing said.
+    cluster = LocalCluster(3, 0, seed=5)
+    await cluster.start()
+    try:
+        reply = await cluster[2].drain()
+        assert reply["draining"] is False and reply["reason"] == "no_spare"
+        assert not cluster[2].draining and cluster[2].rank == 1
+        assert {a.configuration.config_id for a in cluster.live()} == {0}
+    finally:
+        await cluster.stop()
+
+
 async def test_fast_evidence_makes_observers_alert_without_waiting_for_probes():
     cluster = LocalCluster(5, 1, seed=4)
     await cluster.start()

@@ -560,6 +560,60 @@ def test_a_job_whose_majority_died_is_stopped_once_the_agents_are_fenced(
     assert "grace period over" not in log, log
 
 
+A_RANK_STAYS_VACANT = '''
+import asyncio, json, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+rank = env.get("RANK")
+if rank == "1":
+    time.sleep(0.5)
+    sys.exit(1)  # no spare: its rank stays vacant (policy wait) in configuration 1
+
+
+async def main():
+    while len(list(out.glob("*.json"))) < 3:
+        await asyncio.sleep(0.02)
+    members = [e["TORCHPASS_MEMBER_ID"] for e in map(json.loads, (
+        p.read_text() for p in out.glob("*.json"))) if e.get("RANK") != "1"]
+
+    async def status(request):
+        return web.json_response({"role": "rank", "config_id": 1, "world_size": 3,
+                                  "members": [{"member_id": m, "role": "rank"}
+                                              for m in members]})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    await asyncio.sleep(4)
+    sys.exit(0)
+
+asyncio.run(main())
+'''
+
+
+@pytest.mark.parametrize("respawn", [False, True], ids=["", "respawns-used"])
+def test_a_vacant_rank_no_spare_can_fill_is_said_once(tmp_path: Path, respawn: bool) -> None:
+    # Found by a chaos run: with --respawn on and its respawns used, nothing was said and the
+    # ranks waited in silence up to their give-up time.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", A_RANK_STAYS_VACANT)
+    launcher = start_launcher(["--nproc", "3", "--spares", "0", "--grace", "1",
+                               *(["--respawn", "--max-respawns", "0"] if respawn else []),
+                               str(script), str(out)])
+    code, log = finish(launcher, timeout_s=20)
+    why = ("and the 0 respawn(s) of --max-respawns are used" if respawn
+           else "and --respawn is off")
+    said = f"configuration 1 has 1 vacant rank(s) and no spare left to fill them, {why}"
+    assert log.count(said) == 1, log
+    assert code == 0, log
+
+
 STUBBORN = '''
 import signal, subprocess, time
 out = Path(sys.argv[1])

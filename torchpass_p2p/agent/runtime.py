@@ -27,7 +27,7 @@ from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.configuration import Address, Configuration
 from torchpass_p2p.core.membership import Member
 from torchpass_p2p.core.messages import Join, Joiner, MemberId, MemberState, format_member_id
-from torchpass_p2p.core.plan import Plan
+from torchpass_p2p.core.plan import Plan, Policy
 
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
 from .http import http_token
@@ -369,6 +369,22 @@ class AgentRuntime:
         return self.report_unreachable(holder, f"collective error: {exc!r:.80}")
 
     async def drain(self) -> dict[str, Any]:
+        """An operator's request (``POST /drain``) to hand this member's rank to a spare:
+        :meth:`_drain`, unless the rank would stay vacant. Refused (``draining`` False,
+        ``reason`` ``no_spare``) when this member holds a rank, the policy is ``wait`` and the
+        configuration has no spare: every rank would then wait for a spare to join, up to its
+        give-up time. (A drain the agent asks for itself, for a failing GPU or a hang, is not
+        refused: that rank cannot train on.)"""
+        m = self.member
+        if (m is not None and not self.stopped and not self.draining and self.rank is not None
+                and self.settings.policy is Policy.WAIT and not m.configuration.spares):
+            return {"draining": False, "reason": "no_spare",
+                    "detail": "no spare to take the rank: under policy wait training would "
+                              "stop until one joins (start a spare first, or use policy "
+                              "shrink)"}
+        return await self._drain()
+
+    async def _drain(self) -> dict[str, Any]:
         """Hand this member's rank to a spare (planned maintenance, a failing GPU): leave
         gracefully; the agreement decides the change and a spare takes the rank. This member
         stays up (a state source) until it is out of the configuration."""
@@ -711,7 +727,7 @@ class AgentRuntime:
         log.error("training loop made no progress for %.1f s in %s: asking to be replaced",
                   timeout, self.phase)
         self._recent.append({"at": now, "type": "HangDetected", "detail": self.phase})
-        self._own(self.drain())
+        self._own(self._drain())
 
     # ------------------------------------------------------------------ pulses
 
@@ -799,7 +815,7 @@ class AgentRuntime:
         self._health_faults[str(fault.kind)] += 1
         if fault.severity == "migrate" and self.role == "rank":
             log.error("GPU fault %s (%s): asking to be migrated", fault.kind, fault.detail)
-            self._own(self.drain())
+            self._own(self._drain())
 
     # ------------------------------------------------------------------ pieces built on demand
 

@@ -493,18 +493,20 @@ class _Supervisor:
         """Why no configuration can be decided again (:func:`.roles.majority_lost`), or None.
         It concludes only about a configuration of its own children: with members on other
         hosts, the agents' own deadline ends the wait (:class:`~torchpass_p2p.trainer.Trainer`
-        ``give_up_s``). Without ``--respawn`` it also says, once, why a job waits with a
-        vacant rank and no spare (:func:`.roles.vacant_without_spare`)."""
+        ``give_up_s``). Without ``--respawn``, or with its respawns used, it also says, once,
+        why a job waits with a vacant rank and no spare (:func:`.roles.vacant_without_spare`)."""
         asked = [c for c in self._running() if not c.stopped]
         views = await ask_status(self.session, [("127.0.0.1", c.spec.status_port)
                                                 for c in asked])
-        vacant = None if self.options.respawn else vacant_without_spare(views)
+        respawning = self.options.respawn and self.respawns < self.options.max_respawns
+        vacant = None if respawning else vacant_without_spare(views)
         if vacant is not None and vacant not in self.said:
             self.said.add(vacant)
-            log.warning("%s, and --respawn is off: under policy wait the members wait for a "
-                        "spare to join (start one, or launch with --respawn; "
-                        "TORCHPASS_POLICY=shrink trains on with fewer ranks) for up to their "
-                        "give-up time, then stop", vacant)
+            why = (f"and the {self.respawns} respawn(s) of --max-respawns are used"
+                   if self.options.respawn else "and --respawn is off")
+            log.warning("%s, %s: under policy wait the members wait for a spare to join (start "
+                        "one, or launch with --respawn; TORCHPASS_POLICY=shrink trains on with "
+                        "fewer ranks) for up to their give-up time, then stop", vacant, why)
         ours = {c.pgid: format_member_id(c.spec.member_id) for c in self.children}
         gone = frozenset(m for pgid, m in ours.items() if pgid in self.recorded)
         return majority_lost(views, gone, frozenset(ours.values()))
