@@ -247,6 +247,80 @@ async def test_an_extra_connection_that_never_opens_delays_nothing(snap, keys):
         await server.close()
 
 
+async def _silent_source():
+    """A listening socket that accepts and never answers (a source stopped with SIGSTOP)."""
+    accepted = []
+
+    async def handle(reader, writer):
+        accepted.append(writer)
+
+    silent = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return silent, silent.sockets[0].getsockname()[:2], accepted
+
+
+@pytest.mark.parametrize("expected", [False, True], ids=["majority", "expected"])
+async def test_a_source_that_never_opens_delays_nothing(snap, keys, expected):
+    # Found by a chaos run: the transfer began only once every source had opened or timed out,
+    # so a source stopped as the fetch began cost connect_timeout_s (5 s by default). Without
+    # an expected fingerprint two of three sources are a majority; with one, one is enough.
+    servers = await serving(snap, keys, *[TransferServer] * (1 if expected else 2))
+    silent, address, accepted = await _silent_source()
+    want = snap.fingerprint() if expected else None
+    try:
+        res = await asyncio.wait_for(
+            fetch([address, *(s.address for s in servers)], keys, CONFIG, streams=1,
+                  expected_fingerprint=want, connect_timeout_s=3600), 60)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.failures == {} and len(accepted) == 1
+        assert address not in res.bytes_by_source
+        assert sum(res.bytes_by_source.values()) == snap.total_bytes
+    finally:
+        for w in accepted:
+            w.close()
+        silent.close()
+        await close_all(servers)
+
+
+async def test_a_source_that_opens_late_joins_the_transfer(snap, keys):
+    # A serves nothing until B has asked for a chunk; B's connection is let through only once
+    # A has been asked for one, so after the transfer began: it completes only if B joins.
+    a, b = await serving(snap, keys, GatedServer, GatedServer)
+    a.ready = lambda server: bool(b.asking)
+    b.ready = lambda server: True
+    asked = asyncio.Event()
+
+    async def forward(reader, writer):
+        async with asyncio.timeout(30):
+            while not a.asking:
+                await asyncio.sleep(0.001)
+        up_reader, up_writer = await asyncio.open_connection(*b.address)
+
+        async def pipe(r, w):
+            try:
+                while data := await r.read(1 << 16):
+                    w.write(data)
+                    await w.drain()
+            except OSError:
+                pass
+            finally:
+                w.close()
+
+        asked.set()
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    late = await asyncio.start_server(forward, "127.0.0.1", 0)
+    try:
+        res = await asyncio.wait_for(
+            fetch([a.address, late.sockets[0].getsockname()[:2]], keys, CONFIG, streams=1,
+                  expected_fingerprint=snap.fingerprint()), 60)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert asked.is_set() and res.failures == {}
+        assert len(res.bytes_by_source) == 2 and all(res.bytes_by_source.values())
+    finally:
+        late.close()
+        await close_all([a, b])
+
+
 @pytest.mark.usefixtures("streams_for_small_states")
 async def test_a_bug_in_one_receiving_thread_ends_the_others(snap, keys, monkeypatch):
     """``_pump`` catches every Exception; should one escape it anyway, the transfer shuts the

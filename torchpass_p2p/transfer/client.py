@@ -7,7 +7,9 @@
 2. **Agree.** Each manifest's fingerprint is recomputed locally from its bytes. With
    ``expected_fingerprint`` (from the plan) only sources holding it are used; without, the
    fingerprint held by most sources wins and a tie is :class:`TransferFailed`
-   ``sources_disagree``.
+   ``sources_disagree``. Receiving begins once the state is settled (the expected fingerprint
+   is held, or one is held by a majority of all the sources); a source still opening joins
+   when it opens, so one that hangs in its handshake delays nothing.
 3. **Target.** Tensors of ``into`` (a Snapshot, or live objects captured without copying) with
    the manifest's name, dtype and shape are received into in place; the others are allocated.
 4. **Stripe.** Chunks sit in one work queue. Every agreed source gets a connection, and with fewer
@@ -458,17 +460,19 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     ``into``: the receiver's own state (a :class:`Snapshot`, or the dict of live objects it
     would pass to ``Snapshot.capture``) to receive into in place.
     ``expected_fingerprint``: the 32-byte fingerprint the plan names; only sources holding it
-    are used (without it, the one most sources hold). ``step``: ask for exactly this
-    step (sources holding another refuse). ``algo``: the digest algorithm of the fingerprint,
-    ``"xxh3"`` or ``"blake3"`` (see ``fingerprint``); chunks are authenticated by their MACs
-    (``chunkmac``) either way: a chunk whose MAC fails counts ``bad_chunk`` against its source,
-    which is dropped. ``progress_timeout_s``: seconds without a byte from a busy source before
-    it is dropped. ``connect_timeout_s``: seconds per source to connect, authenticate and read
-    its manifest. ``window``: chunks requested ahead per connection. ``max_manifest_bytes`` /
-    ``max_state_bytes``: manifests and states claiming more bytes are refused (``too_large``).
-    ``max_alloc_bytes``: bytes the receiver may allocate for tensors it lacks
-    (default ``max_state_bytes``). ``streams``: receiving connections in all, at least one per
-    agreed source (``STREAMS``; extra ones only for ``MIN_STREAM_BYTES`` of state each).
+    are used (without it, the one most sources hold). Receiving starts as soon as one source
+    holds it (without it: as soon as a majority of ``sources`` hold one fingerprint, or every
+    source has answered); sources still opening then join as they open. ``step``: ask for
+    exactly this step (sources holding another refuse). ``algo``: the digest algorithm of the
+    fingerprint, ``"xxh3"`` or ``"blake3"`` (see ``fingerprint``); chunks are authenticated by
+    their MACs (``chunkmac``) either way: a chunk whose MAC fails counts ``bad_chunk`` against
+    its source, which is dropped. ``progress_timeout_s``: seconds without a byte from a busy
+    source before it is dropped. ``connect_timeout_s``: seconds per source to connect,
+    authenticate and read its manifest. ``window``: chunks requested ahead per connection.
+    ``max_manifest_bytes`` / ``max_state_bytes``: manifests and states claiming more bytes are
+    refused (``too_large``). ``max_alloc_bytes``: bytes the receiver may allocate for tensors it
+    lacks (default ``max_state_bytes``). ``streams``: receiving connections in all, at least one
+    per agreed source (``STREAMS``; extra ones only for ``MIN_STREAM_BYTES`` of state each).
     ``on_progress(received_bytes, total_bytes)`` is called (on the event loop) after each
     verified chunk. ``failures`` counts each failed source once, by the first reason one of its
     connections gave; an extra connection (past one per source) that fails to open is logged,
@@ -511,7 +515,24 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
             log.info("transfer: no extra connection to %s: %s", addr, dict(counts))
         return more
 
-    opened = [s for s in await asyncio.gather(*(attempt(a) for a in sources)) if s is not None]
+    async def late(opening: asyncio.Future[_Source | None]) -> _Source | None:
+        # A source that opens after the transfer started: used if it holds the agreed state.
+        s = await opening
+        if s is not None and s.manifest.fingerprint != manifest.fingerprint:
+            failures["fingerprint_mismatch"] += 1
+            s.conn.close()
+            return None
+        return s
+
+    # Start once the state is settled: the expected fingerprint is held, or one is held by a
+    # majority of all the sources (no other can have more). The rest join as they open, so a
+    # source that hangs while opening delays nothing (before, all were awaited: up to
+    # ``connect_timeout_s``).
+    openings = [asyncio.ensure_future(attempt(a)) for a in sources]
+    pending: set[asyncio.Future[_Source | None]] = set(openings)
+    while pending and not _settled(openings, expected_fingerprint, len(sources) // 2 + 1):
+        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+    opened = [s for t in openings if t.done() and (s := t.result()) is not None]
     chosen: list[_Source] = []
     try:
         if not opened:
@@ -548,11 +569,11 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
         # already receive (one that is slow to open delays nothing).
         wanted = min(streams, max(len(chosen), manifest.total_bytes // max(MIN_STREAM_BYTES, 1)))
         extra = [chosen[k % len(chosen)].addr for k in range(wanted - len(chosen))]
-        with ThreadPoolExecutor(max_workers=len(chosen) + len(extra),
+        with ThreadPoolExecutor(max_workers=len(chosen) + len(extra) + len(pending),
                                 thread_name_prefix="transfer") as pool:
             tr = _Transfer(chosen, target, manifest, tid, window, progress_timeout_s,
                            on_progress, pool, failures)
-            await tr.run([attempt_extra(a) for a in extra])
+            await tr.run([*(late(t) for t in pending), *(attempt_extra(a) for a in extra)])
         for s in tr.sources:
             if s.failed is None:
                 try:
@@ -565,5 +586,21 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
         return FetchResult(target, manifest.fingerprint, failures, dict(by_source),
                            tr.refetched, allocated, time.monotonic() - t0)
     finally:
+        for t in pending:
+            t.cancel()  # still opening (the transfer ended first, or never began)
+        if pending:
+            await asyncio.wait(pending)
+        opened += [s for t in pending if not t.cancelled() and (s := t.result()) is not None]
         for s in opened + chosen:  # ``chosen``: the transfer's, extra connections included
             s.conn.close()
+
+
+def _settled(openings: Sequence[asyncio.Future[_Source | None]], expected: bytes | None,
+             majority: int) -> bool:
+    """Whether the sources opened so far settle which state to receive: one holds
+    ``expected``, or (without it) ``majority`` of them hold the same fingerprint."""
+    held = Counter(s.manifest.fingerprint for t in openings
+                   if t.done() and (s := t.result()) is not None)
+    if expected is not None:
+        return held[expected] > 0
+    return bool(held) and max(held.values()) >= majority
