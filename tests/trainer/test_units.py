@@ -196,6 +196,23 @@ def test_a_serve_fault_fires_once_past_its_fraction(monkeypatch: pytest.MonkeyPa
                              started_as_rank=False).serving  # a spare never faults
 
 
+def test_a_fault_fires_only_in_the_process_started_as_its_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by a chaos run: under policy shrink the survivor renumbered to rank 1 redid step 20
+    # and fired rank 1's kill again, then the next one: three ranks died for one fault.
+    kills: list[int] = []
+    monkeypatch.setattr("torchpass_p2p.trainer.faults.os.kill", lambda pid, sig: kills.append(sig))
+    monkeypatch.setenv("TORCHPASS_FAULTS", "kill@20:grad:rank=1")
+    monkeypatch.setenv("TORCHPASS_ROLE", "rank")
+    monkeypatch.setenv("RANK", "2")
+    renumbered = FaultInjector.from_env()
+    assert renumbered.faults == []
+    renumbered.at(20, "grad", 1)
+    monkeypatch.setenv("RANK", "1")
+    FaultInjector.from_env().at(20, "grad", 1)
+    assert kills == [signal.SIGKILL]
+
+
 async def test_the_transfer_server_reports_each_chunk_served(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The hook a ``serve`` fault rides on: ``on_served(step, served_bytes, total_bytes)`` after

@@ -40,12 +40,14 @@ between two chunks, with the receiver's further requests unanswered). The step o
 its rank is this member's rank in the configuration it is entering or training in
 (``rank_of()``). A ``reset`` takes no number and any point but ``serve``.
 
-A fault fires only in a process started as a rank (``TORCHPASS_ROLE`` is not ``spare``), once:
-the replacement redoing that step must not fault again. ``before(fault, **details)`` is called
-just before one fires, to log it; an ``orphan`` passes ``orphan_pid`` and ``orphan_ports`` (the
-local ports of the sockets it holds), so a test can check the orphan held the rank's port and is
-gone after the run; a ``serve`` fault passes ``snapshot_step``, ``served_bytes`` (sent to that
-transfer, over all its connections) and ``total_bytes``.
+A fault fires only in a process started as a rank (``TORCHPASS_ROLE`` is not ``spare``), and
+only in the one started as the fault's rank (``RANK``, when set), once: the replacement redoing
+that step must not fault again, nor a survivor that policy ``shrink`` renumbered to that rank.
+``before(fault, **details)`` is called just before one fires, to log it; an ``orphan`` passes
+``orphan_pid`` and ``orphan_ports`` (the local ports of the sockets it holds), so a test can
+check the orphan held the rank's port and is gone after the run; a ``serve`` fault passes
+``snapshot_step``, ``served_bytes`` (sent to that transfer, over all its connections) and
+``total_bytes``.
 """
 
 from __future__ import annotations
@@ -123,16 +125,19 @@ class FaultInjector:
     :meth:`served` on the transfer server's; a lock keeps each fault firing once."""
 
     def __init__(self, faults: list[Fault], *, started_as_rank: bool,
+                 started_rank: int | None = None,
                  before: Callable[..., None] | None = None) -> None:
-        self.faults = list(faults) if started_as_rank else []
+        mine = [f for f in faults if started_rank is None or f.rank == started_rank]
+        self.faults = mine if started_as_rank else []
         self.before = before
         self._lock = threading.Lock()
 
     @classmethod
     def from_env(cls, before: Callable[..., None] | None = None) -> FaultInjector:
+        rank = os.environ.get("RANK", "")
         return cls(parse_faults(os.environ.get("TORCHPASS_FAULTS", "")),
                    started_as_rank=os.environ.get("TORCHPASS_ROLE", "rank") != "spare",
-                   before=before)
+                   started_rank=int(rank) if rank.isdigit() else None, before=before)
 
     @property
     def serving(self) -> bool:

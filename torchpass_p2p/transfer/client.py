@@ -530,11 +530,12 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     # ``connect_timeout_s``).
     openings = [asyncio.ensure_future(attempt(a)) for a in sources]
     pending: set[asyncio.Future[_Source | None]] = set(openings)
-    while pending and not _settled(openings, expected_fingerprint, len(sources) // 2 + 1):
-        _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-    opened = [s for t in openings if t.done() and (s := t.result()) is not None]
+    opened: list[_Source] = []
     chosen: list[_Source] = []
     try:
+        while pending and not _settled(openings, expected_fingerprint, len(sources) // 2 + 1):
+            _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        opened = [s for t in openings if t.done() and (s := t.result()) is not None]
         if not opened:
             raise TransferFailed("no_sources", f"failures {dict(failures)}", failures)
         by_fp: dict[bytes, list[_Source]] = {}
@@ -590,7 +591,8 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
             t.cancel()  # still opening (the transfer ended first, or never began)
         if pending:
             await asyncio.wait(pending)
-        opened += [s for t in pending if not t.cancelled() and (s := t.result()) is not None]
+        opened = [s for t in openings if t.done() and not t.cancelled()
+                  and (s := t.result()) is not None]
         for s in opened + chosen:  # ``chosen``: the transfer's, extra connections included
             s.conn.close()
 
