@@ -22,8 +22,10 @@ KEY = b"\x11" * 32
 
 @pytest.fixture
 async def agent() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
-    """A status page whose ``/drain`` accepts the token of :data:`KEY` only."""
+    """A status page whose ``/drain`` takes the token of :data:`KEY` only; it accepts the first
+    drain and refuses the others (``no_spare``)."""
     seen: list[dict[str, Any]] = []
+    accepted: list[int] = []
     token = http_token(KEY)
 
     async def drain(request: web.Request) -> web.Response:
@@ -31,6 +33,10 @@ async def agent() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
                      "body": await request.read()})
         if request.headers.get("Authorization") != f"Bearer {token}":
             return web.json_response({"error": "bad_token"}, status=403)
+        accepted.append(1)
+        if len(accepted) > 1:  # then as when no spare could take the rank
+            return web.json_response({"draining": False, "reason": "no_spare",
+                                      "detail": "no spare to take the rank"})
         return web.json_response({"draining": True, "member_id": "00000000000000aa"})
 
     app = web.Application()
@@ -56,6 +62,10 @@ async def test_drain_posts_the_token_and_prints_the_reply(
     assert json.loads(capsys.readouterr().out) == {"draining": True,
                                                    "member_id": "00000000000000aa"}
     assert seen == [{"auth": "Bearer " + http_token(KEY), "body": b"{}"}]
+    code = await asyncio.to_thread(main, ["drain", address, "--key-file", str(tmp_path / "k")])
+    out, err = capsys.readouterr()
+    assert code == 1 and json.loads(out)["reason"] == "no_spare"
+    assert "refused: no spare to take the rank" in err
 
 
 async def test_drain_fails_on_refusal_unreachable_agent_or_missing_key(

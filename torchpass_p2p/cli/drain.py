@@ -1,9 +1,10 @@
 """``torchpass-p2p drain HOST:PORT``: ask one agent to leave the job gracefully (its rank, if it
 holds one, goes to a spare) by ``POST /drain`` to its status page. Prints the agent's JSON reply.
 
-Exit code (as ``torchpass-p2p status``): 0 when the agent accepted (HTTP 2xx), 1 when it
-refused or answered something that is not JSON, 2 when it could not be reached, for a usage error
-or an unreadable key.
+Exit code (as ``torchpass-p2p status``): 0 when the agent accepted, 1 when it refused (an HTTP
+error, or ``"draining": false``, such as ``no_spare`` when no spare could take the rank) or
+answered something that is not JSON, 2 when it could not be reached, for a usage error or an
+unreadable key.
 """
 
 from __future__ import annotations
@@ -60,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"torchpass-p2p drain: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE if exc.unreachable else EXIT_REFUSED
     print(json.dumps(reply, indent=1, sort_keys=True))
+    if isinstance(reply, dict) and reply.get("draining") is False:  # e.g. ``no_spare``
+        print(f"torchpass-p2p drain: refused: {reply.get('detail') or reply.get('reason')}",
+              file=sys.stderr)
+        return EXIT_REFUSED
     return 0
 
 
