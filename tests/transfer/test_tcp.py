@@ -281,6 +281,30 @@ async def test_a_source_that_never_opens_delays_nothing(snap, keys, expected):
         await close_all(servers)
 
 
+async def test_a_fetch_cancelled_while_its_sources_open_leaves_no_task(snap, keys):
+    (server,) = await serving(snap, keys, TransferServer)
+    silent, address, accepted = await _silent_source()
+    before = asyncio.all_tasks()
+    try:
+        # Two sources and no expected fingerprint: the state settles only with both, and the
+        # silent one never answers.
+        fetching = asyncio.ensure_future(
+            fetch([server.address, address], keys, CONFIG, connect_timeout_s=3600))
+        async with asyncio.timeout(30):
+            while not (accepted and server.stats["connections"]):
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the good source's handshake and manifest
+        fetching.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await fetching
+        assert asyncio.all_tasks() - before == set()  # before: its openings were left pending
+    finally:
+        for w in accepted:
+            w.close()
+        silent.close()
+        await server.close()
+
+
 async def test_a_source_that_opens_late_joins_the_transfer(snap, keys):
     # A serves nothing until B has asked for a chunk; B's connection is let through only once
     # A has been asked for one, so after the transfer began: it completes only if B joins.
@@ -319,6 +343,55 @@ async def test_a_source_that_opens_late_joins_the_transfer(snap, keys):
     finally:
         late.close()
         await close_all([a, b])
+
+
+class HeldOpenServer(TransferServer):
+    """Starts a connection's handshake only once ``released()`` holds (checked every
+    millisecond, 30 s at most): a source that opens after the transfer began."""
+
+    released = staticmethod(lambda: True)
+
+    async def _serve(self, conn):
+        async with asyncio.timeout(30):
+            while not self.released():
+                await asyncio.sleep(0.001)
+        await super()._serve(conn)
+
+
+@pytest.mark.parametrize("expected", [False, True], ids=["majority", "expected"])
+async def test_a_source_still_opening_carries_the_transfer_when_the_first_fail(
+        snap, keys, expected):
+    # Found by a review: once every running connection had failed, the transfer ended and
+    # cancelled the good source still opening (no_sources_left); before the early start it
+    # was among the sources from the beginning and served everything.
+    corrupt = [CorruptServer] * (1 if expected else 2)
+    *bad, good = await serving(snap, keys, *corrupt, HeldOpenServer)
+    good.released = lambda: all(s.stats["chunks"] for s in bad)  # each has served one
+    try:
+        res = await asyncio.wait_for(
+            fetch([*(s.address for s in bad), good.address], keys, CONFIG, streams=1,
+                  expected_fingerprint=snap.fingerprint() if expected else None), 60)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.failures == {"bad_chunk": len(bad)}
+        assert res.bytes_by_source[good.address] == snap.total_bytes
+    finally:
+        await close_all([*bad, good])
+
+
+@pytest.mark.usefixtures("streams_for_small_states")
+async def test_streams_bound_the_connections_counting_sources_still_opening(snap, keys):
+    # Found by a review: extra connections were planned from the sources open when the
+    # transfer began, so a source joining later made three connections of streams=2.
+    first, held = await serving(snap, keys, TransferServer, HeldOpenServer)
+    held.released = lambda: bool(first.stats["chunks"])
+    try:
+        res = await asyncio.wait_for(
+            fetch([first.address, held.address], keys, CONFIG, streams=2,
+                  expected_fingerprint=snap.fingerprint()), 60)
+        assert received_fingerprint(res) == snap.fingerprint() and res.failures == {}
+        assert first.stats["connections"] == 1 and held.stats["connections"] == 1
+    finally:
+        await close_all([first, held])
 
 
 @pytest.mark.usefixtures("streams_for_small_states")

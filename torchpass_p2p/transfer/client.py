@@ -213,20 +213,25 @@ class _Transfer:
         # state is not all taken by the thread that happened to start first.
         self.started = threading.Barrier(len(sources))
 
-    async def run(self, joining: Sequence[Coroutine[Any, Any, _Source | None]] = ()) -> None:
-        """Receive until every chunk is verified or no connection is left. ``joining``: more
-        connections to open (``fetch``'s extra streams), run as tasks of this call; each that
-        opens while chunks remain gets its own thread, the others are closed."""
+    async def run(self, late: Sequence[Coroutine[Any, Any, _Source | None]] = (),
+                  extra: Sequence[Coroutine[Any, Any, _Source | None]] = ()) -> None:
+        """Receive until every chunk is verified, or no connection is left and none of ``late``
+        is still opening. ``late``: sources still opening (each bounded by its connect
+        timeout); ``extra``: more connections to sources already here (``fetch``'s extra
+        streams). Both run as tasks of this call; each that opens while chunks remain gets its
+        own thread, the others are closed."""
         if self.remaining == 0:
-            for c in joining:
+            for c in (*late, *extra):
                 c.close()
             return
         threads = {self.loop.run_in_executor(self.pool, self._pump, s, True)
                    for s in self.sources}
-        opening: set[asyncio.Future[Any]] = {self.loop.create_task(c) for c in joining}
+        awaited: set[asyncio.Future[Any]] = {self.loop.create_task(c) for c in late}
+        opening: set[asyncio.Future[Any]] = awaited | {self.loop.create_task(c) for c in extra}
         watchdog = self.loop.create_task(self._watchdog())
         try:
-            while threads:
+            # With every connection gone, a source still opening may yet carry the rest.
+            while threads or (awaited & opening and self.remaining and not self.stopping):
                 done, _ = await asyncio.wait(threads | opening,
                                              return_when=asyncio.FIRST_COMPLETED)
                 for f in done & opening:
@@ -249,8 +254,8 @@ class _Transfer:
             watchdog.cancel()
             await asyncio.wait([watchdog, *opening])
             for f in opening:  # opened after the last wait: not used
-                if not f.cancelled() and (late := f.result()) is not None:
-                    late.conn.close()
+                if not f.cancelled() and (s := f.result()) is not None:
+                    s.conn.close()
         if self.remaining:
             raise TransferFailed("no_sources_left",
                                  f"{self.remaining} chunks missing; failures "
@@ -476,7 +481,8 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     ``on_progress(received_bytes, total_bytes)`` is called (on the event loop) after each
     verified chunk. ``failures`` counts each failed source once, by the first reason one of its
     connections gave; an extra connection (past one per source) that fails to open is logged,
-    not counted: its source still serves.
+    not counted: its source still serves; a source still opening when every chunk is in is
+    left, not counted.
 
     Raises :class:`TransferFailed` (``no_sources``, ``sources_disagree``, ``no_sources_left``,
     ``too_large`` when the state does not fit) with ``failures`` counting each source's reason;
@@ -568,13 +574,15 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
         # One receiving (and verifying) thread per connection.
         # Fewer sources than streams: more connections to them, opened while the first ones
         # already receive (one that is slow to open delays nothing).
-        wanted = min(streams, max(len(chosen), manifest.total_bytes // max(MIN_STREAM_BYTES, 1)))
-        extra = [chosen[k % len(chosen)].addr for k in range(wanted - len(chosen))]
-        with ThreadPoolExecutor(max_workers=len(chosen) + len(extra) + len(pending),
+        # (Counting the sources still opening: ``streams`` bounds the connections in all.)
+        first = len(chosen) + len(pending)
+        wanted = min(streams, max(first, manifest.total_bytes // max(MIN_STREAM_BYTES, 1)))
+        extra = [chosen[k % len(chosen)].addr for k in range(wanted - first)]
+        with ThreadPoolExecutor(max_workers=first + len(extra),
                                 thread_name_prefix="transfer") as pool:
             tr = _Transfer(chosen, target, manifest, tid, window, progress_timeout_s,
                            on_progress, pool, failures)
-            await tr.run([*(late(t) for t in pending), *(attempt_extra(a) for a in extra)])
+            await tr.run([late(t) for t in pending], [attempt_extra(a) for a in extra])
         for s in tr.sources:
             if s.failed is None:
                 try:
@@ -589,12 +597,15 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     finally:
         for t in pending:
             t.cancel()  # still opening (the transfer ended first, or never began)
-        if pending:
-            await asyncio.wait(pending)
         opened = [s for t in openings if t.done() and not t.cancelled()
                   and (s := t.result()) is not None]
         for s in opened + chosen:  # ``chosen``: the transfer's, extra connections included
             s.conn.close()
+        if pending:
+            await asyncio.wait(pending)  # a cancelled opening closes its own connection
+            for t in pending:
+                if not t.cancelled() and (s := t.result()) is not None:
+                    s.conn.close()  # opened as it was cancelled
 
 
 def _settled(openings: Sequence[asyncio.Future[_Source | None]], expected: bytes | None,
