@@ -121,7 +121,7 @@ class ScriptedAgent:
 def trainer(tmp_path: Path) -> Any:
     model = torch.nn.Linear(2, 1)
     t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), agent=ScriptedAgent(),
-                log_path=tmp_path / "me.jsonl", faults=FaultInjector([], started_as_rank=True))
+                log_path=tmp_path / "me.jsonl", faults=FaultInjector([], started_as=0))
     yield t
     t._close()
 

@@ -75,7 +75,7 @@ def test_reset_fault_specs() -> None:
 
 def test_a_reset_raises_a_collective_error_once() -> None:
     fired = []
-    injector = FaultInjector(parse_faults("reset@20:grad:rank=1"), started_as_rank=True,
+    injector = FaultInjector(parse_faults("reset@20:grad:rank=1"), started_as=1,
                              before=lambda f, **details: fired.append((f, details)))
     injector.at(20, "grad", 0)
     injector.at(19, "grad", 1)
@@ -144,7 +144,7 @@ class FakeGroup:
 def trainer(tmp_path: Path) -> Any:
     model = torch.nn.Linear(2, 1)
     t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), agent=Agent(),
-                log_path=tmp_path / "me.jsonl", faults=FaultInjector([], started_as_rank=True),
+                log_path=tmp_path / "me.jsonl", faults=FaultInjector([], started_as=0),
                 regroup_wait_s=0.0)
     in_zero(t)
     t._spec = GroupSpec(0, 1, 2, PEER)  # as after entering configuration 0 at rank 1

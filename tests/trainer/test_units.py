@@ -178,7 +178,7 @@ def test_a_serve_fault_fires_once_past_its_fraction(monkeypatch: pytest.MonkeyPa
     kills: list[int] = []
     monkeypatch.setattr("torchpass_p2p.trainer.faults.os.kill", lambda pid, sig: kills.append(sig))
     logged: list[tuple[Fault, dict]] = []
-    injector = FaultInjector(parse_faults("kill@5:serve:rank=2:0.25"), started_as_rank=True,
+    injector = FaultInjector(parse_faults("kill@5:serve:rank=2:0.25"), started_as=2,
                              before=lambda f, **details: logged.append((f, details)))
     assert injector.serving
     injector.served(4, 90, 100, rank=2)  # the state of step 4: not armed yet
@@ -193,7 +193,7 @@ def test_a_serve_fault_fires_once_past_its_fraction(monkeypatch: pytest.MonkeyPa
     injector.served(6, 50, 100, rank=2)  # once
     assert len(kills) == 1
     assert not FaultInjector(parse_faults("kill@5:serve:rank=2:0.25"),
-                             started_as_rank=False).serving  # a spare never faults
+                             started_as=None).serving  # a spare never faults
 
 
 def test_a_fault_fires_only_in_the_process_started_as_its_rank(
@@ -255,7 +255,7 @@ def test_a_fetch_past_its_deadline_is_cancelled_and_fails_typed() -> None:
 
 STOPPED_RANK = """
 from torchpass_p2p.trainer.faults import Fault, FaultInjector
-FaultInjector([Fault("stop", 1, "grad", 0, 20.0)], started_as_rank=True).at(1, "grad", 0)
+FaultInjector([Fault("stop", 1, "grad", 0, 20.0)], started_as=0).at(1, "grad", 0)
 """
 
 

@@ -120,24 +120,26 @@ class InjectedReset(CollectiveError):
 
 
 class FaultInjector:
-    """Fires the faults meant for this process. ``before(fault, **details)`` is called just
-    before one fires (to log it; module docstring). :meth:`at` runs on the training thread,
-    :meth:`served` on the transfer server's; a lock keeps each fault firing once."""
+    """Fires the faults meant for this process: those of ``started_as``, the rank it was started
+    as (None for a spare: a spare never faults, even once it holds a rank; a survivor that
+    policy shrink renumbered does not fire the dead rank's fault again). ``before(fault,
+    **details)`` is called just before one fires (to log it; module docstring). :meth:`at`
+    runs on the training thread, :meth:`served` on the transfer server's; a lock keeps each
+    fault firing once."""
 
-    def __init__(self, faults: list[Fault], *, started_as_rank: bool,
-                 started_rank: int | None = None,
+    def __init__(self, faults: list[Fault], *, started_as: int | None,
                  before: Callable[..., None] | None = None) -> None:
-        mine = [f for f in faults if started_rank is None or f.rank == started_rank]
-        self.faults = mine if started_as_rank else []
+        self.faults = [f for f in faults if f.rank == started_as]
         self.before = before
         self._lock = threading.Lock()
 
     @classmethod
     def from_env(cls, before: Callable[..., None] | None = None) -> FaultInjector:
+        """From ``TORCHPASS_FAULTS``, ``TORCHPASS_ROLE`` and ``RANK`` (the launcher's)."""
         rank = os.environ.get("RANK", "")
+        spare = os.environ.get("TORCHPASS_ROLE", "rank") == "spare"
         return cls(parse_faults(os.environ.get("TORCHPASS_FAULTS", "")),
-                   started_as_rank=os.environ.get("TORCHPASS_ROLE", "rank") != "spare",
-                   started_rank=int(rank) if rank.isdigit() else None, before=before)
+                   started_as=None if spare or not rank.isdigit() else int(rank), before=before)
 
     @property
     def serving(self) -> bool:
