@@ -32,13 +32,15 @@ is first served, so a source whose bytes changed afterwards (a faulty source) is
 that pass also checks the bytes against the digests computed before it (``Snapshot._scan``), so
 bytes that changed between the fingerprint and the first serve are never MAC'd.
 
-Cost (measured here, see ``benchmarks.transfer``): GMAC ran at ~5.6 GB/s per core with the
-an earlier ``cryptography`` and at 13.7-21 GB/s with ``cryptography`` 50 on OpenSSL 4.0. The
-receiving thread feeds each 1 MiB piece to the chunk's GMAC as it lands, from cache: 0.97-0.99
-of a plain socket's rate where sender and receiver share 2 cores (0.60-0.70 when a second thread
-checked each 16 MiB chunk after it arrived, reading it back from memory). The source computes
-the inner tags once per snapshot (~0.1-0.2 s of CPU per GB, spread over threads); serving a
-chunk then costs one 16-byte keyed BLAKE3.
+Cost (see ``benchmarks.transfer`` and the README's measurements): GMAC runs at whatever
+OpenSSL's GHASH reaches on the CPU: per core, 13.7-21 GB/s on an earlier host and 6.5-7 GB/s
+on an AMD EPYC without AVX-512 (``gcm_ghash_avx``), both ``cryptography`` 50 on OpenSSL 4.0.
+The receiving thread feeds each 1 MiB piece to the chunk's GMAC as it lands, from cache. Where
+sender and receiver share 2 cores that gave 0.97-0.99 of a plain socket's rate with the faster
+GHASH, 0.7-0.8 with the slower (0.60-0.70 when a second thread checked each 16 MiB chunk after
+it arrived, reading it back from memory). The source computes the inner tags once per snapshot
+(~0.1-0.2 s of CPU per GB, spread over threads); serving a chunk then costs one 16-byte keyed
+BLAKE3.
 """
 
 from __future__ import annotations
