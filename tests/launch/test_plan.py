@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import itertools
+import signal
 import socket
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from torchpass_p2p.launch.keyfile import (
     make_run_dir,
     read_primary_key,
     remove_run_dir,
+    sweep_run_dirs,
     write_key_file,
 )
 from torchpass_p2p.launch.outcome import (
@@ -178,6 +182,35 @@ def test_key_file_is_private_and_round_trips(tmp_path: Path) -> None:
         ring.write_text(text)
         with pytest.raises(KeyFileError, match=error):
             read_primary_key(ring)
+
+
+KILLED_LAUNCHER = """
+import os, signal, sys
+from torchpass_p2p.launch.keyfile import make_run_dir, write_key_file
+path = make_run_dir(parent=sys.argv[1])
+write_key_file(path / "cluster.key")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_killed_launchers_run_dir_is_swept_and_a_live_ones_is_not(tmp_path: Path) -> None:
+    live = make_run_dir(parent=tmp_path)
+    old = tmp_path / "torchpass-run-old"  # no lock file: an older launcher, perhaps alive
+    old.mkdir()
+    (tmp_path / "torchpass-run-file").write_text("")  # not a directory
+    killed = subprocess.run([sys.executable, "-c", KILLED_LAUNCHER, str(tmp_path)], timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    dead = sorted(set(tmp_path.glob("torchpass-run-*")) - {live, old,
+                                                            tmp_path / "torchpass-run-file"})
+    assert len(dead) == 1 and (dead[0] / "cluster.key").exists()
+    try:
+        assert sweep_run_dirs(parent=tmp_path) == dead
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            [live.name, "torchpass-run-old", "torchpass-run-file"])
+        assert (live / "launcher.lock").exists() and sweep_run_dirs(parent=tmp_path) == []
+    finally:
+        remove_run_dir(live)
+    assert sweep_run_dirs(parent=tmp_path) == [] and not live.exists()
 
 
 def test_reserved_ports_are_distinct_and_held_for_udp_and_tcp_until_closed() -> None:

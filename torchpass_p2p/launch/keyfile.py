@@ -4,13 +4,21 @@ The cluster key never appears on a command line or in a child's environment (DES
 children get the *path* of a key file (``TORCHPASS_KEY_FILE``) inside a directory only this user
 can read. Key file format (:func:`torchpass_p2p.agent.settings.read_keyring`): 64 hex digits per
 line, the primary key first; lines starting with ``#`` are comments.
+
+A launcher removes its run directory when it ends, even on an error; one killed by SIGKILL (or
+the OOM killer) cannot, and its key file would stay behind. Each run directory therefore holds a
+lock file its launcher keeps locked (``flock(2)``) while it lives; the kernel drops the lock when
+the process dies, however it dies, so the next launcher removes every run directory of this user
+whose lock it can take (:func:`sweep_run_dirs`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 from os import PathLike
 from pathlib import Path
@@ -26,26 +34,71 @@ __all__ = [
     "make_run_dir",
     "read_primary_key",
     "remove_run_dir",
+    "sweep_run_dirs",
     "write_key_file",
 ]
 
 KEY_FILE_NAME = "cluster.key"
+RUN_DIR_PREFIX = "torchpass-run-"
+LOCK_FILE_NAME = "launcher.lock"
+_held_locks: dict[Path, int] = {}
+"""Run directory -> the descriptor holding its lock, for the life of this process."""
 
 
 class KeyFileError(ValueError):
     """A key file that holds no valid primary key; the message names the file."""
 
 
-def make_run_dir(prefix: str = "torchpass-run-") -> Path:
-    """A fresh directory under the system temporary directory, mode 0700 (``mkdtemp``)."""
-    path = Path(tempfile.mkdtemp(prefix=prefix))
+def make_run_dir(prefix: str = RUN_DIR_PREFIX, parent: str | PathLike[str] | None = None
+                 ) -> Path:
+    """A fresh directory under ``parent`` (default: the system temporary directory), mode 0700
+    (``mkdtemp``), holding ``launcher.lock`` locked by this process until
+    :func:`remove_run_dir`. Raises ``OSError`` when the directory or lock cannot be made."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     os.chmod(path, 0o700)  # mkdtemp already uses 0700; explicit against an odd umask policy
+    # Locked before it gets its name: a sweep never sees the lock file unlocked while we live.
+    pending = path / (LOCK_FILE_NAME + ".new")
+    fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.rename(pending, path / LOCK_FILE_NAME)
+    _held_locks[path] = fd
     return path
 
 
 def remove_run_dir(path: str | PathLike[str]) -> None:
-    """Delete the run directory and everything in it; a missing directory is not an error."""
+    """Delete the run directory and everything in it, then release its lock; a missing
+    directory is not an error."""
     shutil.rmtree(path, ignore_errors=True)
+    fd = _held_locks.pop(Path(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def sweep_run_dirs(prefix: str = RUN_DIR_PREFIX, parent: str | PathLike[str] | None = None
+                   ) -> list[Path]:
+    """Remove the run directories under ``parent`` (default: the system temporary directory)
+    that this user owns and whose launcher is gone: their lock is free. A directory with no
+    lock file (being made, or made by an older version) or another user's is left alone.
+    Returns the directories removed."""
+    removed = []
+    for path in Path(parent or tempfile.gettempdir()).glob(prefix + "*"):
+        try:
+            st = path.lstat()
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            fd = os.open(path / LOCK_FILE_NAME, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # held: its launcher lives
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def write_key_file(path: str | PathLike[str], key: bytes | None = None) -> bytes:

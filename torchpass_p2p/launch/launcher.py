@@ -67,6 +67,7 @@ from .keyfile import (
     make_run_dir,
     read_primary_key,
     remove_run_dir,
+    sweep_run_dirs,
     write_key_file,
 )
 from .outcome import (
@@ -230,6 +231,8 @@ class _Supervisor:
     async def run(self) -> int:
         if not os.path.isfile(self.options.script):
             raise LaunchError(f"{self.options.script}: no such script")
+        for gone in sweep_run_dirs():
+            log.info("removed %s, left by a launcher that was killed", gone)
         self.run_dir = make_run_dir()
         become_subreaper()  # descendants that leave their group come back to us (children.py)
         loop = asyncio.get_running_loop()
