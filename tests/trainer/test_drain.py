@@ -377,3 +377,46 @@ def test_the_group_is_named_after_the_first_configuration_of_its_rank_map(
     assert trainer.config_id == 2 and ("transfer", 2) in trainer.agent.services
     [rule] = events(tmp_path, "commit_rule")
     assert (rule["action"], rule["config_id"]) == ("redo", 2)
+
+
+def test_a_promoted_spare_whose_fetch_failed_stops_the_job_when_no_holder_is_left(
+        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a chaos run: the only member holding the state died while this spare, just
+    promoted, was still fetching it. The survivors (this spare alone) reported no step, so the
+    next plan resumes at step 0: training on would roll back 41 steps, or spread the half
+    received state (it did, and the job exited 0 with other weights). The job stops instead."""
+    trainer._holds_state = False  # started as the spare (``_begin``)
+    promoted = change(ZERO_AS_SPARE, Cut(removed=(SPARE,)), 40)  # rank 1 -> this spare
+    assert dict(promoted.plan.assignments) == {1: ME} and promoted.plan.resume_step == 41
+    fetches: list[tuple[int, ...] | None] = []
+
+    def enter_configuration(configuration: Any, *, fetch_from: Any, **kwargs: Any) -> None:
+        fetches.append(fetch_from)
+        raise TransferError("no_sources_left: 1 chunks missing")  # its source died
+
+    monkeypatch.setattr(trainer, "_enter_configuration", enter_configuration)
+    with pytest.raises(TransferError):
+        trainer._enter(promoted)
+    assert fetches == [(PEER,)]
+    orphaned = change(promoted.configuration, Cut(removed=(PEER,)), -1)
+    assert orphaned.plan.resume_step == 0 and orphaned.plan.action == "wait"
+    with pytest.raises(Stopped, match="^configuration 2: no member holds the state"):
+        trainer._enter(orphaned)
+    assert fetches == [(PEER,)]
+    [stopped] = events(tmp_path, "job_stopped")
+    assert (stopped["config_id"], stopped["resume_step"]) == (2, 0)
+
+
+def test_a_spare_promoted_and_orphaned_before_it_took_its_rank_stops_the_job(
+        trainer: Trainer, tmp_path: Path) -> None:
+    """As above, with both deaths decided before this spare took its rank: it is handed the
+    promotion (resuming at 41) and then the change that resumes at 0, and enters only the
+    latter (found by the same chaos run)."""
+    promoted = change(ZERO_AS_SPARE, Cut(removed=(SPARE,)), 40)
+    orphaned = change(promoted.configuration, Cut(removed=(PEER,)), -1)
+    trainer.agent.assigned, trainer.agent.changes = promoted, [orphaned]
+    trainer.agent.settings.configuration = ZERO_AS_SPARE
+    with pytest.raises(Stopped, match="^configuration 2: no member holds the state"):
+        trainer._begin()
+    [stopped] = events(tmp_path, "job_stopped")
+    assert (stopped["config_id"], stopped["resume_step"]) == (2, 0)

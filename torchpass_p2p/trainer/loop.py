@@ -239,6 +239,9 @@ class Trainer:
                                     on_served=self._served if self.faults.serving else None)
         self.step = 0
         """Steps applied: the state is after this many steps; step ``self.step`` runs next."""
+        self._holds_state = True
+        """False for a spare until a fetched state is restored: a rank holder without it
+        (its fetch failed) must never train on, or serve, what its tensors hold."""
         self.group: ManagedGroup | None = None
         self.config_id = -1
         """The configuration this member trains in (its group's, or newer with the same
@@ -310,6 +313,7 @@ class Trainer:
         started_in = agent.settings.configuration
         if started_in is None or agent.member_id not in started_in.ranks:
             self.log("spare_waiting", config_id=agent.config_id)
+            self._holds_state = False
             change = self._wait_for_rank()
             self._latest = change
             self._drain_changes()
@@ -650,6 +654,18 @@ class Trainer:
         rank = configuration.rank_of(self.me)
         if rank is None:
             raise self._out(f"no rank in configuration {configuration.config_id}")
+        assigned = dict(plan.assignments).get(rank) == self.me
+        if not (assigned or self._holds_state or any(
+                m is not None and m != self.me and r not in dict(plan.assignments)
+                for r, m in enumerate(configuration.ranks))):
+            # Every member that held the state died while this spare, just promoted, still
+            # fetched it; the plan's resume step then counts no holder's step. Training on
+            # would roll back, or spread a half-received state (found by a chaos run: exit 0
+            # with other weights).
+            self.log("job_stopped", config_id=configuration.config_id, step=self.step,
+                     resume_step=resume, reason="no member holds the state")
+            raise Stopped(f"configuration {configuration.config_id}: no member holds the "
+                          "state (every holder died before this member received it)")
         if configuration.vacant_ranks:
             self.log("waiting_for_spare", config_id=configuration.config_id,
                      vacant=list(configuration.vacant_ranks))
@@ -659,13 +675,14 @@ class Trainer:
             raise Incomplete(f"configuration {configuration.config_id} has vacant ranks "
                              f"{list(configuration.vacant_ranks)}")
         self.faults.at(resume, "enter", rank)
-        assigned = dict(plan.assignments).get(rank) == self.me
         fetch_from = None
         if assigned:
             fetch_from = dict(plan.sources).get(rank, ())
         else:
             reduced = None if self._reduced is None else self._reduced[0]
             action, reason = resolve(self.step, reduced, resume)
+            if not self._holds_state:
+                action, reason = "fetch", "promoted, its fetch not completed"
             self.log("commit_rule", action=action, reason=reason, step=self.step,
                      resume_step=resume, config_id=configuration.config_id)
             if action == "roll_forward":
@@ -823,6 +840,7 @@ class Trainer:
                  refetched_chunks=result.refetched_chunks, **details)
         if own != result.fingerprint:
             raise RuntimeError("the restored state's fingerprint differs from the sources'")
+        self._holds_state = True
         if got_step > 0:
             # It holds every step up to got_step - 1 as committed: its vote must say so, or a
             # plan made after the last other holder died would resume at step 0 (a replaced
