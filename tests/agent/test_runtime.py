@@ -109,6 +109,20 @@ async def test_a_drain_with_no_spare_to_take_the_rank_is_refused():
         await cluster.stop()
 
 
+async def test_a_drain_of_the_last_holder_of_the_state_is_refused():
+    # Found by a chaos run: accepted, the plan counted the drained member's state as gone and
+    # stopped the job although that member still held it and a spare was free.
+    cluster = LocalCluster(1, 1, seed=5)
+    await cluster.start()
+    try:
+        reply = await cluster[1].drain()
+        assert reply["draining"] is False and reply["reason"] == "last_holder"
+        assert not cluster[1].draining and cluster[1].rank == 0
+        assert {a.configuration.config_id for a in cluster.live()} == {0}
+    finally:
+        await cluster.stop()
+
+
 async def test_fast_evidence_makes_observers_alert_without_waiting_for_probes():
     cluster = LocalCluster(5, 1, seed=4)
     await cluster.start()

@@ -373,11 +373,21 @@ class AgentRuntime:
         :meth:`_drain`, unless the rank would stay vacant. Refused (``draining`` False,
         ``reason`` ``no_spare``) when this member holds a rank, the policy is ``wait`` and the
         configuration has no spare: every rank would then wait for a spare to join, up to its
-        give-up time. (A drain the agent asks for itself, for a failing GPU or a hang, is not
+        give-up time. Refused (``reason`` ``last_holder``) when no other rank holder is alive
+        in this member's view: the agreement counts a removed member's state as gone (plan rule
+        3), so the job would stop although this member still holds the state. Two holders
+        drained within one gossip round can still both be accepted; the job then stops cleanly
+        (exit 5). (A drain the agent asks for itself, for a failing GPU or a hang, is not
         refused: that rank cannot train on.)"""
         m = self.member
-        if (m is not None and not self.stopped and not self.draining and self.rank is not None
-                and self.settings.policy is Policy.WAIT and not m.configuration.spares):
+        if m is None or self.stopped or self.draining or self.rank is None:
+            return await self._drain()
+        others = [h for h in m.configuration.ranks if h is not None and h != self.member_id]
+        if not any(m.state_of(h)[0] == MemberState.ALIVE for h in others):
+            return {"draining": False, "reason": "last_holder",
+                    "detail": "no other rank holder is alive to hand the state on: the "
+                              "configuration would lose it and stop the job"}
+        if self.settings.policy is Policy.WAIT and not m.configuration.spares:
             return {"draining": False, "reason": "no_spare",
                     "detail": "no spare to take the rank: under policy wait training would "
                               "stop until one joins (start a spare first, or use policy "
