@@ -27,7 +27,7 @@ from __future__ import annotations
 import hmac
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import blake3
 from cryptography.hazmat.primitives import hashes
@@ -121,9 +121,12 @@ async def client_handshake(conn: Conn, keys: TransferKeys, config_id: int,
     return _mac(k, b"session", nc, ns, config_id, transfer_id), server_config
 
 
-async def server_handshake(conn: Conn, keys: TransferKeys,
-                           current_config_id: int) -> tuple[bytes, bytes, int]:
+async def server_handshake(conn: Conn, keys: TransferKeys, current_config_id: int,
+                           on_challenge: Callable[[], object] | None = None,
+                           ) -> tuple[bytes, bytes, int]:
     """Run the server side. Returns ``(session_key, transfer_id, client_config_id)``.
+    ``on_challenge``, if given, is called once the challenge is sent (the next move is the
+    client's: the server ranks handshakes it may drop by how long they have waited since).
 
     Raises :class:`PeerError` with the reason to count (``bad_frame``, ``bad_version``,
     ``unknown_key``, ``auth_failed``, ``stale_config``, ...) after sending the client an
@@ -144,6 +147,8 @@ async def server_handshake(conn: Conn, keys: TransferKeys,
     ns = os.urandom(NONCE_BYTES)
     await conn.send(encode_frame("challenge", nonce=ns,
                                  tag=_mac(k, b"server", nc, ns, config_id, tid)))
+    if on_challenge is not None:
+        on_challenge()
     msg = await conn.read_frame()
     if msg["op"] != "proof":
         raise PeerError("bad_frame", f"expected proof, got {msg['op']!r}")

@@ -24,7 +24,7 @@ Bad input never crashes the server: each refused or dropped connection is counte
 ``auth_failed``, ``stale_config``, ``bad_request``, ``no_snapshot``, ``step_mismatch``,
 ``withdrawn``, ``snapshot_changed`` (its bytes are not those its fingerprint describes:
 ``Snapshot._scan``), ``handshake_timeout``, ``send_timeout``, ``evicted_unproven`` (a handshake
-dropped to make room: ``MAX_HANDSHAKING``), ``too_many_connections``, ``closed``,
+dropped to make room: ``MAX_HANDSHAKING``, ``pick_evicted``), ``too_many_connections``, ``closed``,
 ``internal_error`` (a bug, logged with its traceback)).
 
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
@@ -42,19 +42,20 @@ import logging
 import socket
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 from . import chunkmac, splice
 from . import fingerprint as fp
 from .auth import TransferKeys, server_handshake
 from .errors import PeerError, SnapshotChanged
-from .frames import LEN_BYTES, Conn, encode_frame, field, set_buffers
+from .frames import Conn, encode_frame, field, set_buffers
 from .manifest import encode_manifest
 from .snapshot import Snapshot
 
 log = logging.getLogger(__name__)
+K = TypeVar("K")
 
 HANDSHAKE_TIMEOUT_S = 5.0
 """Three small frames on a LAN take milliseconds; 5 s tolerates a loaded host."""
@@ -70,10 +71,10 @@ SERVED_ENTRIES = 256
 """Transfers whose served bytes are kept for ``on_served`` (the most recent)."""
 MAX_HANDSHAKING = 16
 """Connections still in their handshake (not yet shown to hold the key), counted apart from
-``MAX_CONNECTIONS``. One more evicts one of them (counted ``evicted_unproven``; see
-``_evict``): a peer without the key that keeps reconnecting holds only these slots, never
-those of transfers (a review held all 64 then shared slots this way: no fetch
-got through)."""
+``MAX_CONNECTIONS``: a peer without the key that keeps reconnecting holds only these slots,
+never those of transfers (a review held all 64 then shared slots this way: no fetch got
+through). One more evicts one of them (counted ``evicted_unproven``), chosen by
+``pick_evicted``: a flood from one address evicts only its own handshakes."""
 LINGER_S = 1.0
 """After an ``error`` frame: how long the server reads what the peer still sends before it
 closes (the peer closes as soon as it has read the frame)."""
@@ -123,7 +124,7 @@ class TransferServer:
         self._lsock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()  # every connection's task
-        self._handshaking: dict[asyncio.Task, Conn] = {}  # in arrival order: oldest first
+        self._handshaking: dict[asyncio.Task, _Pending] = {}  # in arrival order
         self._serving = 0  # connections past their handshake
         # Chunk bytes served per transfer (the receiver's transfer id) and step, over all its
         # connections; the most recent SERVED_ENTRIES only.
@@ -152,7 +153,7 @@ class TransferServer:
     async def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, cancel every connection and wait at most ``timeout_s`` seconds."""
         tasks = list(self._conns)
-        handshaking = list(self._handshaking.values())
+        handshaking = [p.conn for p in self._handshaking.values()]
         if self._accept_task is not None:
             tasks.append(self._accept_task)
         for t in tasks:
@@ -209,7 +210,7 @@ class TransferServer:
         assert self._lsock is not None
         while True:
             try:
-                sock, _ = await loop.sock_accept(self._lsock)
+                sock, peer = await loop.sock_accept(self._lsock)
             except OSError as e:
                 log.warning("accept failed: %s", e)
                 await asyncio.sleep(0.1)
@@ -218,28 +219,31 @@ class TransferServer:
             task = loop.create_task(self._serve(conn))
             self._conns.add(task)
             task.add_done_callback(self._conns.discard)
-            self._handshaking[task] = conn
+            self._handshaking[task] = _Pending(conn, source_of(peer), time.monotonic())
             task.add_done_callback(self._handshook)
             if len(self._handshaking) > self.max_handshaking:
                 self._evict()
-            # Let the new connection read what it already has before the next accept: with
-            # connections queued, sock_accept returns without yielding, and a burst of them
-            # would evict a key holder's before its hello (already in its buffer) was read.
+            # Let the new connection answer the hello it usually already holds, and others
+            # read their proofs, before the next accept: with connections queued, sock_accept
+            # returns without yielding.
             await asyncio.sleep(0)
 
     def _evict(self) -> None:
-        """Drop the oldest handshake that has not yet delivered a whole frame, else the oldest
-        one: a key holder's hello arrives right after its connect, so a flood of connections
-        that send nothing (or a byte) never evicts a handshake under way."""
-        victim = next((t for t, c in self._handshaking.items() if c.bytes_in <= LEN_BYTES),
-                      next(iter(self._handshaking)))
-        conn = self._handshaking.pop(victim)
+        """Drop the handshake ``pick_evicted`` names (counted ``evicted_unproven``)."""
+        victim, why = pick_evicted({t: (p.source, p.since)
+                                    for t, p in self._handshaking.items()})
+        conn = self._handshaking.pop(victim).conn
         victim.cancel()
         # Closed after the task has handled its cancellation (FIFO callbacks): closing a socket
         # with a read still registered left the selector a stale entry that broke the next
         # socket given the same descriptor; a task cancelled before it ran never closes it.
         asyncio.get_running_loop().call_soon(conn.close)
-        self._count("evicted_unproven")
+        self._count("evicted_unproven", why)
+
+    def _challenged(self, task: asyncio.Task) -> None:
+        pending = self._handshaking.get(task)
+        if pending is not None:  # its hello is answered: it waits for its proof from now
+            pending.since = time.monotonic()
 
     def _handshook(self, task: asyncio.Task) -> None:
         self._handshaking.pop(task, None)
@@ -254,16 +258,17 @@ class TransferServer:
 
     async def _serve(self, conn: Conn) -> None:
         self.stats["connections"] += 1
+        task = asyncio.current_task()
+        assert task is not None
         try:
             try:
                 async with asyncio.timeout(self.handshake_timeout_s):
-                    session, tid, _ = await server_handshake(conn, self.keys,
-                                                             self.current_config_id())
+                    session, tid, _ = await server_handshake(
+                        conn, self.keys, self.current_config_id(),
+                        on_challenge=lambda: self._challenged(task))
             except TimeoutError:
                 self._count("handshake_timeout")
                 return
-            task = asyncio.current_task()
-            assert task is not None
             self._handshook(task)
             if self._serving >= self.max_connections:
                 await self._refuse(conn, "too_many_connections")
@@ -373,6 +378,52 @@ class TransferServer:
         async with asyncio.timeout(self.send_timeout_s):
             for d in data:
                 await conn.send(d)
+
+
+class _Pending:
+    """A connection in its handshake: its ``source_of`` key, and since when it has waited for
+    its peer (``time.monotonic()`` seconds: its accept, then the challenge that answered its
+    hello; bytes that trickle in do not count, so a peer cannot look busy a byte at a time)."""
+
+    __slots__ = ("conn", "source", "since")
+
+    def __init__(self, conn: Conn, source: str, since: float) -> None:
+        self.conn, self.source, self.since = conn, source, since
+
+
+def pick_evicted(pending: Mapping[K, tuple[str, float]]) -> tuple[K, str]:
+    """The handshake to drop to make room, and why. ``pending`` maps each handshake to its
+    source (``source_of``) and since when it has waited for its peer (seconds, any clock);
+    it must not be empty.
+
+    Of the sources holding the most handshakes (ties: the one that has waited longest), the
+    handshake that has waited longest; ties by ``pending``'s order. So a peer flooding from
+    one address evicts only its own handshakes, and a key holder (its proof follows the
+    challenge within a round trip) sharing the flood's address lasts the flood's next
+    ``max_handshaking - 1`` arrivals. Ranking by wait, not by phase: the rule before (evict
+    the first that had not sent a whole frame) picked the connection just accepted, its hello
+    still unread, so under a flood of hellos every fetch was dropped on arrival."""
+    held = Counter(source for source, _ in pending.values())
+    victim = min(pending, key=lambda k: (-held[pending[k][0]], pending[k][1]))
+    source = pending[victim][0]
+    return victim, f"{source} held {held[source]} of {len(pending)}"
+
+
+def source_of(peer: object) -> str:
+    """The key of a peer address (``sock_accept``'s) that pending handshakes are shared by:
+    its IPv4 address, or the /64 of its IPv6 one (one host's usual prefix: a host holding a
+    /64 could otherwise count as billions of sources)."""
+    if not isinstance(peer, tuple) or not peer or not isinstance(peer[0], str):
+        return str(peer)
+    try:
+        ip = ipaddress.ip_address(peer[0].split("%", 1)[0])
+    except ValueError:
+        return peer[0]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class _Told(PeerError):
