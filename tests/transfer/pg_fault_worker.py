@@ -8,9 +8,14 @@ left: ``kill`` (SIGKILL itself) or ``stop`` (SIGSTOP itself: a hung source; the 
 afterwards); or ``kill_at_manifest``: SIGKILL itself once its manifest has left, while the
 receiver waits ``LATE_POST_S`` before posting its receives (the post itself then fails); or
 ``kill_one_shot``: as ``kill``, with a receiver that follows NCCL's rule (no repair round); or
-``alloc``: no fault at the sources, a receiver that holds no tensors and cannot allocate any. The
-receiver writes its outcome as JSON and every rank leaves with ``os._exit`` (a group with a
-dead or stopped peer is not torn down: destroying it can block)."""
+``alloc``: no fault at the sources, a receiver that holds no tensors and cannot allocate any; or
+``slow``: the victim takes ``SLOW_CHUNK_S`` (under T) after each chunk, so its stripe takes
+longer than a healthy source's status wait (``STATUS_WAIT_FACTOR * T``) once the other's has
+arrived; or ``cancel``: the victim as ``slow``, and a receiver that cancels its receive once
+the first bytes have landed, then records whether the target changed before every source
+has ended. The receiver writes its outcome as JSON (with ``detail``, a ``TransferFailed``'s
+text) and every rank leaves with ``os._exit`` (a group with a dead or stopped peer is not torn
+down: destroying it can block)."""
 
 from __future__ import annotations
 
@@ -38,6 +43,9 @@ PROGRESS_TIMEOUT_S = 2.0
 LATE_POST_S = 1.5
 """``kill_at_manifest``: how long the receiver waits before posting the stripes' receives, so
 that gloo has seen the victim's connection reset first."""
+SLOW_CHUNK_S = 1.0
+"""``slow``: half of T per chunk (every chunk well within T), 8 s for the victim's 8 chunks,
+more than the 6 s a healthy source waits without a word from the receiver."""
 GROUP_TIMEOUT_S = 600.0
 """Far above the transfer's own deadline: only ``progress_timeout_s`` may end a wait."""
 
@@ -50,6 +58,9 @@ class Victim(PgTransport):
 
     def chunk_sent(self, index: int) -> None:
         self.sent += 1
+        if self.fault in ("slow", "cancel"):
+            time.sleep(SLOW_CHUNK_S)  # slow but moving: each chunk well within T
+            return
         if self.sent != 2:
             return
         if self.fault in ("kill", "kill_one_shot"):
@@ -98,7 +109,33 @@ class _NoMemoryTorch:
         return torch.empty(0, **kw)  # type: ignore[arg-type]
 
 
-async def main(rank: int, world: int, out: str, fault: str, device: str | None) -> None:
+async def cancelled(receiver: PgTransport, plan: TransferPlan, into: Snapshot,
+                    store: dist.Store) -> dict:
+    """Cancel ``receiver.receive`` once bytes have landed in ``into``; then, once every source
+    has ended (each says so in ``store``), whether ``into`` changed after the cancel."""
+    task = asyncio.ensure_future(receiver.receive(plan, into=into))
+    while not any(bool(t.any()) for t in into.tensors) and not task.done():
+        await asyncio.sleep(0.01)
+    complete = task.done()
+    task.cancel()
+    try:
+        await task
+        outcome = "completed"
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+    at_cancel = [t.clone() for t in into.tensors]
+    sources = [f"done{k}" for k in plan.sources]
+    await asyncio.to_thread(store.wait, sources, datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    expected = state(SIZE_MIB)
+    return {"outcome": outcome, "complete_at_cancel": complete,
+            "changed_after_cancel": any(not a.equal(t) for a, t in zip(at_cancel, into.tensors,
+                                                                        strict=True)),
+            "partial_at_cancel": not all(t.equal(expected[e.name.split(".", 1)[1]])
+                                         for e, t in zip(into.table, at_cancel, strict=True))}
+
+
+async def main(rank: int, world: int, out: str, fault: str, device: str | None,
+               store: dist.Store) -> None:
     sources = tuple(range(world - 1))
     receiver = world - 1
     plan = TransferPlan(sources=sources, config_id=1, receiver=receiver,
@@ -114,13 +151,20 @@ async def main(rank: int, world: int, out: str, fault: str, device: str | None) 
         into = None
         manifest.torch = _NoMemoryTorch()  # type: ignore[assignment]
     report: dict = {}
+    if fault == "cancel":
+        assert into is not None
+        report = await cancelled(PgTransport(device=device), plan, into, store)
+        with open(out, "w") as f:
+            json.dump(report, f)
+        return
     try:
         cls = {"kill_at_manifest": LateReceiver,
                "kill_one_shot": OneShotReceiver}.get(fault, PgTransport)
         receiver = cls(device=device)
         res = await receiver.receive(plan, into=into)
     except TransferFailed as e:
-        report = {"error": type(e).__name__, "reason": e.reason, "failures": dict(e.failures)}
+        report = {"error": type(e).__name__, "reason": e.reason, "failures": dict(e.failures),
+                  "detail": e.detail}
         print(f"receiver: {e!r}", file=sys.stderr, flush=True)
     else:
         s = res.snapshot
@@ -150,7 +194,7 @@ if __name__ == "__main__":
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     code = 0
     try:
-        asyncio.run(main(r, w, out_path, fault, device))
+        asyncio.run(main(r, w, out_path, fault, device, store))
     except TransferFailed as e:
         print(f"rank {r}: {e!r}", file=sys.stderr, flush=True)
         code = 3
@@ -160,8 +204,10 @@ if __name__ == "__main__":
     finally:
         # The receiver stays until the surviving sources are through (its exit would close
         # their connections before they read its last status); the store is not the group.
+        # With no victim (``slow``), every source, so the test sees every exit code.
         if r == w - 1:
-            store.wait([f"done{k}" for k in range(1, w - 1)],
+            first = 0 if fault == "slow" else 1
+            store.wait([f"done{k}" for k in range(first, w - 1)],
                        datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         else:
             store.set(f"done{r}", str(code))

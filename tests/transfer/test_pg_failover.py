@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from .pg_fault_worker import PROGRESS_TIMEOUT_S
+
 REPO = Path(__file__).resolve().parents[2]
 WAIT_S = 240.0
 """Backstop for a broken deadline (the workers' group timeout is 600 s), not a speed check."""
@@ -26,7 +28,10 @@ def device(request):
     return request.param
 
 
-def run(fault: str, world: int, device: str | None) -> tuple[dict, list[int]]:
+def run(fault: str, world: int, device: str | None,
+        details: list[str] | None = None) -> tuple[dict, list[int]]:
+    """The receiver's report and every rank's exit code; a ``TransferFailed``'s text goes to
+    ``details`` (if given), not into the report."""
     with tempfile.TemporaryDirectory() as tmp:
         store, out = os.path.join(tmp, "store"), os.path.join(tmp, "out.json")
         # Each in its own session: the stopped victim is alone in its process group, so a
@@ -44,7 +49,11 @@ def run(fault: str, world: int, device: str | None) -> tuple[dict, list[int]]:
                 if p.poll() is None:
                     p.kill()
                 p.wait()
-        return json.loads(Path(out).read_text()), [procs[0].returncode, *codes]
+        report = json.loads(Path(out).read_text())
+        detail = report.pop("detail", None)
+        if details is not None and detail is not None:
+            details.append(detail)
+        return report, [procs[0].returncode, *codes]
 
 
 STALLED = {"error": "TransferFailed", "reason": "no_progress", "failures": {"no_progress": 1}}
@@ -80,9 +89,17 @@ def test_stripe_of_a_killed_source_moves_to_the_other(device):
 def test_a_stalled_source_is_a_typed_error_not_a_hang(device):
     # gloo closes the whole group on a timed-out wait: the receiver says so (no_progress) and
     # the healthy source's provide() fails too (exit 3: TransferFailed) instead of waiting.
-    report, codes = run("stop", 3, device)
+    details: list[str] = []
+    report, codes = run("stop", 3, device, details)
     assert report == STALLED
     assert codes == [-signal.SIGKILL, 3, 0]
+    # It says what the caller does: abandon the group (no TCP fallback exists there).
+    [detail] = details
+    assert detail.startswith(
+        f"source 0 moved nothing for {PROGRESS_TIMEOUT_S} s; gloo closed every connection of "
+        "the group on the timed-out wait, so no repair round can run over it: the group must "
+        "be abandoned (the trainer restarts recovery in the next configuration, with a new "
+        "group) (")
 
 
 @pytest.mark.slow
@@ -110,10 +127,15 @@ def test_over_nccl_the_first_lost_source_ends_the_transfer():
     # NCCL aborts the communicator on a failed operation and cannot withdraw posted ones: the
     # receiver names the lost source instead of running a repair round over a dead group, and
     # releases nobody (a status would not match), so the healthy source gives up on its own.
-    report, codes = run("kill_one_shot", 3, "cpu")
+    details: list[str] = []
+    report, codes = run("kill_one_shot", 3, "cpu", details)
     assert report in (STALLED, {"error": "TransferFailed", "reason": "source_failed",
                                 "failures": {"source_failed": 1}})
     assert codes == [-signal.SIGKILL, 3, 0]
+    if report != STALLED:
+        assert details == ["source 0: source_failed; over NCCL a failed operation cannot be "
+                           "routed around: the group must be abandoned (the trainer restarts "
+                           "recovery in the next configuration, with a new group)"]
 
 
 @pytest.mark.slow
@@ -122,4 +144,28 @@ def test_a_state_the_receiver_cannot_allocate_is_a_typed_error():
     assert report["error"] == "TransferFailed" and report["reason"] == "too_large"
     # The sources already stream their stripes, which nobody receives: each ends on its own
     # deadline ("no progress for T"), with a typed error, as with a dead receiver.
+    assert codes == [3, 3, 0]
+
+
+@pytest.mark.slow
+def test_a_healthy_source_waits_out_a_slow_co_source(device):
+    # The victim moves a chunk per SLOW_CHUNK_S (within T): its stripe takes longer than the
+    # healthy source may wait for a status without a word. The receiver tells the healthy
+    # source, whose stripe has arrived, that it still works: nobody concludes receiver_lost.
+    report, codes = run("slow", 3, device)
+    assert codes == [0, 0, 0], report
+    assert report["failures"] == {} and report["refetched"] == 0
+    assert report["tensors_equal"] and report["fingerprint_equal"] and report["in_place"]
+    assert report["bytes_by_source"] == {"0": report["total_bytes"] // 2,
+                                         "1": report["total_bytes"] // 2}
+
+
+@pytest.mark.slow
+def test_a_cancelled_receive_leaves_the_target_alone(device):
+    # Cancelled while the slow victim still streams: receive() closes the group and ends its
+    # threads before the cancellation propagates, so no byte lands afterwards (checked once
+    # every source has ended), and both sources fail at once instead of streaming on.
+    report, codes = run("cancel", 3, device)
+    assert report == {"outcome": "cancelled", "complete_at_cancel": False,
+                      "partial_at_cancel": True, "changed_after_cancel": False}
     assert codes == [3, 3, 0]

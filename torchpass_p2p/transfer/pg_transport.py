@@ -21,27 +21,37 @@ Protocol (ranks from the plan; source ``j`` of ``n``; every wait bounded, see be
    ``int64[1]`` count then ``int64[count]`` chunk indices: the chunks it must (re)send in this
    round, striped over those sources; the chunks of a source that died, stalled or sent a bad
    chunk are among them. ``count == 0`` ends the source's part (``provide`` returns);
-   ``count < 0`` tells it the receiver gave up. Rounds repeat until every chunk verifies or no
-   source is left.
+   ``count == -1`` tells it the receiver gave up. Rounds repeat until every chunk verifies or
+   no source is left. While it still works (other sources' parts, hashing), the receiver sends
+   a source whose part of the round has arrived ``count == -2`` ("still working") every
+   ``KEEPALIVE_FACTOR * T``: that source waits on.
 
-Deadlines ("no progress for T", ``T = plan.progress_timeout_s``): the receiver waits on its
-receives in order, each for at most ``T``. A source whose connection closes (it died:
-``source_failed``) or that sends a bad chunk (``bad_chunk``) is dropped and its chunks go to the
-repair round. A receive that does not complete within ``T`` raises
-``TransferFailed("no_progress")`` at once: gloo answers a timed-out wait by closing every
-connection of the group (measured: the next send to a healthy source fails with "Application
-timeout caused pair closure"), so no repair is possible over it; the caller falls back to TCP
-(which moves a stalled source's chunks to the others) and rebuilds the group. When every source
-has died the receiver raises ``TransferFailed("no_sources_left")``, the TCP client's error for
-the same case; ``failures`` counts each source's reason. A source waits at most
-``STATUS_WAIT_FACTOR * T`` for a status (the receiver may first spend ``T`` on a stalled peer,
-then hash the state) and raises ``TransferFailed("receiver_lost")`` after that, or as soon as
-the receiver's connection closes.
+Deadlines ("no progress for T", ``T = plan.progress_timeout_s``): the receiver waits on each
+source's receives in order (one thread per source on the direct path, so it learns at once
+that a source's part has arrived), each for at most ``T``. A source whose connection closes (it
+died: ``source_failed``) or that sends a bad chunk (``bad_chunk``) is dropped and its chunks go
+to the repair round. A receive that does not complete within ``T`` raises
+``TransferFailed("no_progress")``: gloo answers a timed-out wait by closing every connection of
+the group (measured: the next send to a healthy source fails with "Application timeout caused
+pair closure"), so no repair is possible over it; the caller must abandon the group (the
+trainer restarts recovery, ``recovery_restarted``, and enters the next configuration with a
+group of its own). When every source has died the receiver raises
+``TransferFailed("no_sources_left")``, the TCP client's error for the same case; ``failures``
+counts each source's reason. A source raises ``TransferFailed("receiver_lost")`` once the
+receiver has said nothing for ``STATUS_WAIT_FACTOR * T`` (a slow co-source or a long hash
+does not count: the receiver keeps speaking), or as soon as the receiver's connection closes.
+
+Cancelling ``receive``: it closes the group's connections (``_close_group``: gloo cannot
+withdraw a posted receive, DESIGN section 13) and waits, at most ``CANCEL_WAIT_FACTOR * T``,
+for its worker threads to end before the ``CancelledError`` propagates. Then no receive into
+target memory is posted any more and nothing writes there; what the target holds is
+undefined (part of the state). The group is unusable afterwards, as after ``no_progress``,
+and the sources fail at once (``send_failed`` / ``receiver_lost``).
 
 Limits: gloo operations cannot be aborted (DESIGN section 13). A receive given up on may stay
 posted: should its source resume, its bytes can still land in the target; they are the same
-bytes (the same agreed state) that a repair round or the TCP fallback writes there. To be rid
-of them, drop the group (every reference) before receiving into the same memory by other means.
+bytes (the same agreed state) that a repair round writes there. To be rid of them, drop the
+group (every reference) before receiving into the same memory by other means.
 
 Wire memory: gloo sends snapshot memory as it is. NCCL sends only CUDA memory, and snapshots are
 host memory (``Snapshot.capture`` stages accelerator tensors to the host), so with ``device``
@@ -60,18 +70,23 @@ order is the same on both ends); a failed or timed-out operation aborts the comm
 posted operations cannot be withdrawn. So over NCCL there is no repair round: the first lost
 source (any reason) ends the transfer with ``TransferFailed`` naming it, and the caller must
 build a new group (the trainer: that of the configuration that the lost source's removal
-brings). The staged path runs here over gloo with ``device="cpu"``
-(the shared suite and the failover tests); over NCCL it needs one GPU per rank (NCCL refuses two
-ranks on one device) and has not yet been run.
+brings). A keep-alive goes to a source only once its part of the round has arrived, so it
+never sits in that peer's order ahead of a receive of the round. The staged path runs here
+over gloo with ``device="cpu"`` (the shared suite and the failover tests); over NCCL it needs
+one GPU per rank (NCCL refuses two ranks on one device) and has not yet been run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime
+import logging
+import math
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -89,15 +104,41 @@ from .transport import TransferPlan, Transport
 _TAG_MANIFEST = 1
 _TAG_DATA = 2
 _TAG_STATUS = 3
+_TAG_CLOSE = 4
+"""Never sent: a receive on it can only time out, which is how ``_close_group`` closes a gloo
+group."""
 _TAG_REPAIR = 16
 """Chunks of repair round ``r`` travel with tag ``_TAG_REPAIR + r``: a late byte of an earlier
 round can never match a later round's receive."""
 SEND_WINDOW_CHUNKS = 4
 """Chunks a source keeps in flight (4 x 16 MiB), as the TCP client's window: enough to keep
 the pipe full; a source never has more than this much of its stripe posted."""
+_STATUS_ABORT = -1
+"""Status count: the receiver gave up (``provide`` raises ``receiver_aborted``)."""
+_STATUS_WORKING = -2
+"""Status count: the receiver still works (a keep-alive); the source waits on."""
+KEEPALIVE_FACTOR = 0.5
+"""The receiver tells a source whose part of the round has arrived that it still works every
+``T / 2``: twice per ``T``, so even the staged path (which looks between blocking waits of up
+to ``T``) speaks well within a source's ``STATUS_WAIT_FACTOR * T``."""
 STATUS_WAIT_FACTOR = 3
-"""A source waits ``3 T`` for the receiver's status: up to ``T`` spent on a stalled peer, the
-hashing of the state (0.05-0.5 s per GiB here), and margin for a loaded host."""
+"""A source gives up after ``3 T`` without a word from the receiver: between two keep-alives
+the receiver may spend ``T / 2``, then up to ``T`` blocked on one receive (staged path) and
+one chunk's digest; the rest is margin for a loaded host. The receiver gives a status it sends
+after a source's part arrived as long to be taken: the source listens only once the hooks of
+its last window of chunks have run."""
+CANCEL_WAIT_FACTOR = 2
+"""A cancelled ``receive`` waits at most ``2 T`` for its worker threads: once the group is
+closed their waits fail at once; should the close not reach one, that wait still ends within
+``T`` by its own deadline, plus one chunk's copy or digest."""
+CLOSE_WAIT = datetime.timedelta(milliseconds=1)
+"""How long ``_close_group`` waits on its never-matched receive: any timeout closes the group."""
+
+log = logging.getLogger(__name__)
+
+
+class _Stopped(Exception):
+    """The receive was cancelled: the worker thread stops at its next look."""
 
 
 class _Lost(Exception):
@@ -125,6 +166,77 @@ def _wait(work: Any, timeout_s: float) -> None:
         text = str(e).lower()  # gloo: "Timed out ..."; NCCL: "... before timing out"
         reason = "no_progress" if "timed out" in text or "timing out" in text else "source_failed"
         raise _Lost(reason, str(e)[:300]) from None
+
+
+def _wait_all(works: Sequence[Any], timeout_s: float) -> _Lost | None:
+    """Wait for ``works`` in order, each for at most ``timeout_s``; the first loss, or None."""
+    try:
+        for w in works:
+            _wait(w, timeout_s)
+    except _Lost as e:
+        return e
+    return None
+
+
+def _close_group(pg: Any, peers: Sequence[int]) -> bool:
+    """Close every connection of ``pg``, so that no receive posted on it can complete (and
+    write) any more. gloo offers no abort that frees a posted operation (DESIGN section 13),
+    but a wait that times out closes every connection of the group (module, "Deadlines"): a
+    receive from a peer on a tag nobody sends, waited on for ``CLOSE_WAIT``; a peer whose
+    connection is already closed fails it at once, so the next is tried. NCCL: ``abort``.
+    Returns whether the group was closed (or every pair tried was already closed: False)."""
+    if pg.name() == "nccl":
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - best effort: the group is given up
+            return False
+        return True
+    for peer in peers:
+        try:
+            pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _TAG_CLOSE).wait(CLOSE_WAIT)
+        except RuntimeError as e:
+            if "timed out" in str(e).lower():
+                return True
+    return False
+
+
+class _KeepAlive:
+    """The receiver's "still working" to the sources whose part of the round has arrived (they
+    wait for a status), every ``interval_s``. Its sends are never waited on (a wait that times
+    out would close the group, and a source still in its chunk hooks may take a while to post
+    its receive); they stay referenced until the transfer ends and reach the source in order,
+    ahead of its next status."""
+
+    def __init__(self, pg: Any, dev: torch.device | None, interval_s: float) -> None:
+        self.pg = pg
+        self.dev = dev
+        self.interval_s = interval_s
+        self._last: dict[int, float] = {}  # source -> when last told (monotonic s)
+        self._works: list[Any] = []
+
+    def new_round(self) -> None:
+        """No source's part of the new round has arrived yet."""
+        self._last.clear()
+
+    def arrived(self, src: int) -> None:
+        """``src``'s part of the round has arrived: it waits for a status now."""
+        self._last.setdefault(src, -math.inf)
+
+    def tick(self, alive: Sequence[int]) -> None:
+        """Tell every source of ``alive`` whose part arrived and that heard nothing for
+        ``interval_s``; one whose connection closed is left to the next status."""
+        now = time.monotonic()
+        for src, last in list(self._last.items()):
+            if src not in alive or now - last < self.interval_s:
+                continue
+            t = torch.tensor([_STATUS_WORKING], dtype=torch.int64)
+            try:
+                self._works.append(_post(self.pg.send, [t if self.dev is None else t.to(self.dev)],
+                                         src, _TAG_STATUS))
+            except _Lost:
+                del self._last[src]
+                continue
+            self._last[src] = now
 
 
 class _Staging:
@@ -237,7 +349,9 @@ class PgTransport(Transport):
         """Send this rank's manifest and stripe to ``plan.receiver``, then serve the repair
         rounds; returns when the receiver says it is done. Raises ``TransferFailed``:
         ``send_failed`` / ``no_progress`` (the receiver died or stalled), ``receiver_lost``
-        (no status in time), ``receiver_aborted``, ``bad_request``."""
+        (the receiver said nothing for ``STATUS_WAIT_FACTOR * plan.progress_timeout_s`` while
+        this source waited for a status, or its connection closed), ``receiver_aborted``,
+        ``bad_request``."""
         dev = self._staging_device()  # the caller's CUDA device: a new thread's is 0
         await asyncio.to_thread(_on, dev, self._provide, snapshot, plan, dev)
 
@@ -279,11 +393,7 @@ class PgTransport(Transport):
             self.manifest_sent()
             self._send_chunks(snap, range(j, snap.num_chunks, n), dst, _TAG_DATA, t, staging)
             for rnd in range(snap.num_chunks + 1):
-                try:
-                    c = int(_recv(dev, torch.zeros(1, dtype=torch.int64), dst, g, _TAG_STATUS,
-                                  STATUS_WAIT_FACTOR * t))
-                except _Lost as e:
-                    raise TransferFailed("receiver_lost", e.reason) from None
+                c = self._await_status(dev, dst, t)
                 if c == 0:
                     return
                 if c < 0:
@@ -300,17 +410,55 @@ class PgTransport(Transport):
             raise TransferFailed("send_failed" if e.reason == "source_failed" else e.reason,
                                  "the receiver closed or stalled") from None
 
+    def _await_status(self, dev: torch.device | None, dst: int, timeout_s: float) -> int:
+        """The receiver's next status count, past its keep-alives: each wait is for at most
+        ``STATUS_WAIT_FACTOR * timeout_s`` of silence (``receiver_lost`` after that, or as
+        soon as its connection closes); a receiver that keeps speaking is alive."""
+        while True:
+            try:
+                c = int(_recv(dev, torch.zeros(1, dtype=torch.int64), dst, self._pg(),
+                              _TAG_STATUS, STATUS_WAIT_FACTOR * timeout_s))
+            except _Lost as e:
+                raise TransferFailed("receiver_lost", e.reason) from None
+            if c != _STATUS_WORKING:
+                return c
+
     # -- receiver side ---------------------------------------------------------------------
     async def receive(self, plan: TransferPlan,
                       into: Snapshot | Mapping[str, Any] | None = None) -> FetchResult:
         """Receive from ``plan.sources`` (ranks), moving the chunks of a source that dies or
         sends a bad chunk to the others. Raises ``TransferFailed``: ``no_progress`` (a source
-        moved nothing for ``plan.progress_timeout_s``: the group is unusable, fall back to
-        TCP), ``no_sources_left`` (``failures`` says why each source was dropped),
-        ``sources_disagree``, ``fingerprint_mismatch``, ``bad_manifest``."""
+        moved nothing for ``plan.progress_timeout_s``: gloo closed the group, abandon it),
+        ``no_sources_left`` (``failures`` says why each source was dropped),
+        ``sources_disagree``, ``fingerprint_mismatch``, ``bad_manifest``.
+
+        Cancelled, it closes the group and ends its threads (at most ``CANCEL_WAIT_FACTOR *
+        plan.progress_timeout_s``) before ``CancelledError`` propagates: nothing writes into
+        ``into`` after that (module, "Cancelling"); the group is unusable."""
         dev = self._staging_device()
         one_shot = not self.routes_around_failures()
-        return await asyncio.to_thread(_on, dev, self._receive, plan, into, dev, one_shot)
+        stop = threading.Event()
+        worker = asyncio.ensure_future(
+            asyncio.to_thread(_on, dev, self._receive, plan, into, dev, one_shot, stop))
+        try:
+            return await asyncio.shield(worker)
+        except asyncio.CancelledError:
+            if not worker.done():
+                await self._stop_worker(worker, stop, plan)
+            raise
+
+    async def _stop_worker(self, worker: asyncio.Future[Any], stop: threading.Event,
+                           plan: TransferPlan) -> None:
+        """End a cancelled receive's worker: close the group, so that its posted receives
+        fail at once and none can write into the target any more, and wait for it (bounded)."""
+        stop.set()
+        await asyncio.to_thread(_close_group, self._pg(), plan.sources)
+        limit_s = CANCEL_WAIT_FACTOR * plan.progress_timeout_s
+        done, _ = await asyncio.wait([worker], timeout=limit_s)
+        if not done:  # a bug (every wait of the worker is bounded): say so, do not hang
+            log.warning("cancelled pg receive: worker still running after %.1f s", limit_s)
+        elif not worker.cancelled():
+            worker.exception()  # its outcome is moot (cancelled); retrieved, so never logged
 
     def _recv_manifest(self, dev: torch.device | None, src: int, timeout_s: float) -> Manifest:
         size = int(_recv(dev, torch.zeros(1, dtype=torch.int64), src, self._pg(),
@@ -324,57 +472,92 @@ class PgTransport(Transport):
         except TransferError as e:
             raise TransferFailed(e.reason, e.detail) from None
 
-    def _status(self, dev: torch.device | None, src: int, chunks: Sequence[int],
-                timeout_s: float, *, abort: bool = False) -> None:
-        """Tell ``src`` which chunks to send next (none: it is done), or that the receiver
-        gave up (``abort``)."""
-        count = -1 if abort else len(chunks)
-        _send(dev, torch.tensor([count], dtype=torch.int64), src, self._pg(), _TAG_STATUS,
-              timeout_s)
+    def _post_status(self, dev: torch.device | None, src: int, chunks: Sequence[int], *,
+                     abort: bool = False) -> list[Any]:
+        """Post the status telling ``src`` which chunks to send next (none: it is done), or
+        that the receiver gave up (``abort``); returns its sends (they hold their tensors)."""
+        count = _STATUS_ABORT if abort else len(chunks)
+        msgs = [torch.tensor([count], dtype=torch.int64)]
         if count > 0:
-            _send(dev, torch.tensor(list(chunks), dtype=torch.int64), src, self._pg(),
-                  _TAG_STATUS, timeout_s)
+            msgs.append(torch.tensor(list(chunks), dtype=torch.int64))
+        return [_post(self._pg().send, [m if dev is None else m.to(dev)], src, _TAG_STATUS)
+                for m in msgs]
+
+    def _status(self, dev: torch.device | None, src: int, chunks: Sequence[int],
+                timeout_s: float) -> None:
+        """Tell ``src`` which chunks to send next (``_post_status``) and wait until it has."""
+        for w in self._post_status(dev, src, chunks):
+            _wait(w, timeout_s)
 
     def _release(self, dev: torch.device | None, sources: Sequence[int], timeout_s: float, *,
                  abort: bool) -> None:
-        """Best effort: tell ``sources`` the transfer is over for them."""
+        """Best effort: tell ``sources`` the transfer is over for them. Every status is posted
+        before any is waited on: a source slow to listen (or whose wait times out, closing the
+        group) does not keep the others from theirs."""
+        posted = []
         for src in sources:
             try:
-                self._status(dev, src, [], timeout_s, abort=abort)
+                posted.append(self._post_status(dev, src, [], abort=abort))
+            except _Lost:
+                pass
+        for works in posted:
+            try:
+                for w in works:
+                    _wait(w, timeout_s)
             except _Lost:
                 pass
 
     def _recv_direct(self, assign: Mapping[int, int], alive: list[int], target: Snapshot,
-                     tag: int, timeout_s: float, drop: Callable[..., None]) -> None:
+                     tag: int, timeout_s: float, drop: Callable[..., None],
+                     speak: _KeepAlive, waiters: ThreadPoolExecutor,
+                     stop: threading.Event) -> None:
         """One round into target memory: every receive posted at once, so every source
-        streams concurrently, then waited on in order."""
+        streams concurrently; each source's waited on in order by a thread of ``waiters``, so
+        that a source whose part has arrived is known at once and told the receiver still
+        works (``speak``) while the others' parts come in."""
         pg = self._pg()
-        works = []
+        works: dict[int, list[Any]] = {src: [] for src in alive}
         for i, src in assign.items():
             if src not in alive:
                 continue
             try:
-                works.append((src, [_post(pg.recv, [seg], src, tag)
-                                    for seg in target.segment_tensors(i)]))
+                works[src] += [_post(pg.recv, [seg], src, tag)
+                               for seg in target.segment_tensors(i)]
             except _Lost as e:  # its chunks fail their digests: the next round
                 drop(src, e.reason, e.detail)
-        for src, ws in works:
-            if src not in alive:
-                continue  # dropped meanwhile: its chunks go to the next round
-            try:
-                for w in ws:
-                    _wait(w, timeout_s)
-            except _Lost as e:
-                drop(src, e.reason, e.detail)
+        running = {waiters.submit(_wait_all, ws, timeout_s): src
+                   for src, ws in works.items() if src in alive}
+        lost: dict[int, _Lost] = {}
+        pending = set(running)
+        while pending:
+            done, pending = futures.wait(pending, speak.interval_s, futures.FIRST_COMPLETED)
+            for f in done:
+                if (loss := f.result()) is None:
+                    speak.arrived(running[f])
+                else:
+                    lost[running[f]] = loss
+            if stop.is_set():
+                raise _Stopped
+            speak.tick(alive)
+        # A timed-out wait closed the whole group: the other sources' losses follow from it.
+        stalled = [src for src in works if src in lost and lost[src].reason == "no_progress"]
+        for src in stalled[:1] or [src for src in works if src in lost]:
+            drop(src, lost[src].reason, lost[src].detail)
 
     def _recv_staged(self, staging: _Staging, assign: Mapping[int, int], alive: list[int],
                      target: Snapshot, tag: int, timeout_s: float,
-                     drop: Callable[..., None]) -> None:
+                     drop: Callable[..., None], speak: _KeepAlive,
+                     stop: threading.Event) -> None:
         """One round through ``staging``: ``SEND_WINDOW_CHUNKS`` receives per live source
         posted (as many as the sources keep in flight), waited on in order, each copied out
-        into target memory; then its buffer takes the next chunk."""
+        into target memory; then its buffer takes the next chunk. A source whose last chunk
+        is in is told the receiver still works (``speak``), between two waits."""
         pg = self._pg()
         queue = deque(assign.items())
+        left = Counter(src for src in assign.values() if src in alive)
+        for src in alive:
+            if not left[src]:
+                speak.arrived(src)
         pending: deque[tuple[int, int, torch.Tensor, torch.Tensor, Any]] = deque()
         while queue or pending:
             while queue and len(pending) < SEND_WINDOW_CHUNKS * max(1, len(alive)):
@@ -399,12 +582,19 @@ class PgTransport(Transport):
             except _Lost as e:
                 drop(src, e.reason, e.detail)
                 continue
+            if stop.is_set():
+                raise _Stopped  # before the copy: nothing lands in the target after a cancel
             staging.unpack(view, target.segment_tensors(i))
             staging.give(buf)
+            left[src] -= 1
+            if not left[src]:
+                speak.arrived(src)
+            speak.tick(alive)
 
     def _receive(self, plan: TransferPlan, into: Any, dev: torch.device | None,
-                 one_shot: bool) -> FetchResult:
-        """``one_shot``: the first lost source ends the transfer (NCCL: see the module)."""
+                 one_shot: bool, stop: threading.Event) -> FetchResult:
+        """``one_shot``: the first lost source ends the transfer (NCCL: see the module);
+        ``stop``: set when the receive is cancelled (raises ``_Stopped`` at the next look)."""
         t0 = time.monotonic()
         t = plan.progress_timeout_s
         failures: Counter[str] = Counter()
@@ -417,12 +607,14 @@ class PgTransport(Transport):
             if reason == "no_progress":  # the whole group is unusable now: no repair round
                 raise TransferFailed(
                     "no_progress", f"source {src} moved nothing for {t} s; gloo closed every "
-                    "connection of the group on the timed-out wait: fall back to TCP and "
-                    f"rebuild the group ({detail})", failures)
+                    "connection of the group on the timed-out wait, so no repair round can run "
+                    "over it: the group must be abandoned (the trainer restarts recovery in the "
+                    f"next configuration, with a new group) ({detail})", failures)
             if one_shot:
                 raise TransferFailed(
                     reason, f"source {src}: {reason}; over NCCL a failed operation cannot be "
-                    "routed around: fall back to TCP and rebuild the group", failures)
+                    "routed around: the group must be abandoned (the trainer restarts recovery "
+                    "in the next configuration, with a new group)", failures)
 
         manifests: dict[int, Manifest] = {}
         for src in plan.sources:
@@ -466,18 +658,27 @@ class PgTransport(Transport):
         tag, refetched = _TAG_DATA, 0
         per_src: dict[Any, int] = {s: 0 for s in plan.sources}
         staging = None if dev is None else _Staging(dev, min(m.chunk_bytes, m.total_bytes))
-        with ThreadPoolExecutor(max_workers=2) as pool:
+        speak = _KeepAlive(self._pg(), dev, KEEPALIVE_FACTOR * t)
+        with (ThreadPoolExecutor(max_workers=2) as pool,
+              ThreadPoolExecutor(max_workers=n, thread_name_prefix="pg-wait") as waiters):
             for rnd in range(m.num_chunks + 1):
                 self.posting(rnd)
+                speak.new_round()
                 if staging is None:
-                    self._recv_direct(assign, alive, target, tag, t, drop)
+                    self._recv_direct(assign, alive, target, tag, t, drop, speak, waiters,
+                                      stop)
                 else:
-                    self._recv_staged(staging, assign, alive, target, tag, t, drop)
+                    self._recv_staged(staging, assign, alive, target, tag, t, drop, speak,
+                                      stop)
                 todo = sorted(assign)
                 digests = pool.map(lambda i: fp.digest_buffers(m.algo, target.segments(i)),
                                    todo)
                 missing = []
                 for i, d in zip(todo, digests, strict=True):
+                    if stop.is_set():
+                        pool.shutdown(wait=False, cancel_futures=True)  # digests only read
+                        raise _Stopped
+                    speak.tick(alive)  # a long hash: the sources whose part arrived wait on
                     if d == m.digest(i):
                         per_src[assign[i]] += m.chunk_range(i)[1]
                         continue
@@ -496,7 +697,7 @@ class PgTransport(Transport):
                 for src in list(alive):
                     chunks = [i for i in missing if assign[i] == src]
                     try:
-                        self._status(dev, src, chunks, t)
+                        self._status(dev, src, chunks, STATUS_WAIT_FACTOR * t)
                     except _Lost as e:
                         drop(src, e.reason)
                         continue
@@ -504,7 +705,9 @@ class PgTransport(Transport):
                         alive.remove(src)
             else:
                 raise TransferFailed("no_sources_left", "repair rounds exhausted", failures)
-        self._release(dev, alive, t, abort=False)  # every chunk verified: the sources are done
+        # Every chunk verified: the sources are done. A status waits as long as a source waits
+        # for one: a source listens only after its hooks for its last window of chunks.
+        self._release(dev, alive, STATUS_WAIT_FACTOR * t, abort=False)
         target.set_digests(m.algo, m.digests)
         return FetchResult(target, m.fingerprint, failures, per_src, refetched, allocated,
                            time.monotonic() - t0)

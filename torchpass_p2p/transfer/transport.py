@@ -10,8 +10,9 @@ calls :meth:`Transport.provide`, the receiver :meth:`Transport.receive`; both ta
 * ``pg_transport.PgTransport``: a process group's send/recv (gloo on CPU; NCCL where a group
   connects GPUs). ``provide`` returns once the receiver has verified every chunk (a source
   also sends the chunks of a source that died). A source that stalls ends the transfer with
-  ``TransferFailed("no_progress")`` (gloo closes the group on a timed-out wait): fall back to
-  ``TcpTransport``.
+  ``TransferFailed("no_progress")`` (gloo closes the group on a timed-out wait): the group
+  must be abandoned (the trainer restarts recovery in the next configuration, with a new
+  group).
 
 ``tests/transfer/conformance.py`` is the one suite both must pass.
 """
