@@ -3,6 +3,7 @@ the rank-order sum, and reading timelines back; and the transfer server's hook f
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,7 @@ from torchpass_p2p.trainer import (
     step_generator,
     step_seed,
 )
+from torchpass_p2p.trainer.loop import FETCH_ATTEMPTS, Trainer
 from torchpass_p2p.trainer.service import StateService
 from torchpass_p2p.trainer.timeline import read_events, recoveries
 from torchpass_p2p.transfer import Snapshot, TransferFailed, TransferKeys, client, fetch
@@ -251,6 +254,33 @@ def test_a_fetch_past_its_deadline_is_cancelled_and_fails_typed() -> None:
             assert not target["w"]["t"].any()
         finally:
             service.close()
+
+
+def test_a_retried_fetch_holds_nothing_of_the_attempt_before() -> None:
+    """Each attempt of the trainer's fetch starts with the memory of the one before freed. Before:
+    the last error was kept with its traceback, whose frames held that attempt's target
+    (found by a review)."""
+    targets: list[weakref.ref] = []
+    alive_at_start = []
+
+    class FailingService:
+        def fetch(self, addresses, config_id, *, step, into):
+            gc.collect()
+            alive_at_start.append(sum(r() is not None for r in targets))
+            target = torch.empty(1000)  # what a real attempt allocates to receive into
+            targets.append(weakref.ref(target))
+            raise TransferFailed("no_sources_left", "1 chunks missing")
+
+    trainer = object.__new__(Trainer)  # only what ``_fetch`` uses
+    trainer.service = FailingService()
+    trainer.objects = {}
+    trainer.log = lambda *a, **kw: None
+    trainer._find_sources = lambda members, config_id: {("127.0.0.1", 1): members[0]}
+    trainer._poll = lambda: False
+    with pytest.raises(TransferFailed) as caught:
+        trainer._fetch((5,), 3, 9)
+    assert caught.value.reason == "no_sources_left"
+    assert alive_at_start == [0] * FETCH_ATTEMPTS
 
 
 STOPPED_RANK = """

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import pickle
 import socket
 import struct
 import threading
+import weakref
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from torchpass_p2p.transfer import (
 from torchpass_p2p.transfer.auth import client_handshake
 from torchpass_p2p.transfer.client import STREAMS
 from torchpass_p2p.transfer.frames import Conn, decode_frame, encode_frame
+from torchpass_p2p.transfer.manifest import Manifest
 from torchpass_p2p.transfer.server import MAX_HANDSHAKING, TransferServer
 
 from .gated import GatedServer
@@ -712,6 +715,111 @@ async def test_a_straggler_hands_its_chunks_to_an_idle_source(snap, keys):
         assert res.bytes_by_source[servers[0].address] <= 2 * snap.chunk_bytes
     finally:
         await close_all(servers)
+
+
+async def test_a_stragglers_chunk_handed_to_a_dead_idle_source_still_arrives(snap, keys):
+    """The straggler rule offers a slow source's chunk to an idle source that died while idle
+    (its host gone: the request is never answered); the slow source kept its claim and
+    delivers it, and the dead one, holding only a copy of a chunk that is in, is left
+    uncounted. Before: the slow one was dropped ``too_slow`` as its chunk moved, the dead one
+    failed ``no_progress`` on it, and the fetch failed ``no_sources_left`` (found by a review,
+    with a dead source whose connection closed)."""
+    held, handed = asyncio.Event(), asyncio.Event()
+
+    class Slow(TransferServer):
+        async def serve_chunk(self, conn, snapshot, index, header):
+            self.stats["held"] = index
+            held.set()
+            async with asyncio.timeout(30):
+                await handed.wait()  # until the rule handed this chunk to the dead source
+            await super().serve_chunk(conn, snapshot, index, header)
+
+    class DiesIdle(TransferServer):
+        async def serve_chunk(self, conn, snapshot, index, header):
+            async with asyncio.timeout(30):
+                await held.wait()  # the slow source holds its one chunk (window=1) first
+            if self.stats["chunks"] == snapshot.num_chunks - 1:  # served all the rest: idle
+                handed.set()
+                async with asyncio.timeout(30):
+                    await asyncio.Event().wait()  # dead
+            await super().serve_chunk(conn, snapshot, index, header)
+
+    servers = slow, dies = await serving(snap, keys, Slow, DiesIdle)
+    try:
+        res = await fetch([slow.address, dies.address], keys, CONFIG, window=1)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.failures == {}
+        assert res.refetched_chunks == 1
+        _, n = snap.chunk_range(slow.stats["held"])
+        assert res.bytes_by_source == {slow.address: n, dies.address: snap.total_bytes - n}
+    finally:
+        await close_all(servers)
+
+
+async def test_a_stragglers_half_written_chunk_is_replaced_by_the_idle_sources_copy(snap, keys):
+    """A slow source stalls mid-chunk, after bytes that would not verify; the idle source's
+    copy of that chunk, received aside while the slow one still writes it, is written over
+    them once the slow one is dropped (``too_slow``)."""
+    held = asyncio.Event()
+
+    class StallsMidChunk(TransferServer):
+        async def serve_chunk(self, conn, snapshot, index, header):
+            data = b"".join(bytes(b) for b in self.chunk_buffers(snapshot, index))
+            await conn.send(header + bytes(x ^ 0xFF for x in data[:len(data) // 2]))
+            held.set()
+            async with asyncio.timeout(30):
+                await asyncio.Event().wait()  # stalled, within the progress timeout
+
+    class AfterHeld(TransferServer):
+        async def serve_chunk(self, conn, snapshot, index, header):
+            async with asyncio.timeout(30):
+                await held.wait()  # the slow source holds its one chunk (window=1) first
+            await super().serve_chunk(conn, snapshot, index, header)
+
+    servers = slow, idle = await serving(snap, keys, StallsMidChunk, AfterHeld)
+    try:
+        res = await fetch([slow.address, idle.address], keys, CONFIG, window=1)
+        assert received_fingerprint(res) == snap.fingerprint()
+        assert res.failures == {"too_slow": 1}
+        assert res.refetched_chunks == 1
+        assert res.bytes_by_source == {slow.address: 0, idle.address: snap.total_bytes}
+    finally:
+        await close_all(servers)
+
+
+class DiesAfterTwoChunks(TransferServer):
+    """Serves two chunks, then closes the connection at the next request (killed)."""
+
+    async def serve_chunk(self, conn, snapshot, index, header):
+        if self.stats["chunks"] >= 2:
+            conn.close()
+            raise ConnectionError("killed")
+        await super().serve_chunk(conn, snapshot, index, header)
+
+
+async def test_a_failed_fetch_holds_none_of_its_tensors(snap, keys, monkeypatch):
+    """The exception of a failed fetch keeps nothing it allocated to receive into alive. Before:
+    its traceback's frames held the receive target, so the trainer's next attempt (which keeps
+    the last exception) held two states (found by a review)."""
+    allocated: list[weakref.ref] = []
+    allocate = Manifest.allocate
+
+    def recording(self, own, max_alloc_bytes):
+        target, n = allocate(self, own, max_alloc_bytes)
+        allocated.extend(weakref.ref(t) for t in (target, *target.tensors))
+        return target, n
+
+    monkeypatch.setattr(Manifest, "allocate", recording)
+    (server,) = await serving(snap, keys, DiesAfterTwoChunks)
+    try:
+        with pytest.raises(TransferFailed) as e:
+            await fetch([server.address], keys, CONFIG)
+    finally:
+        await server.close()
+    assert e.value.reason == "no_sources_left" and e.value.failures == {"closed": 1}
+    gc.collect()
+    assert len(allocated) == 1 + len(snap.tensors)
+    assert [r() for r in allocated] == [None] * len(allocated)
 
 
 async def test_step_and_snapshot_presence(snap, keys):

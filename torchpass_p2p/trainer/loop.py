@@ -766,7 +766,9 @@ class Trainer:
                 result = self.service.fetch(addresses, config_id, step=step, into=self.objects)
                 break
             except TransferError as exc:
-                last = exc
+                # Kept without its traceback, whose frames would hold this attempt's locals
+                # through the next attempt (the client clears its own; this covers the rest).
+                last = exc.with_traceback(None)
                 self.log("fetch_retry", config_id=config_id, error=str(exc)[:160])
                 if self._poll():
                     raise Superseded from None

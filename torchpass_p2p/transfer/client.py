@@ -26,7 +26,9 @@
 5. **Failover.** A source that closes, errs, sends a bad chunk, or makes no progress for
    ``progress_timeout_s`` seconds on any of its connections is dropped, all its connections
    with it; their unverified chunks go back to the queue and the other sources take them. No
-   fixed total deadline: only "no progress for T".
+   fixed total deadline: only "no progress for T". A straggler's chunks are offered to an idle
+   source while the straggler keeps them (see ``STRAGGLER_FACTOR``): the first verified copy
+   counts, so the idle source's death loses nothing.
 6. **Done** when every chunk is verified: each chunk's bytes are those its source MAC'd from
    the snapshot whose manifest (and so fingerprint) was agreed, and a source MACs only bytes
    that still have the digests its manifest announces (else it refuses, ``snapshot_changed``),
@@ -45,6 +47,7 @@ import os
 import socket
 import threading
 import time
+import traceback
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -81,10 +84,16 @@ until its outstanding ones arrive (the stripe follows what each source delivers)
 STRAGGLER_FACTOR = 8.0
 STRAGGLER_FLOOR_S = 1.0
 """A busy source whose oldest chunk has taken 8 times the fastest recent chunk, and over 1 s,
-while another source sits idle with the queue empty, is dropped (``too_slow``) and its chunks
-move. Otherwise any source that delivers a piece per ``progress_timeout_s`` (~26 KB/s) kept
-its window to the end: a review measured ~37 minutes for 64 MiB at the
-defaults while a healthy source idled. A source behind a 4x slower link is never dropped."""
+while another source sits idle with the queue empty, is a straggler: its chunks are offered to
+the idle ones while it keeps them, the first verified copy of each counts, and it is dropped
+(``too_slow``) once the others have them all, or one of them has the chunk it is receiving
+(it could be writing that chunk's memory, so that copy is received aside and written over
+it once the straggler's thread has stopped). Otherwise any source that delivers a piece per
+``progress_timeout_s`` (~26 KB/s) kept its window to the end: a review measured ~37 minutes
+for 64 MiB at the defaults while a healthy source idled. Before, the straggler was dropped as
+its chunks moved, and an idle source that had died unnoticed (idle, it reads nothing) failed on
+them: no source left (found by a review). A source behind a 4x slower link is never
+dropped."""
 DEFAULT_MAX_STATE_BYTES = 1 << 40
 """1 TiB: refuse manifests claiming more (a bound, not a real model size)."""
 RECV_PIECE_BYTES = 1 << 20
@@ -112,7 +121,11 @@ connection: a smaller state is in before a second handshake would pay off, and t
 connection would be closed mid-handshake (the source logs a dropped connection)."""
 STOP_TIMEOUT_S = 5.0
 """After a cancelled transfer: how long to wait for the receiving threads to end (their sockets
-are shut down first, which ends a blocked receive at once)."""
+are shut down first, which ends a blocked receive at once). Also how long a verified copy waits
+for a dropped straggler's thread to stop writing the chunk."""
+FINISHED = "finished"
+"""The failure mark of a connection still holding chunks when the last one is in (copies of
+chunks verified from others): it is shut down, and not counted in ``failures``."""
 
 Address = tuple[str, int]
 log = logging.getLogger(__name__)
@@ -120,7 +133,9 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class FetchResult:
-    """Outcome of :func:`fetch`. ``seconds``: wall time from first connect to last chunk."""
+    """Outcome of :func:`fetch`. ``seconds``: wall time from first connect to last chunk.
+    ``refetched_chunks``: chunks handed to another source after the connection holding them
+    failed, or (still holding them) straggled; counted at each hand-over."""
 
     snapshot: Snapshot
     fingerprint: bytes
@@ -144,7 +159,8 @@ class _Source:
     failed: str | None = None
     bytes: int = 0
     head_since: float = 0.0  # monotonic seconds since its oldest requested chunk is awaited
-    chunk_s: float | None = None  # seconds its last verified chunk took
+    chunk_s: float | None = None  # seconds its last chunk took
+    straggler: bool = False  # its chunks were offered to the other sources (it still holds them)
 
 
 async def _open(addr: Address, keys: TransferKeys, config_id: int, tid: bytes, algo: str,
@@ -185,8 +201,11 @@ class _Transfer:
     """The stripe-and-failover state of one transfer, shared by one receiving thread per
     connection (``_pump``) and the event loop (``run``, ``_watchdog``). ``sources`` holds one
     ``_Source`` per connection; those with the same ``addr`` are one source and fail together.
-    ``cond`` guards the queue, the counters and every connection's ``inflight`` / ``idle`` /
-    ``failed``."""
+    A chunk is held (in ``inflight``) by one connection, or, once a straggler's are offered, by
+    it and one other; the first verified copy counts, and at most one connection at a time
+    receives a chunk into the target (``writer``), any other copy into a buffer of its own.
+    ``cond`` guards the queue, ``offered``, ``verified``, ``writer``, the counters and every
+    connection's ``inflight`` / ``idle`` / ``failed`` / ``straggler``."""
 
     def __init__(self, sources: list[_Source], target: Snapshot, manifest: Manifest,
                  tid: bytes, window: int, progress_timeout_s: float,
@@ -202,7 +221,10 @@ class _Transfer:
         self.pool = pool
         self.failures = failures
         self.cond = threading.Condition()
-        self.queue: deque[int] = deque(range(manifest.num_chunks))
+        self.queue: deque[int] = deque(range(manifest.num_chunks))  # held by no connection
+        self.offered: deque[int] = deque()  # held by a straggler, offered to other sources
+        self.verified = bytearray(manifest.num_chunks)  # 1: its first copy verified
+        self.writer: dict[int, _Source] = {}  # chunk -> the connection receiving it in place
         self.remaining = manifest.num_chunks
         self.received_bytes = 0
         self.refetched = 0
@@ -288,8 +310,9 @@ class _Transfer:
         for ``progress_timeout_s`` is shut down (its thread then fails it ``no_progress``).
         And the straggler rule: while another source sits idle with nothing left to take, a
         busy one whose oldest chunk has taken ``STRAGGLER_FACTOR`` times the fastest recent
-        chunk and over ``STRAGGLER_FLOOR_S`` is shut down (``too_slow``): its chunks go to
-        the idle one."""
+        chunk and over ``STRAGGLER_FLOOR_S`` has its chunks offered to the idle ones, which
+        no other source holds yet; it keeps them (the idle one may be dead: idle, it reads
+        nothing) and is dropped ``too_slow`` only once they are in from others."""
         period = min(self.progress_timeout_s / 4, 1.0)
         while True:
             await asyncio.sleep(period)
@@ -305,22 +328,109 @@ class _Transfer:
                                   default=None)
                     if fastest is not None:
                         limit = max(STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * fastest)
+                offered = len(self.offered)
                 for s in busy:
                     if now - s.conn.last_progress > self.progress_timeout_s:
                         s.failed = "no_progress"
+                        drop.append(s)
                     elif (limit is not None and s.inflight and now - s.head_since > limit
                           and idle_addrs - {s.addr}):  # idle: another source, not its own
-                        s.failed = "too_slow"
-                    else:
-                        continue
-                    drop.append(s)
+                        offer = [i for i in s.inflight if not self.verified[i]
+                                 and i not in self.offered and not self._held(i, s.addr)]
+                        s.straggler = s.straggler or bool(offer)
+                        self.offered.extend(offer)
+                        self.refetched += len(offer)
+                if len(self.offered) > offered:
+                    self.cond.notify_all()  # the idle ones take them
             for s in drop:
                 s.conn.shutdown()
+
+    # -- which connection holds which chunk (all under ``cond``) -----------------------------
+    def _held(self, i: int, addr: Address) -> bool:
+        """Whether a live connection to a source other than ``addr`` holds chunk ``i``."""
+        return any(o.addr != addr and o.failed is None and i in o.inflight for o in self.sources)
+
+    def _take(self, s: _Source) -> int | None:
+        """The next chunk for ``s``: from the queue, else one a straggler of another source
+        holds (``offered``); ``None`` if there is none."""
+        while self.queue:
+            i = self.queue.popleft()
+            if not self.verified[i]:
+                return i
+        for i in list(self.offered):
+            if self.verified[i]:
+                self.offered.remove(i)
+            elif not any(o.addr == s.addr and o.failed is None and i in o.inflight
+                         for o in self.sources):
+                self.offered.remove(i)
+                return i
+        return None
+
+    def _release(self, s: _Source, chunks: Sequence[int]) -> None:
+        """``s`` lets go of ``chunks`` (it failed, or received a copy it could not use): each
+        not verified that no other live connection holds goes back to the queue."""
+        for i in chunks:
+            if (self.verified[i] or i in self.queue
+                    or any(o is not s and o.failed is None and i in o.inflight
+                           for o in self.sources)):
+                continue
+            if i in self.offered:  # its straggler failed: counted when it was offered
+                self.offered.remove(i)
+            else:
+                self.refetched += 1
+            self.queue.append(i)
+
+    def _verified(self, s: _Source, i: int, n: int) -> list[_Source]:
+        """Count chunk ``i`` (``n`` bytes), just verified from ``s``, as in. Returns the
+        connections to shut down: stragglers whose every chunk is in from others (they would
+        only receive copies), and once the last chunk is in, any that still holds one."""
+        self.verified[i] = 1
+        s.bytes += n
+        self.remaining -= 1
+        self.received_bytes += n
+        stop = [o for o in self.sources if o.straggler and o.failed is None and o.inflight
+                and all(self.verified[j] for j in o.inflight)]
+        for o in stop:
+            o.failed = "too_slow"
+        if self.remaining == 0:
+            for o in self.sources:
+                if o.failed is None and o.inflight:
+                    o.failed = FINISHED
+                    stop.append(o)
+        return stop
+
+    def _adopt(self, s: _Source, i: int, copy: memoryview) -> bool:
+        """``s`` verified a copy of chunk ``i`` that it received aside (another connection was
+        receiving that chunk into the target, or it was in). When that one is a straggler (or
+        failed), it is dropped ``too_slow``, and once its thread has stopped writing the chunk
+        the copy is written over whatever it left. Returns whether the copy is in the target
+        (``s`` is then the chunk's writer); ``False``: the chunk is in, or on its way from a
+        connection not known to be slow (the copy is dropped)."""
+        with self.cond:
+            w = self.writer.get(i)
+            if self.verified[i] or (w is not None and not w.straggler and w.failed is None):
+                return False
+            if w is not None and w.failed is None:
+                w.failed = "too_slow"  # its thread counts it, and fails its siblings
+        if w is not None:
+            w.conn.shutdown()
+        with self.cond:
+            self.cond.wait_for(lambda: self.verified[i] or self.stopping
+                               or i not in self.writer, STOP_TIMEOUT_S)
+            if self.verified[i] or self.stopping or i in self.writer:
+                return False
+            self.writer[i] = s
+        pos = 0
+        for seg in self.target.segments(i):
+            seg[:] = copy[pos:pos + len(seg)]
+            pos += len(seg)
+        return True
 
     # -- the receiving thread of one connection ---------------------------------------------
     def _pump(self, s: _Source, first: bool) -> None:
         """Request, receive and verify chunks from ``s`` until none is left or ``s`` fails; a
-        failure puts ``s``'s unverified chunks back in the queue for the other sources.
+        failure puts ``s``'s unverified chunks that no other connection holds back in the
+        queue for the other sources.
         ``first``: one of the connections the transfer started with (they start together)."""
         try:
             sock = s.conn.sock
@@ -333,8 +443,8 @@ class _Transfer:
                 pass  # a thread failed before it (or the wait timed out): go on
             self._chunks(s)
             with self.cond:
-                if s.failed is not None and not self.stopping:
-                    raise PeerError(s.failed)  # marked by the watchdog
+                if s.failed not in (None, FINISHED) and not self.stopping:
+                    raise PeerError(s.failed)  # marked by the watchdog or a verified copy
             sock.setblocking(False)  # back to the event loop (the closing ``bye``)
         except Exception as e:
             if isinstance(e, TransferError):
@@ -349,15 +459,18 @@ class _Transfer:
             self.started.abort()  # no other thread waits for this one
             with self.cond:
                 s.failed = s.failed or reason
-                if s.addr not in self.dropped:  # a source counts once, by its first reason
-                    self.dropped.add(s.addr)
-                    self.failures[s.failed] += 1
-                siblings = [o for o in self.sources
-                            if o.addr == s.addr and o is not s and o.failed is None]
+                siblings = []
+                if s.failed != FINISHED:
+                    if s.addr not in self.dropped:  # a source counts once, by its first reason
+                        self.dropped.add(s.addr)
+                        self.failures[s.failed] += 1
+                    siblings = [o for o in self.sources
+                                if o.addr == s.addr and o is not s and o.failed is None]
                 for o in siblings:
                     o.failed = s.failed
-                self.refetched += len(s.inflight)
-                self.queue.extend(s.inflight)
+                for i in [i for i, w in self.writer.items() if w is s]:
+                    del self.writer[i]  # its thread writes no more
+                self._release(s, s.inflight)  # (a straggler's chunk others hold stays theirs)
                 s.inflight.clear()
                 self.cond.notify_all()
             s.conn.close()
@@ -367,7 +480,7 @@ class _Transfer:
             s.done = True
 
     def _chunks(self, s: _Source) -> None:
-        m, conn, sock, cond, queue = self.m, s.conn, s.conn.sock, self.cond, self.queue
+        m, conn, sock, cond = self.m, s.conn, s.conn.sock, self.cond
         head = bytearray(LEN_BYTES)
         head_view = memoryview(head)
         while True:
@@ -375,12 +488,11 @@ class _Transfer:
                 if s.failed is not None:  # a sibling failed, or the watchdog dropped it:
                     return  # take nothing more (_pump requeues what it holds)
                 gets = []
-                if not s.inflight and queue:
+                while len(s.inflight) < self.window and (g := self._take(s)) is not None:
+                    s.inflight.append(g)
+                    gets.append(g)
+                if gets and len(gets) == len(s.inflight):  # its oldest is awaited from now
                     s.head_since = time.monotonic()
-                while len(s.inflight) < self.window and queue:
-                    i = queue.popleft()
-                    s.inflight.append(i)
-                    gets.append(i)
                 if not s.inflight:
                     if (self.remaining == 0 or self.stopping
                             or not any(o.inflight for o in self.sources)):
@@ -410,23 +522,35 @@ class _Transfer:
             if msg.get("i") != i or msg.get("o") != off or msg.get("n") != n:
                 raise PeerError("bad_chunk_header", f"chunk {i}")
             tag = get_field(msg, "tag", bytes, chunkmac.TAG_BYTES)
+            with cond:
+                copy = self.verified[i] or i in self.writer  # another's (a straggler's) chunk
+                if not copy:
+                    self.writer[i] = s
             mac = chunkmac.Gmac(chunkmac.chunk_key(s.chunk_key, i))
-            for seg in self.target.segments(i):
+            aside = memoryview(bytearray(n)) if copy else None
+            for seg in self.target.segments(i) if aside is None else [aside]:
                 _recv_exact(conn, seg, mac.update)
             inner = mac.digest()
             if not hmac.compare_digest(tag, chunkmac.chunk_tag(s.session, self.tid, i, off, n,
                                                                inner)):
                 raise PeerError("bad_chunk", f"chunk {i}")  # still in s.inflight: requeued
+            in_target = aside is None or self._adopt(s, i, aside)
             with cond:
                 s.inflight.popleft()
                 now = time.monotonic()
                 s.chunk_s, s.head_since = now - s.head_since, now
-                s.bytes += n
-                self.remaining -= 1
-                self.received_bytes += n
-                received = self.received_bytes
+                stop: list[_Source] = []
+                received = None
+                if in_target:
+                    del self.writer[i]
+                    stop = self._verified(s, i, n)
+                    received = self.received_bytes
+                else:
+                    self._release(s, (i,))
                 cond.notify_all()  # the last chunk ends every thread's wait
-            if self.on_progress is not None:
+            for o in stop:
+                o.conn.shutdown()
+            if self.on_progress is not None and received is not None:
                 self.loop.call_soon_threadsafe(self.on_progress, received, m.total_bytes)
 
 
@@ -482,13 +606,49 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     verified chunk. ``failures`` counts each failed source once, by the first reason one of its
     connections gave; an extra connection (past one per source) that fails to open is logged,
     not counted: its source still serves; a source still opening when every chunk is in is
-    left, not counted.
+    left, not counted, and so is one that then holds only copies of a straggler's chunks.
 
     Raises :class:`TransferFailed` (``no_sources``, ``sources_disagree``, ``no_sources_left``,
     ``too_large`` when the state does not fit) with ``failures`` counting each source's reason;
     ``ValueError`` for local misuse; ``TypeError`` for an ``into`` that ``Snapshot.capture``
-    refuses.
+    refuses. A failed fetch's exception holds none of the tensors it allocated: the locals of
+    the frames in its traceback are cleared (files and lines are kept).
     """
+    try:
+        return await _fetch(
+            sources, keys, config_id, into=into, expected_fingerprint=expected_fingerprint,
+            step=step, algo=algo, progress_timeout_s=progress_timeout_s,
+            connect_timeout_s=connect_timeout_s, window=window,
+            max_manifest_bytes=max_manifest_bytes, max_state_bytes=max_state_bytes,
+            max_alloc_bytes=max_alloc_bytes, streams=streams, on_progress=on_progress)
+    except BaseException as e:
+        _drop_locals(e)
+        raise
+
+
+def _drop_locals(e: BaseException) -> None:
+    """Clear the locals of the finished frames in the tracebacks of ``e`` and of the exceptions
+    chained to it. Those of ``_fetch`` and ``_Transfer`` hold the receive target (every tensor
+    allocated for it) and the connections for as long as the exception lives, and a caller
+    that retries keeps the last one: a failed attempt's memory was held through the next
+    (found by a review)."""
+    seen: set[int] = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if id(x) not in seen:
+            seen.add(id(x))
+            traceback.clear_frames(x.__traceback__)  # skips a frame still running (ours)
+            todo += [c for c in (x.__cause__, x.__context__) if c is not None]
+
+
+async def _fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, *,
+                 into: Snapshot | Mapping[str, Any] | None, expected_fingerprint: bytes | None,
+                 step: int | None, algo: str, progress_timeout_s: float,
+                 connect_timeout_s: float, window: int, max_manifest_bytes: int,
+                 max_state_bytes: int, max_alloc_bytes: int | None, streams: int,
+                 on_progress: Callable[[int, int], None] | None) -> FetchResult:
+    """:func:`fetch`, whose frame (this one) has ended when ``fetch`` clears it."""
     if not sources:
         raise ValueError("no sources")
     if algo not in fp.ALGORITHMS or window < 1 or streams < 1:
