@@ -756,6 +756,49 @@ async def test_a_stragglers_chunk_handed_to_a_dead_idle_source_still_arrives(sna
         await close_all(servers)
 
 
+async def test_refetched_chunks_counts_the_offered_chunks_another_source_took(keys):
+    """Two stragglers' chunks are offered at once; the idle source takes the first, and the
+    second straggler delivers its own before anyone takes it. ``refetched_chunks`` counts the
+    hand-overs, not the offers (it counted 2 for 1, found by a review)."""
+    snap = Snapshot.capture({"m": {"a": torch.arange(40 * 4096, dtype=torch.uint8)}}, 1,
+                            chunk_bytes=4096)
+    asked, done = asyncio.Event(), asyncio.Event()
+    held: dict[str, int] = {}
+
+    class Straggles(TransferServer):
+        async def serve_chunk(self, conn, snapshot, index, header):
+            if held.setdefault("first", index) == index:
+                await asyncio.sleep(30)  # dropped once its chunk is in from the idle source
+            await super().serve_chunk(conn, snapshot, index, header)
+
+    class StragglesUntilAsked(TransferServer):
+        async def serve_chunk(self, conn, snapshot, index, header):
+            if held.setdefault("second", index) == index:
+                async with asyncio.timeout(30):
+                    await asked.wait()  # both chunks are offered by now
+            await super().serve_chunk(conn, snapshot, index, header)
+            done.set()
+
+    class Idle(TransferServer):
+        async def serve_chunk(self, conn, snapshot, index, header):
+            if index in held.values():
+                self.stats["offered_taken"] += 1
+                asked.set()
+                async with asyncio.timeout(30):
+                    await done.wait()
+            await super().serve_chunk(conn, snapshot, index, header)
+
+    servers = await serving(snap, keys, Straggles, StragglesUntilAsked, Idle)
+    try:
+        res = await fetch([s.address for s in servers], keys, CONFIG, window=1, streams=1)
+        assert received_fingerprint(res) == snap.fingerprint()
+        # Which straggler is dropped (one or both) depends on which copy lands first.
+        assert set(res.failures) == {"too_slow"}
+        assert res.refetched_chunks == servers[2].stats["offered_taken"] >= 1
+    finally:
+        await close_all(servers)
+
+
 async def test_a_stragglers_half_written_chunk_is_replaced_by_the_idle_sources_copy(snap, keys):
     """A slow source stalls mid-chunk, after bytes that would not verify; the idle source's
     copy of that chunk, received aside while the slow one still writes it, is written over

@@ -338,8 +338,7 @@ class _Transfer:
                         offer = [i for i in s.inflight if not self.verified[i]
                                  and i not in self.offered and not self._held(i, s.addr)]
                         s.straggler = s.straggler or bool(offer)
-                        self.offered.extend(offer)
-                        self.refetched += len(offer)
+                        self.offered.extend(offer)  # counted when one is taken
                 if len(self.offered) > offered:
                     self.cond.notify_all()  # the idle ones take them
             for s in drop:
@@ -363,6 +362,7 @@ class _Transfer:
             elif not any(o.addr == s.addr and o.failed is None and i in o.inflight
                          for o in self.sources):
                 self.offered.remove(i)
+                self.refetched += 1  # handed to another source
                 return i
         return None
 
@@ -374,10 +374,9 @@ class _Transfer:
                     or any(o is not s and o.failed is None and i in o.inflight
                            for o in self.sources)):
                 continue
-            if i in self.offered:  # its straggler failed: counted when it was offered
+            if i in self.offered:  # its straggler failed before another source took it
                 self.offered.remove(i)
-            else:
-                self.refetched += 1
+            self.refetched += 1
             self.queue.append(i)
 
     def _verified(self, s: _Source, i: int, n: int) -> list[_Source]:
