@@ -654,10 +654,12 @@ class Trainer:
         rank = configuration.rank_of(self.me)
         if rank is None:
             raise self._out(f"no rank in configuration {configuration.config_id}")
-        assigned = dict(plan.assignments).get(rank) == self.me
-        if not (assigned or self._holds_state or any(
-                m is not None and m != self.me and r not in dict(plan.assignments)
-                for r, m in enumerate(configuration.ranks))):
+        assignments = dict(plan.assignments)
+        assigned = assignments.get(rank) == self.me
+        # Rank holders that receive nothing in this change: they held the state before it.
+        kept = tuple(m for r, m in enumerate(configuration.ranks)
+                     if m is not None and m != self.me and r not in assignments)
+        if not (assigned or self._holds_state or kept):
             # Every member that held the state died while this spare, just promoted, still
             # fetched it; the plan's resume step then counts no holder's step. Training on
             # would roll back, or spread a half-received state (found by a chaos run: exit 0
@@ -691,8 +693,7 @@ class Trainer:
             elif action == "redo":
                 self._reduced = None
             else:
-                fetch_from = tuple(m for r, m in enumerate(configuration.ranks)
-                                   if m != self.me and r not in dict(plan.assignments))
+                fetch_from = kept
         self._enter_configuration(configuration, group_id=change.group_id, resume=resume,
                                   fetch_from=fetch_from, plan=plan)
 

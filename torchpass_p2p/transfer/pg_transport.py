@@ -134,6 +134,9 @@ closed their waits fail at once; should the close not reach one, that wait still
 CLOSE_WAIT = datetime.timedelta(milliseconds=1)
 """How long ``_close_group`` waits on its never-matched receive: any timeout closes the group."""
 
+_ABANDON = ("the group must be abandoned (the trainer restarts recovery in the next "
+            "configuration, with a new group)")
+
 log = logging.getLogger(__name__)
 
 
@@ -501,11 +504,7 @@ class PgTransport(Transport):
             except _Lost:
                 pass
         for works in posted:
-            try:
-                for w in works:
-                    _wait(w, timeout_s)
-            except _Lost:
-                pass
+            _wait_all(works, timeout_s)  # a loss: that source learns it from the closed pair
 
     def _recv_direct(self, assign: Mapping[int, int], alive: list[int], target: Snapshot,
                      tag: int, timeout_s: float, drop: Callable[..., None],
@@ -608,13 +607,11 @@ class PgTransport(Transport):
                 raise TransferFailed(
                     "no_progress", f"source {src} moved nothing for {t} s; gloo closed every "
                     "connection of the group on the timed-out wait, so no repair round can run "
-                    "over it: the group must be abandoned (the trainer restarts recovery in the "
-                    f"next configuration, with a new group) ({detail})", failures)
+                    f"over it: {_ABANDON} ({detail})", failures)
             if one_shot:
                 raise TransferFailed(
                     reason, f"source {src}: {reason}; over NCCL a failed operation cannot be "
-                    "routed around: the group must be abandoned (the trainer restarts recovery "
-                    "in the next configuration, with a new group)", failures)
+                    f"routed around: {_ABANDON}", failures)
 
         manifests: dict[int, Manifest] = {}
         for src in plan.sources:
