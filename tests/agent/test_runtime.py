@@ -123,6 +123,43 @@ async def test_a_drain_of_the_last_holder_of_the_state_is_refused():
         await cluster.stop()
 
 
+async def test_a_spare_promoted_since_the_last_commit_does_not_count_as_a_holder():
+    # Found by a review: member 1's drain was accepted while the only other rank holder was a
+    # spare just promoted and still receiving the state from member 1; member 1 then stopped
+    # serving it and the job stopped ("no member holds the state").
+    cluster = LocalCluster(2, 2, seed=5)  # ranks: members 1, 2; spares: members 3, 4
+    await cluster.start()
+    try:
+        assert cluster[1].report_commit(7, (1, 2)) is True
+        await cluster[2].stop(leave=False)
+        assert cluster[1].report_unreachable(2, "exited with -9", exited=True) is True
+        await cluster.until(lambda: all(
+            a.configuration.config_id == 1 for a in cluster.live()), timeout_s=15)
+        ranks = tuple(cluster[1].configuration.ranks)
+        assert ranks[0] == 1 and ranks[1] in (3, 4)
+        reply = await cluster[1].drain()
+        assert reply["draining"] is False and reply["reason"] == "last_holder"
+        assert not cluster[1].draining
+        # A step committed in the new group: the promoted spare holds the state now.
+        assert cluster[1].report_commit(8, ranks) is True
+        reply = await cluster[1].drain()
+        assert reply["draining"] is True and reply["rank"] == 0
+    finally:
+        await cluster.stop()
+
+
+async def test_a_commit_in_a_superseded_group_does_not_change_who_counts_as_a_holder():
+    cluster = LocalCluster(2, 1, seed=5)  # ranks: members 1, 2; spare: member 3
+    await cluster.start()
+    try:
+        # Not the current rank map: refused, and the holders stay those of every rank.
+        assert cluster[1].report_commit(3, (1, 3)) is False
+        reply = await cluster[1].drain()
+        assert reply["draining"] is True and reply["rank"] == 0
+    finally:
+        await cluster.stop()
+
+
 async def test_fast_evidence_makes_observers_alert_without_waiting_for_probes():
     cluster = LocalCluster(5, 1, seed=4)
     await cluster.start()

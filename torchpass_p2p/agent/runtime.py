@@ -166,6 +166,9 @@ class AgentRuntime:
         self._hang_reported = False
         self.stopped = False
         self.draining = False
+        self._committed_ranks: tuple[MemberId | None, ...] | None = None
+        """The rank map of the last group in which a step committed here (:meth:`report_commit`):
+        every member in it held the state then. None until the host's first commit."""
         self.failure: BaseException | None = None
         """What ended the timer task other than :meth:`stop` (a bug in the core or in a
         callback). The member then stops as if it had crashed, so that its peers replace it,
@@ -335,6 +338,7 @@ class AgentRuntime:
         if member is None or member.removed or tuple(member.configuration.ranks) != ranks:
             self.report_progress(step, Phase.COLLECTIVE)  # alive, waiting for the change
             return False
+        self._committed_ranks = ranks
         self.report_progress(step, Phase.COMMITTED)
         return True
 
@@ -378,15 +382,24 @@ class AgentRuntime:
         3), so the job would stop although this member still holds the state. Two holders
         drained within one gossip round can still both be accepted; the job then stops cleanly
         (exit 5). (A drain the agent asks for itself, for a failing GPU or a hang, is not
-        refused: that rank cannot train on.)"""
+        refused: that rank cannot train on.)
+
+        Once the host reported a commit (:meth:`report_commit`), only rank holders that were in
+        the group of that commit count: a spare promoted since may still be receiving the
+        state (from this member, which would stop serving it), and is counted once a step
+        commits in the new group."""
         m = self.member
         if m is None or self.stopped or self.draining or self.rank is None:
             return await self._drain()
         others = [h for h in m.configuration.ranks if h is not None and h != self.member_id]
+        if self._committed_ranks is not None:
+            others = [h for h in others if h in self._committed_ranks]
         if not any(m.state_of(h)[0] == MemberState.ALIVE for h in others):
             return {"draining": False, "reason": "last_holder",
-                    "detail": "no other rank holder is alive to hand the state on: the "
-                              "configuration would lose it and stop the job"}
+                    "detail": "no other rank holder is alive and known to hold the state "
+                              "(a spare promoted since the last committed step may still be "
+                              "receiving it): the configuration would lose it and stop the "
+                              "job; retry after the next step"}
         if self.settings.policy is Policy.WAIT and not m.configuration.spares:
             return {"draining": False, "reason": "no_spare",
                     "detail": "no spare to take the rank: under policy wait training would "
