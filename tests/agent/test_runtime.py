@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.agent_vs_sim import simulated_decided_all_p50
 from tests.agent.cluster import LocalCluster
-from torchpass_p2p.agent.runtime import AgentRuntime
+from torchpass_p2p.agent.runtime import AgentRuntime, NotServed
 from torchpass_p2p.agent.transport import Kind, TransportError
 from torchpass_p2p.core import events as ev
 
@@ -232,6 +232,23 @@ async def test_a_service_registered_by_one_member_is_found_by_another_with_the_k
             await cluster[2].lookup_service(1, "store", 1, timeout_s=0.3)
         # One request held 0.25 s, then too little time left to ask again.
         assert cluster[1].transport.traffic["requests_held"] == 2
+    finally:
+        await cluster.stop()
+
+
+async def test_a_service_registered_as_not_served_fails_its_lookups_at_once():
+    cluster = LocalCluster(2, 0, seed=6)
+    await cluster.start()
+    try:
+        lookup = asyncio.create_task(cluster[2].lookup_service(1, "transfer", 3, timeout_s=30))
+        await asyncio.sleep(0.2)  # held by member 1 until it registers
+        cluster[1].register_service("transfer", 3, 0)  # holds no state in configuration 3
+        with pytest.raises(NotServed, match="does not serve 'transfer' for config 3"):
+            await asyncio.wait_for(lookup, 5)
+        assert cluster[1].transport.traffic["requests_held"] == 1  # answered, not retried
+        cluster[1].register_service("transfer", 3, 4242)  # it received the state
+        assert await cluster[2].lookup_service(1, "transfer", 3, timeout_s=5) == (
+            cluster[1].address[0], 4242)
     finally:
         await cluster.stop()
 

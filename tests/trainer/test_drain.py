@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchpass_p2p.agent.runtime import Change
+from torchpass_p2p.agent.runtime import Change, NotServed
 from torchpass_p2p.agent.transport import TransportError
 from torchpass_p2p.collective import GroupSpec, Superseded
 from torchpass_p2p.core.configuration import Configuration
@@ -63,11 +63,13 @@ class ScriptedAgent:
         self.draining = False
         self.changes: list[Change] = []
         self.services: list[tuple[str, int]] = []
+        self.ports: list[int] = []
         self.waited = 0
         self.assigned: Change | None = None
         self.fenced_for: list[bool] = []  # `fenced` after each empty wait, then a rank
         self.callbacks: list[Any] = []
         self.announced: set[int] = set()
+        self.withheld: set[int] = set()  # announced port 0: they serve no state
         self.lookups: list[tuple[int, float]] = []
         self.arrives_in_lookup: list[Change] = []
 
@@ -90,6 +92,7 @@ class ScriptedAgent:
 
     def register_service(self, name: str, config_id: int, port: int) -> None:
         self.services.append((name, config_id))
+        self.ports.append(port)
 
     def lookup_service(self, member: int, name: str, config_id: int, *,
                        timeout_s: float = 30.0) -> tuple[str, int]:
@@ -98,6 +101,8 @@ class ScriptedAgent:
         self.lookups.append((member, timeout_s))
         if member in self.announced:
             return ("127.0.0.1", 7000 + member)
+        if member in self.withheld:
+            raise NotServed(f"member {member:016x} does not serve {name!r}")
         if self.arrives_in_lookup:
             self.changes.append(self.arrives_in_lookup.pop())
         time.sleep(timeout_s)
@@ -180,12 +185,21 @@ def test_a_source_that_never_announces_is_waited_for_only_briefly(trainer: Train
     # fetching itself: the fetch starts from the sources that did announce.
     in_zero(trainer)
     trainer.agent.announced = {PEER, SPARE}
-    found = trainer._find_sources((PEER, LATE, SPARE), 0)
+    found, withheld = trainer._find_sources((PEER, LATE, SPARE), 0)
     assert found == {("127.0.0.1", 7000 + PEER): PEER, ("127.0.0.1", 7000 + SPARE): SPARE}
+    assert withheld == set()
     waited = [t for m, t in trainer.agent.lookups if m == LATE]
     # One round, then the rest of LOOKUP_GRACE_S (the whole LOOKUP_TIMEOUT_S before).
     assert sum(waited) <= loop.LOOKUP_SLICE_S + loop.LOOKUP_GRACE_S + 1e-9
     assert all(t <= loop.LOOKUP_SLICE_S for t in waited)
+
+
+def test_a_source_that_holds_no_state_is_not_waited_for(trainer: Trainer) -> None:
+    in_zero(trainer)
+    trainer.agent.announced, trainer.agent.withheld = {PEER}, {SPARE}
+    found, withheld = trainer._find_sources((PEER, SPARE), 0)
+    assert found == {("127.0.0.1", 7000 + PEER): PEER} and withheld == {SPARE}
+    assert trainer.agent.lookups == [(PEER, loop.LOOKUP_SLICE_S), (SPARE, loop.LOOKUP_SLICE_S)]
 
 
 def test_no_source_announcing_is_waited_for_in_rounds_until_a_change_supersedes(
@@ -420,3 +434,28 @@ def test_a_spare_promoted_and_orphaned_before_it_took_its_rank_stops_the_job(
         trainer._begin()
     [stopped] = events(tmp_path, "job_stopped")
     assert (stopped["config_id"], stopped["resume_step"]) == (2, 0)
+
+
+def test_promoted_spares_without_the_state_stop_the_job_instead_of_waiting_for_each_other(
+        trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review: a spare promoted to rank 1 fetched from the member on rank 0, which
+    died; the spare promoted to rank 0 then fetched from the first, and the first from it,
+    each waiting for the other to announce the state until give_up_s (600 s). Each now
+    announces it serves none, and a member whose every source says so stops the job."""
+    trainer._holds_state = False  # started as a spare (``_begin``)
+    addresses = {m: ("127.0.0.1", 9000 + m) for m in (ME, PEER, SPARE, LATE)}
+    start = Configuration(0, [PEER, SPARE], [ME, LATE], addresses)
+    promoted = change(start, Cut(removed=(SPARE,)), 40)  # rank 1 -> one spare
+    orphaned = change(promoted.configuration, Cut(removed=(PEER,)), 40)  # rank 0 -> the other
+    assert set(orphaned.configuration.ranks) == {ME, LATE} and orphaned.plan.action != "stop"
+    trainer.agent.withheld = {LATE}  # the other promoted spare announced port 0
+    trainer.agent.configuration = orphaned.configuration
+    fetched: list[Any] = []
+    monkeypatch.setattr(trainer.service, "fetch", lambda *a, **kw: fetched.append(a))
+    with pytest.raises(Stopped, match="^configuration 2: no member holds the state"):
+        trainer._enter(orphaned)
+    assert fetched == []
+    announced = list(zip(trainer.agent.services, trainer.agent.ports, strict=True))
+    assert [a for a in announced if a[0][0] == "transfer"] == [(("transfer", 2), 0)]
+    [stopped] = events(tmp_path, "job_stopped")
+    assert (stopped["config_id"], stopped["reason"]) == (2, "no member holds the state")

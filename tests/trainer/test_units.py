@@ -69,11 +69,11 @@ def test_step_seed_is_a_fixed_function_of_seed_rank_step() -> None:
 
 def test_fault_specs() -> None:
     spec = ("kill@37:grad:rank=1, stop@80:commit:rank=2:8,orphan@5:compute:rank=0,"
-            "kill@37:serve:rank=2:0.25,kill@37:enter:rank=3")
+            "kill@37:serve:rank=2:0.25,kill@37:enter:rank=3,kill@60:finish:rank=1")
     assert parse_faults(spec) == [Fault("kill", 37, "grad", 1), Fault("stop", 80, "commit", 2, 8.0),
                                   Fault("orphan", 5, "compute", 0),
                                   Fault("kill", 37, "serve", 2, fraction=0.25),
-                                  Fault("kill", 37, "enter", 3)]
+                                  Fault("kill", 37, "enter", 3), Fault("kill", 60, "finish", 1)]
     assert parse_faults("") == []
     for bad in ("kill@x:grad:rank=1", "boom@1:grad:rank=1", "kill@1:nowhere:rank=1",
                 "kill@1:grad:r=1", "orphans@1:grad:rank=1", "kill@1:serve:rank=1",
@@ -275,7 +275,7 @@ def test_a_retried_fetch_holds_nothing_of_the_attempt_before() -> None:
     trainer.service = FailingService()
     trainer.objects = {}
     trainer.log = lambda *a, **kw: None
-    trainer._find_sources = lambda members, config_id: {("127.0.0.1", 1): members[0]}
+    trainer._find_sources = lambda members, config_id: ({("127.0.0.1", 1): members[0]}, set())
     trainer._poll = lambda: False
     with pytest.raises(TransferFailed) as caught:
         trainer._fetch((5,), 3, 9)

@@ -206,8 +206,8 @@ class Agent:
         return self._call(runtime.drain, timeout_s)
 
     def register_service(self, name: str, config_id: int, port: int) -> None:
-        """Announce a port this process serves ``name`` on for ``config_id`` (see
-        :meth:`~.runtime.AgentRuntime.register_service`)."""
+        """Announce a port this process serves ``name`` on for ``config_id``, or 0 for "not
+        served there" (see :meth:`~.runtime.AgentRuntime.register_service`)."""
         runtime = self._live()
         self._post(runtime.register_service, name, config_id, port)
 
@@ -217,6 +217,8 @@ class Agent:
         registered.
 
         Raises:
+            NotServed: ``member`` registered it as not served (port 0, see
+                :meth:`register_service`).
             TransportError: not registered within ``timeout_s`` seconds.
         """
         runtime = self._live()

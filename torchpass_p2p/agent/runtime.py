@@ -73,6 +73,11 @@ PULSE_LABEL = b"torchpass_p2p pulse v1"
 """HKDF label of the pulse secrets (``Keyring.derive_secrets``)."""
 
 
+class NotServed(TransportError):
+    """A member registered a service as not served for a configuration (port 0): it will not
+    serve it there, so waiting for it is pointless (:meth:`AgentRuntime.register_service`)."""
+
+
 class Phase:
     """Where the training loop is within a step (``report_progress``), DESIGN section 6."""
 
@@ -616,7 +621,9 @@ class AgentRuntime:
         """Announce that this process serves ``name`` for ``config_id`` on ``port`` of this
         member's host (e.g. the rendezvous store of a configuration; DESIGN section 8). Peers
         find it with :meth:`lookup_service`, over the authenticated TCP port; requests that
-        were waiting for it are answered at once."""
+        were waiting for it are answered at once. ``port`` 0 says this member will not serve
+        ``name`` for ``config_id`` (a promoted spare that holds no state yet): lookups then
+        raise :class:`NotServed` at once instead of waiting; a later registration replaces it."""
         self.services[(name, config_id)] = port
         for old in [k for k in self.services if k[0] == name and k[1] < config_id - 2]:
             del self.services[old]  # keep the last few configurations only
@@ -630,6 +637,7 @@ class AgentRuntime:
         this asks again, until ``timeout_s`` seconds passed.
 
         Raises:
+            NotServed: ``member`` registered it as not served (port 0).
             TransportError: not registered within ``timeout_s`` seconds, or ``member`` has no
                 known address.
         """
@@ -655,6 +663,9 @@ class AgentRuntime:
                 continue
             if type(port) is int and 0 < port < 65536:
                 return address[0], port
+            if type(port) is int and port == 0:
+                raise NotServed(f"member {member:016x} does not serve {name!r} for config "
+                                f"{config_id}")
 
     def _member_at(self, address: Address) -> MemberId | None:
         if self.member is not None:

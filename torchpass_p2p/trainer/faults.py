@@ -14,6 +14,8 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
                                  after 37 or more steps to a fetching member (a promoted spare),
                                  as soon as one transfer has been sent a quarter of that
                                  state's bytes: a source dying mid-transfer (S10)
+    kill@60:finish:rank=1        SIGKILL itself after the last of 60 steps, before the final
+                                 barrier: its peers are in that barrier
     kill@37:enter:rank=3         SIGKILL itself as it enters a configuration that resumes at
                                  step 37 holding rank 3 there, just after its change was
                                  decided, before it announces its state: a survivor dying
@@ -32,7 +34,9 @@ Points: ``compute`` (before forward), ``grad`` (forward and backward done, peers
 all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit all-reduce),
 ``enter`` (a rank holder entering a new configuration, its step the resume step and its rank
 the one it holds there; also a rank entering the configuration it was started in, at step 0,
-before its first group forms; not for ``reset``: no operation is in flight), and ``serve``
+before its first group forms; not for ``reset``: no operation is in flight), ``finish``
+(every step applied, before the final barrier that all ranks pass before any leaves: its step
+is the number of steps trained), and ``serve``
 (only for ``kill``; its number is the fraction of the snapshot, ``0 < f < 1``, that one
 transfer has been sent over all its connections: checked after each chunk, so the kill lands
 between two chunks, with the receiver's further requests unanswered). The step of a
@@ -68,7 +72,7 @@ from torchpass_p2p.collective import CollectiveError
 __all__ = ["Fault", "FaultInjector", "InjectedReset", "continue_later", "parse_faults",
            "start_orphan"]
 
-POINTS = ("compute", "grad", "commit", "enter", "serve")
+POINTS = ("compute", "grad", "commit", "enter", "finish", "serve")
 KINDS = ("kill", "stop", "orphan", "reset")
 ORPHAN_SLEEP_S = 3600
 """How long an orphan lives unless killed: far past any test, so only its reaping ends it."""

@@ -72,7 +72,7 @@ from typing import Any
 
 import torch
 
-from torchpass_p2p.agent.runtime import Phase
+from torchpass_p2p.agent.runtime import NotServed, Phase
 from torchpass_p2p.collective import (
     CollectiveError,
     GroupSpec,
@@ -285,13 +285,15 @@ class Trainer:
                 self._begin()
             except (CollectiveError, Superseded) as exc:  # a member failed while starting
                 self._recover(exc)
-            while self.step < steps:
+            while True:  # a failure in the last barrier is recovered from like one in a step
                 try:
-                    self._one_step(loss_fn)
+                    if self.step < steps:
+                        self._one_step(loss_fn)
+                        continue
+                    self._finish()
+                    return self.result
                 except (CollectiveError, Superseded) as exc:
                     self._recover(exc)
-            self._finish()
-            return self.result
         except Removed as exc:
             self.log("removed", step=self.step, config_id=self.config_id,
                      drained=isinstance(exc, Drained), reason=str(exc)[:160])
@@ -389,13 +391,13 @@ class Trainer:
         self.log("step", step=k, loss=votes[1].item(), config_id=self.config_id, rank=rank)
 
     def _await_lease(self) -> None:
-        """After a vetoed commit: wait while this member is fenced. A member on the minority
-        side of a partition stays fenced until the change that removes it
+        """After a vetoed commit or final barrier: wait while this member is fenced. A member on
+        the minority side of a partition stays fenced until the change that removes it
         (:class:`Superseded`); one that was merely paused (woken from SIGSTOP into a change
         decided at that moment, before its first probe was answered) regains its lease within
-        a probe round, and the step is redone. Waiting for a change there would wait for one
-        that never comes. The group stays: no operation failed. Raises :class:`Removed` after
-        ``give_up_s``."""
+        a probe round, and the step (or barrier) is redone. Waiting for a change there would
+        wait for one that never comes. The group stays: no operation failed. Raises
+        :class:`Removed` after ``give_up_s``."""
         since = time.monotonic()
         while self.agent.fenced:
             if self._poll():
@@ -507,8 +509,11 @@ class Trainer:
         if group is not None:
             group.wake()
 
-    def _announce(self, config_id: int) -> None:
-        self.agent.register_service(TRANSFER_SERVICE, config_id, self.service.port)
+    def _announce(self, config_id: int, *, serving: bool = True) -> None:
+        """Tell peers where this member serves its state for ``config_id``, or (``serving``
+        False: it holds none yet) that it serves none there: their lookups fail at once."""
+        self.agent.register_service(TRANSFER_SERVICE, config_id,
+                                    self.service.port if serving else 0)
 
     def _await_change(self, within_s: float | None = None, *,
                       since: float | None = None) -> Any:
@@ -677,6 +682,8 @@ class Trainer:
             raise Incomplete(f"configuration {configuration.config_id} has vacant ranks "
                              f"{list(configuration.vacant_ranks)}")
         self.faults.at(resume, "enter", rank)
+        if not self._holds_state:
+            self._announce(configuration.config_id, serving=False)
         fetch_from = None
         if assigned:
             fetch_from = dict(plan.sources).get(rank, ())
@@ -759,8 +766,16 @@ class Trainer:
         self.log("fetch_started", config_id=config_id, step=step, sources=len(members))
         last: Exception | None = None
         for _ in range(FETCH_ATTEMPTS):
-            found = self._find_sources(members, config_id)
+            found, withheld = self._find_sources(members, config_id)
             addresses = list(found)
+            if not addresses and withheld == set(members):
+                # Every source is a spare promoted before it received the state (their
+                # sources died meanwhile): nobody can ever hand it on. Waiting for the next
+                # change would wait, up to give_up_s, for one that no failure brings.
+                self.log("job_stopped", config_id=config_id, step=self.step,
+                         resume_step=step, reason="no member holds the state")
+                raise Stopped(f"configuration {config_id}: no member holds the state (its "
+                              "holders are spares promoted before they received it)")
             if not addresses:
                 raise TransferError("no_sources", f"no source announced state for {config_id}")
             try:
@@ -780,20 +795,26 @@ class Trainer:
         return self._restored(result, config_id, time.monotonic() - t0, len(addresses),
                               {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
 
-    def _find_sources(self, members: tuple[int, ...], config_id: int) -> dict[Any, int]:
-        """Where ``members`` serve the state of ``config_id``: ``{(host, port): member}``.
-        Waits for every member to announce, but at most :data:`LOOKUP_GRACE_S` after the
-        first did, and at most :data:`LOOKUP_TIMEOUT_S` in all; empty if none did. Raises
-        :class:`Superseded` when a newer configuration changes the ranks meanwhile."""
+    def _find_sources(self, members: tuple[int, ...], config_id: int
+                      ) -> tuple[dict[Any, int], set[int]]:
+        """Where ``members`` serve the state of ``config_id``: ``{(host, port): member}``, and
+        the members that announced they serve none there (they hold no state). Waits for
+        every other member to announce, but at most :data:`LOOKUP_GRACE_S` after the first
+        did, and at most :data:`LOOKUP_TIMEOUT_S` in all. Raises :class:`Superseded` when a
+        newer configuration changes the ranks meanwhile."""
 
         def lookup(member: int, timeout_s: float) -> tuple[str, int] | None:
             try:
                 return self.agent.lookup_service(member, TRANSFER_SERVICE, config_id,
                                                  timeout_s=timeout_s)
+            except NotServed:
+                withheld.add(member)
+                return None
             except Exception:  # noqa: BLE001 - not (yet) announced: asked again, or skipped
                 return None
 
         found: dict[Any, int] = {}
+        withheld: set[int] = set()
         pending = list(members)
         give_up_at = time.monotonic() + LOOKUP_TIMEOUT_S
         with ThreadPoolExecutor(len(members)) as pool:
@@ -805,13 +826,14 @@ class Trainer:
                 for member, address in zip(pending, answers, strict=True):
                     if address is not None:
                         found[address] = member
-                pending = [m for m, a in zip(pending, answers, strict=True) if a is None]
+                pending = [m for m, a in zip(pending, answers, strict=True)
+                           if a is None and m not in withheld]
                 if found and pending:
                     give_up_at = min(give_up_at, time.monotonic() + LOOKUP_GRACE_S)
                 self._drain_changes()  # not _poll: nothing here may act on a same-rank change
                 if self._changes_ranks():
                     raise Superseded
-        return found
+        return found, withheld
 
     def _restored_over_group(self, result: FetchResult, config_id: int, total_s: float,
                              sources: tuple[int, ...]) -> Snapshot:
@@ -875,8 +897,19 @@ class Trainer:
     def _finish(self) -> None:
         group = self.group
         assert group is not None
-        # Everyone holds the final state before anyone leaves (no late promotion of a spare).
-        group.allgather(torch.zeros(1), watch=self._watch)
+        # Everyone holds the final state before anyone leaves (no late promotion of a spare),
+        # and nobody was fenced as it said so: a member woken from a pause past its lease
+        # (replaced meanwhile, perhaps) must not finish as if it still held its rank. Like a
+        # commit's vote (``_one_step``): every rank sees the veto and waits, then all try again.
+        self.faults.at(self.step, "finish", group.spec.rank)
+        while True:
+            vote = torch.tensor([0.0 if self.agent.fenced else 1.0])
+            votes = group.allgather(vote, watch=self._watch)
+            if all(v.item() == 1.0 for v in votes):
+                break
+            self.log("finish_vetoed", step=self.step, config_id=group.config_id,
+                     fenced=self.agent.fenced)
+            self._await_lease()
         self.result.steps = self.step
         self.result.rank = group.spec.rank
         self.result.fingerprint = self._fingerprint()
