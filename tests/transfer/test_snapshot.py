@@ -387,3 +387,48 @@ def test_pickle_as_manifest_is_refused():
     with pytest.raises(PeerError) as e:
         decode_manifest(pickle.dumps({"v": 1}), 1 << 30)
     assert e.value.reason == "bad_manifest"
+
+
+def _by_name(snap: Snapshot) -> dict[str, torch.Tensor]:
+    return {e.name.rsplit(".", 1)[-1]: t for e, t in zip(snap.table, snap.tensors, strict=True)}
+
+
+def test_target_views_that_overlap_are_not_both_received_into():
+    # Found by a review: the receiver's "a" and "e" were views of one buffer, both received
+    # in place; e's bytes overwrote a's tail and the fetch still reported the agreed
+    # fingerprint.
+    source = Snapshot.capture({"m": {"a": torch.arange(1000.0), "e": torch.full((300,), 7.0)}},
+                              step=1)
+    m = decode_manifest(encode_manifest(source, "xxh3"), 1 << 30)
+    buf = torch.zeros(1000)
+    into = Snapshot.capture({"m": {"a": buf, "e": buf[700:]}}, step=0)
+    snap, new = m.allocate(into, 1 << 30)
+    got = _by_name(snap)
+    assert new == 300 * 4
+    assert got["a"].data_ptr() == buf.data_ptr()  # the first in address order, in place
+    end = buf.data_ptr() + buf.numel() * 4
+    assert not buf.data_ptr() <= got["e"].data_ptr() < end  # the other in memory of its own
+    # Disjoint views of one buffer are both received into.
+    whole = torch.zeros(1300)
+    into = Snapshot.capture({"m": {"a": whole[:1000], "e": whole[1000:]}}, step=0)
+    snap, new = m.allocate(into, 1 << 30)
+    assert new == 0 and _by_name(snap)["e"].data_ptr() == whole[1000:].data_ptr()
+
+
+@pytest.mark.parametrize("view", [torch.conj, torch._neg_view])
+def test_a_conjugate_or_negative_view_is_captured_as_its_values(view):
+    # Found by a review: x.conj() shared x's table entry (the same memory) and came back as
+    # x; captured first, it raised RuntimeError instead of a named error or its values.
+    x = torch.tensor([1 + 2j, 3 - 4j])
+    for order in (("x", "v"), ("v", "x")):
+        tensors = {"x": x, "v": view(x)}
+        snap = Snapshot.capture({"m": {k: tensors[k] for k in order}}, step=1)
+        got = snap.state()["objects"]["m"]
+        assert torch.equal(got["x"], x) and torch.equal(got["v"], view(x).resolve_conj()
+                                                               .resolve_neg())
+        assert not got["v"].is_conj() and not got["v"].is_neg()
+
+
+def test_a_meta_tensor_is_refused_with_its_path():
+    with pytest.raises(TypeError, match="^m.w: a meta tensor holds no data"):
+        Snapshot.capture({"m": {"w": torch.empty(3, device="meta")}}, step=1)

@@ -75,6 +75,9 @@ from .snapshot import Snapshot
 PROGRESS_TIMEOUT_S = 10.0
 """A source that moves no byte for 10 s is dropped: a live source on a loaded LAN host moves
 megabytes per second; 10 s is well below the minutes a stuck collective would cost."""
+WATCHDOG_FACTOR = 2.0
+"""The watchdog shuts down a connection whose receive or send has not returned for this many
+times ``progress_timeout_s`` (the kernel's timeout ends one at ``progress_timeout_s``)."""
 CONNECT_TIMEOUT_S = 5.0
 """Connect, handshake and manifest, per source."""
 WINDOW_CHUNKS = 4
@@ -88,8 +91,8 @@ while another source sits idle with the queue empty, is a straggler: its chunks 
 the idle ones while it keeps them, the first verified copy of each counts, and it is dropped
 (``too_slow``) once the others have them all, or one of them has the chunk it is receiving
 (it could be writing that chunk's memory, so that copy is received aside and written over
-it once the straggler's thread has stopped). Otherwise any source that delivers a piece per
-``progress_timeout_s`` (~26 KB/s) kept its window to the end: a review measured ~37 minutes
+it once the straggler's thread has stopped). Otherwise any source that delivers a byte per
+``progress_timeout_s`` kept its window to the end: a review measured ~37 minutes
 for 64 MiB at the defaults while a healthy source idled. Before, the straggler was dropped as
 its chunks moved, and an idle source that had died unnoticed (idle, it reads nothing) failed on
 them: no source left (found by a review). A source behind a 4x slower link is never
@@ -306,8 +309,12 @@ class _Transfer:
             s.conn.shutdown()
 
     async def _watchdog(self) -> None:
-        """Backstop for the sockets' own receive timeout: a busy source whose bytes stopped
-        for ``progress_timeout_s`` is shut down (its thread then fails it ``no_progress``).
+        """Backstop for the sockets' own timeouts: a busy source whose thread has not
+        returned from a call for ``WATCHDOG_FACTOR`` times ``progress_timeout_s`` is shut down
+        (its thread then fails it ``no_progress``). Not at ``progress_timeout_s`` itself: a
+        receive that moved fewer bytes than its piece returns them only when the kernel's
+        timeout ends it, so a source trickling bytes refreshes its progress just then, and the
+        watchdog raced that (a review: such a source was dropped after 3 s, 9 s, or never).
         And the straggler rule: while another source sits idle with nothing left to take, a
         busy one whose oldest chunk has taken ``STRAGGLER_FACTOR`` times the fastest recent
         chunk and over ``STRAGGLER_FLOOR_S`` has its chunks offered to the idle ones, which
@@ -330,7 +337,7 @@ class _Transfer:
                         limit = max(STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * fastest)
                 offered = len(self.offered)
                 for s in busy:
-                    if now - s.conn.last_progress > self.progress_timeout_s:
+                    if now - s.conn.last_progress > WATCHDOG_FACTOR * self.progress_timeout_s:
                         s.failed = "no_progress"
                         drop.append(s)
                     elif (limit is not None and s.inflight and now - s.head_since > limit

@@ -35,8 +35,8 @@ class Refused(PeerError):
         """The refusal an ``error`` frame ``msg`` carries. Its reason comes from the peer, before
         or without proof of the key: a reason no server sends becomes ``refused``, so counters
         keep a bounded set of labels."""
-        reason = msg.get("reason")
-        return cls(reason if reason in REFUSALS else "refused")
+        reason = msg.get("reason")  # any msgpack value: a list is unhashable
+        return cls(reason if type(reason) is str and reason in REFUSALS else "refused")
 
 
 class SnapshotChanged(TransferError):

@@ -87,18 +87,26 @@ class Manifest:
 
     def allocate(self, target: Snapshot | None, max_alloc_bytes: int) -> tuple[Snapshot, int]:
         """The receive snapshot: ``target``'s tensors where name, dtype and shape match (in
-        place), new ones elsewhere. Returns ``(snapshot, bytes_allocated)``. Raises
-        :class:`PeerError` ``too_large`` when new allocations would exceed
-        ``max_alloc_bytes`` or do not fit in memory."""
+        place), new ones elsewhere, and for those whose memory overlaps another's taken in
+        place (views of one buffer: receiving into both would overwrite one with the other).
+        Returns ``(snapshot, bytes_allocated)``. Raises :class:`PeerError` ``too_large`` when
+        new allocations would exceed ``max_alloc_bytes`` or do not fit in memory."""
         have: dict[str, torch.Tensor] = {}
         if target is not None:
             have = {e.name: t for e, t in zip(target.table, target.tensors, strict=True)}
-        tensors, new = [], 0
+        matched: list[torch.Tensor | None] = []
         for e in self.table:
-            dtype = DTYPES[e.dtype]
             t = have.get(e.name)
-            if (t is None or t.dtype != dtype or tuple(t.shape) != e.shape
+            if (t is None or t.dtype != DTYPES[e.dtype] or tuple(t.shape) != e.shape
                     or not t.is_contiguous() or t.device.type != "cpu"):
+                t = None
+            matched.append(t)
+        for i in _overlapping(matched):
+            matched[i] = None
+        tensors, new = [], 0
+        for e, t in zip(self.table, matched, strict=True):
+            dtype = DTYPES[e.dtype]
+            if t is None:
                 new += e.nbytes
                 if new > max_alloc_bytes:
                     raise PeerError("too_large", f"needs more than {max_alloc_bytes} new bytes")
@@ -109,6 +117,20 @@ class Manifest:
             tensors.append(t)
         snap = Snapshot(self.step, list(self.table), tensors, self.tree, self.chunk_bytes)
         return snap, new
+
+
+def _overlapping(tensors: list[torch.Tensor | None]) -> set[int]:
+    """Indices of ``tensors`` (contiguous, host memory) whose bytes overlap those of one kept
+    before it in address order; the others are pairwise disjoint. O(n log n)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+                   for i, t in enumerate(tensors) if t is not None and t.numel())
+    out, reach = set(), 0
+    for start, end, i in spans:
+        if start < reach:
+            out.add(i)
+        else:
+            reach = end
+    return out
 
 
 def encode_manifest(snap: Snapshot, algo: str) -> bytes:

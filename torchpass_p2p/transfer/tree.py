@@ -51,8 +51,11 @@ MAX_DIMS = 32
 def check_tensor(t: torch.Tensor, path: str) -> None:
     """Raises ``TypeError`` naming ``path`` unless ``t`` is a dense tensor of a dtype in
     :data:`DTYPES`."""
-    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
-        raise TypeError(f"{path}: only dense tensors can be transferred, got {t.layout}")
+    if t.device.type == "meta":
+        raise TypeError(f"{path}: a meta tensor holds no data to transfer")
+    if t.layout != torch.strided or t.is_quantized:
+        raise TypeError(f"{path}: only dense tensors can be transferred, got {t.layout}"
+                        f"{' (quantized)' if t.is_quantized else ''}")
     if t.dtype not in DTYPE_NAMES:
         raise TypeError(f"{path}: dtype {t.dtype} is not supported")
 
@@ -72,11 +75,14 @@ class TreeEncoder:
         if t.dim() > MAX_DIMS:
             raise TypeError(f"{path}: {t.dim()} dimensions, over {MAX_DIMS}")
         t = t.detach()
+        # A conjugate or negative view shares its base's memory but not its values.
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
-               tuple(t.stride()), t.dtype, t.device)
+               tuple(t.stride()), t.dtype, t.device, t.is_conj(), t.is_neg())
         index = self._seen.get(key) if t.numel() else None
         if index is None:
             index = len(self.tensors)
+            if t.is_conj() or t.is_neg():
+                t = t.resolve_conj().resolve_neg()  # its values, in memory of their own
             if t.device.type != "cpu":
                 t = t.to("cpu")  # the TCP path stages accelerator tensors through host memory
             elif not t.is_contiguous():
