@@ -148,6 +148,23 @@ async def test_a_spare_promoted_since_the_last_commit_does_not_count_as_a_holder
         await cluster.stop()
 
 
+async def test_before_any_commit_only_the_ranks_started_with_count_as_holders():
+    # Found by a review: with no commit reported (a spare that just received the state, say)
+    # every live rank holder counted, spares promoted meanwhile included.
+    cluster = LocalCluster(2, 2, seed=5)
+    await cluster.start()
+    try:
+        await cluster[2].stop(leave=False)
+        assert cluster[1].report_unreachable(2, "exited with -9", exited=True) is True
+        await cluster.until(lambda: all(
+            a.configuration.config_id == 1 for a in cluster.live()), timeout_s=15)
+        assert tuple(cluster[1].configuration.ranks)[1] in (3, 4)
+        reply = await cluster[1].drain()
+        assert reply["draining"] is False and reply["reason"] == "last_holder"
+    finally:
+        await cluster.stop()
+
+
 async def test_a_commit_in_a_superseded_group_does_not_change_who_counts_as_a_holder():
     cluster = LocalCluster(2, 1, seed=5)  # ranks: members 1, 2; spare: member 3
     await cluster.start()

@@ -173,7 +173,8 @@ class AgentRuntime:
         self.draining = False
         self._committed_ranks: tuple[MemberId | None, ...] | None = None
         """The rank map of the last group in which a step committed here (:meth:`report_commit`):
-        every member in it held the state then. None until the host's first commit."""
+        every member in it held the state then. None until the host's first commit (:meth:`drain`
+        then counts the ranks this member was started with)."""
         self.failure: BaseException | None = None
         """What ended the timer task other than :meth:`stop` (a bug in the core or in a
         callback). The member then stops as if it had crashed, so that its peers replace it,
@@ -389,16 +390,19 @@ class AgentRuntime:
         (exit 5). (A drain the agent asks for itself, for a failing GPU or a hang, is not
         refused: that rank cannot train on.)
 
-        Once the host reported a commit (:meth:`report_commit`), only rank holders that were in
-        the group of that commit count: a spare promoted since may still be receiving the
-        state (from this member, which would stop serving it), and is counted once a step
-        commits in the new group."""
+        Only rank holders known to hold the state count: those in the group of the host's last
+        commit (:meth:`report_commit`), or before any, the ranks of the configuration this
+        member was started in. A spare promoted since may still be receiving the state (from
+        this member, which would stop serving it); it counts once a step commits in its group."""
         m = self.member
         if m is None or self.stopped or self.draining or self.rank is None:
             return await self._drain()
         others = [h for h in m.configuration.ranks if h is not None and h != self.member_id]
-        if self._committed_ranks is not None:
-            others = [h for h in others if h in self._committed_ranks]
+        known = self._committed_ranks
+        if known is None:
+            started = self.settings.configuration
+            known = () if started is None else tuple(started.ranks)
+        others = [h for h in others if h in known]
         if not any(m.state_of(h)[0] == MemberState.ALIVE for h in others):
             return {"draining": False, "reason": "last_holder",
                     "detail": "no other rank holder is alive and known to hold the state "

@@ -490,7 +490,8 @@ class Trainer:
         latest = self._latest
         if latest is not None and latest.configuration.config_id > self.config_id:
             self._log_change(latest, same_ranks=True)
-            self._announce(latest.configuration.config_id)  # same ranks: keep the group
+            # Same ranks: keep the group (a spare still without the state serves none).
+            self._announce(latest.configuration.config_id, serving=self._holds_state)
             self.config_id = latest.configuration.config_id
         return False
 
