@@ -9,6 +9,7 @@ afterwards); or ``kill_at_manifest``: SIGKILL itself once its manifest has left,
 receiver waits ``LATE_POST_S`` before posting its receives (the post itself then fails); or
 ``kill_one_shot``: as ``kill``, with a receiver that follows NCCL's rule (no repair round); or
 ``alloc``: no fault at the sources, a receiver that holds no tensors and cannot allocate any; or
+``wrong_step``: the victim serves the state at step 6 where the plan asks for step 5; or
 ``slow``: the victim takes ``SLOW_CHUNK_S`` (under T) after each chunk, so its stripe takes
 longer than a healthy source's status wait (``STATUS_WAIT_FACTOR * T``) once the other's has
 arrived; or ``cancel``: the victim as ``slow``, and a receiver that cancels its receive once
@@ -139,11 +140,15 @@ async def main(rank: int, world: int, out: str, fault: str, device: str | None,
     sources = tuple(range(world - 1))
     receiver = world - 1
     plan = TransferPlan(sources=sources, config_id=1, receiver=receiver,
-                        progress_timeout_s=PROGRESS_TIMEOUT_S)
+                        progress_timeout_s=PROGRESS_TIMEOUT_S,
+                        step=5 if fault == "wrong_step" else None)
     snap = Snapshot.capture({"model": state(SIZE_MIB)}, step=5, chunk_bytes=CHUNK_BYTES)
     if rank != receiver:
         transport = Victim(fault, device) if rank == 0 else PgTransport(device=device)
-        await transport.provide(snap, plan)
+        served = snap
+        if rank == 0 and fault == "wrong_step":
+            served = Snapshot.capture({"model": state(SIZE_MIB)}, step=6, chunk_bytes=CHUNK_BYTES)
+        await transport.provide(served, plan)
         return
     into = Snapshot.capture({"model": {k: t.zero_() for k, t in state(SIZE_MIB).items()}},
                             step=0, chunk_bytes=CHUNK_BYTES)

@@ -169,3 +169,17 @@ def test_a_cancelled_receive_leaves_the_target_alone(device):
     assert report == {"outcome": "cancelled", "complete_at_cancel": False,
                       "partial_at_cancel": True, "changed_after_cancel": False}
     assert codes == [3, 3, 0]
+
+
+@pytest.mark.slow
+def test_a_source_at_another_step_is_dropped_and_its_stripe_moves(device):
+    # The plan asks for step 5; the victim serves step 6 (TCP sources refuse: step_mismatch).
+    # It is dropped at its manifest, told so without waiting (it listens only once its stripe,
+    # which nobody receives, is sent: a wait timed out and gloo closed the whole group, the
+    # healthy source's connection too, found by a review), and its stripe comes from the other.
+    report, codes = run("wrong_step", 3, device)
+    assert report["failures"] == {"step_mismatch": 1}, report
+    assert report["tensors_equal"] and report["fingerprint_equal"] and report["in_place"]
+    assert report["bytes_by_source"] == {"0": 0, "1": report["total_bytes"]}
+    assert report["refetched"] == report["num_chunks"] // 2
+    assert codes[1:] == [0, 0]

@@ -614,9 +614,14 @@ class PgTransport(Transport):
                     f"routed around: {_ABANDON}", failures)
 
         manifests: dict[int, Manifest] = {}
+        told: list[Any] = []  # aborts posted to sources dropped for their manifest
         for src in plan.sources:
             try:
-                manifests[src] = self._recv_manifest(dev, src, t)
+                manifest = self._recv_manifest(dev, src, t)
+                if plan.step is not None and manifest.step != plan.step:
+                    raise TransferFailed("step_mismatch",
+                                         f"source {src} at step {manifest.step}, not {plan.step}")
+                manifests[src] = manifest
                 alive.append(src)
             except _Lost as e:
                 drop(src, e.reason, e.detail)
@@ -624,7 +629,13 @@ class PgTransport(Transport):
                 failures[e.reason] += 1
                 if one_shot:  # its stripe is already posted: a status would never match
                     raise TransferFailed(e.reason, e.detail, failures) from None
-                self._release(dev, [src], t, abort=True)
+                # Told, never waited on: it listens only once its stripe is sent, which nobody
+                # receives, so a wait would time out and gloo would close the whole group,
+                # the healthy sources' connections too (a review: the transfer failed).
+                try:
+                    told += self._post_status(dev, src, [], abort=True)
+                except _Lost:
+                    pass
         try:
             if not alive:
                 raise TransferFailed("no_sources_left", f"failures {dict(failures)}", failures)
