@@ -10,13 +10,13 @@ receiver waits ``LATE_POST_S`` before posting its receives (the post itself then
 ``kill_one_shot``: as ``kill``, with a receiver that follows NCCL's rule (no repair round); or
 ``alloc``: no fault at the sources, a receiver that holds no tensors and cannot allocate any; or
 ``wrong_step``: the victim serves the state at step 6 where the plan asks for step 5; or
-``slow``: the victim takes ``SLOW_CHUNK_S`` (under T) after each chunk, so its stripe takes
-longer than a healthy source's status wait (``STATUS_WAIT_FACTOR * T``) once the other's has
-arrived; or ``cancel``: the victim as ``slow``, and a receiver that cancels its receive once
-the first bytes have landed, then records whether the target changed before every source
-has ended. The receiver writes its outcome as JSON (with ``detail``, a ``TransferFailed``'s
-text) and every rank leaves with ``os._exit`` (a group with a dead or stopped peer is not torn
-down: destroying it can block)."""
+``slow`` / ``slower``: the victim takes ``SLOW_CHUNK_S`` / ``SLOWER_CHUNK_S`` (under T) after each
+chunk, so its stripe takes longer than a healthy source's status wait (``STATUS_WAIT_FACTOR * T``)
+once the other's has arrived; or ``cancel``: the victim as ``slow``, and a receiver that cancels its
+receive once the first bytes have landed, then records whether the target changed before every
+source has ended. The receiver writes its outcome as JSON (with ``detail``, a ``TransferFailed``'s
+text) and every rank leaves with ``os._exit`` (a group with a dead or stopped peer is not torn down:
+destroying it can block)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,10 @@ that gloo has seen the victim's connection reset first."""
 SLOW_CHUNK_S = 1.0
 """``slow``: half of T per chunk (every chunk well within T), 8 s for the victim's 8 chunks,
 more than the 6 s a healthy source waits without a word from the receiver."""
+SLOWER_CHUNK_S = 1.6
+"""``slower``: as ``slow``, at 0.8 T per chunk: the receiver, taking chunks in posting order
+only, heard from the healthy source's last chunks only after up to four of the victim's (a
+review: the healthy source concluded receiver_lost after 3T)."""
 GROUP_TIMEOUT_S = 600.0
 """Far above the transfer's own deadline: only ``progress_timeout_s`` may end a wait."""
 
@@ -59,8 +63,9 @@ class Victim(PgTransport):
 
     def chunk_sent(self, index: int) -> None:
         self.sent += 1
-        if self.fault in ("slow", "cancel"):
-            time.sleep(SLOW_CHUNK_S)  # slow but moving: each chunk well within T
+        if self.fault in ("slow", "cancel", "slower"):
+            # Slow but moving: each chunk within T.
+            time.sleep(SLOWER_CHUNK_S if self.fault == "slower" else SLOW_CHUNK_S)
             return
         if self.sent != 2:
             return

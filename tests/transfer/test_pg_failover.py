@@ -183,3 +183,17 @@ def test_a_source_at_another_step_is_dropped_and_its_stripe_moves(device):
     assert report["bytes_by_source"] == {"0": 0, "1": report["total_bytes"]}
     assert report["refetched"] == report["num_chunks"] // 2
     assert codes[1:] == [0, 0]
+
+
+@pytest.mark.slow
+def test_a_healthy_source_waits_out_a_co_source_near_t_per_chunk(device, request):
+    # As above at SLOWER_CHUNK_S = 0.8 T per chunk (a review). The victim, still in its last
+    # chunk's pause when the others end, may be killed by ``run``.
+    if device is not None:
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="staged over gloo: a receive reports completion only once "
+            "waited on, so the healthy source's last chunks wait behind the slow one's "
+            "(_recv_staged)"))
+    report, codes = run("slower", 3, device)
+    assert codes[1:] == [0, 0], report
+    assert report["failures"] == {} and report["tensors_equal"] and report["fingerprint_equal"]

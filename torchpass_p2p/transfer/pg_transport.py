@@ -548,9 +548,15 @@ class PgTransport(Transport):
                      drop: Callable[..., None], speak: _KeepAlive,
                      stop: threading.Event) -> None:
         """One round through ``staging``: ``SEND_WINDOW_CHUNKS`` receives per live source
-        posted (as many as the sources keep in flight), waited on in order, each copied out
-        into target memory; then its buffer takes the next chunk. A source whose last chunk
-        is in is told the receiver still works (``speak``), between two waits."""
+        posted (as many as the sources keep in flight), each copied out into target memory
+        once complete; then its buffer takes the next chunk. Receives that report completion
+        are taken first, in any order; only when none does is the oldest waited on. A source
+        whose last chunk is in is told the receiver still works (``speak``), between two
+        waits. NCCL's receives report completion (a CUDA event); gloo's only once waited on,
+        so over gloo this is the wait in posting order, where a healthy source's last chunks
+        wait behind a slow source's window: with chunks slower than ~0.75 T, past the 3T it
+        waits for a word, it concludes receiver_lost (a review; test_pg_failover's
+        ``slower``)."""
         pg = self._pg()
         queue = deque(assign.items())
         left = Counter(src for src in assign.values() if src in alive)
@@ -573,22 +579,25 @@ class PgTransport(Transport):
                 pending.append((i, src, buf, view, work))
             if not pending:
                 return
-            i, src, buf, view, work = pending.popleft()
-            if src not in alive:
-                continue  # given up on: the buffer stays out of use (late bytes may land)
-            try:
-                _wait(work, timeout_s)
-            except _Lost as e:
-                drop(src, e.reason, e.detail)
-                continue
-            if stop.is_set():
-                raise _Stopped  # before the copy: nothing lands in the target after a cancel
-            staging.unpack(view, target.segment_tensors(i))
-            staging.give(buf)
-            left[src] -= 1
-            if not left[src]:
-                speak.arrived(src)
-            speak.tick(alive)
+            ready = [p for p in pending if p[1] in alive and p[4].is_completed()]
+            for entry in ready or [pending[0]]:
+                pending.remove(entry)
+                i, src, buf, view, work = entry
+                if src not in alive:
+                    continue  # given up on: the buffer stays out of use (late bytes may land)
+                try:
+                    _wait(work, timeout_s)
+                except _Lost as e:
+                    drop(src, e.reason, e.detail)
+                    continue
+                if stop.is_set():
+                    raise _Stopped  # before the copy: nothing lands in the target after a cancel
+                staging.unpack(view, target.segment_tensors(i))
+                staging.give(buf)
+                left[src] -= 1
+                if not left[src]:
+                    speak.arrived(src)
+                speak.tick(alive)
 
     def _receive(self, plan: TransferPlan, into: Any, dev: torch.device | None,
                  one_shot: bool, stop: threading.Event) -> FetchResult:
