@@ -10,6 +10,7 @@ receiver waits ``LATE_POST_S`` before posting its receives (the post itself then
 ``kill_one_shot``: as ``kill``, with a receiver that follows NCCL's rule (no repair round); or
 ``alloc``: no fault at the sources, a receiver that holds no tensors and cannot allocate any; or
 ``wrong_step``: the victim serves the state at step 6 where the plan asks for step 5; or
+``corrupt``: the victim flips a byte of chunk 0 once its manifest (its digests) has left; or
 ``slow`` / ``slower``: the victim takes ``SLOW_CHUNK_S`` / ``SLOWER_CHUNK_S`` (under T) after each
 chunk, so its stripe takes longer than a healthy source's status wait (``STATUS_WAIT_FACTOR * T``)
 once the other's has arrived; or ``cancel``: the victim as ``slow``, and a receiver that cancels its
@@ -72,6 +73,8 @@ class Victim(PgTransport):
         if self.fault in ("kill", "kill_one_shot"):
             os.kill(os.getpid(), signal.SIGKILL)  # never returns
             return
+        if self.fault != "stop":
+            return
         # Hung for good: a SIGCONT from elsewhere (in one local run of the suite something
         # resumed the stopped victim within 2 s, which then sent its whole stripe) stops it
         # again at once, and says so.
@@ -84,6 +87,8 @@ class Victim(PgTransport):
     def manifest_sent(self) -> None:
         if self.fault == "kill_at_manifest":
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.fault == "corrupt":  # after its digests were announced: chunk 0 fails its own
+            self.served.tensors[0].view(-1).view(torch.uint8)[0] ^= 1
 
 
 class OneShotReceiver(PgTransport):
@@ -153,6 +158,7 @@ async def main(rank: int, world: int, out: str, fault: str, device: str | None,
         served = snap
         if rank == 0 and fault == "wrong_step":
             served = Snapshot.capture({"model": state(SIZE_MIB)}, step=6, chunk_bytes=CHUNK_BYTES)
+        transport.served = served  # type: ignore[attr-defined]
         await transport.provide(served, plan)
         return
     into = Snapshot.capture({"model": {k: t.zero_() for k, t in state(SIZE_MIB).items()}},
@@ -208,6 +214,9 @@ if __name__ == "__main__":
     except TransferFailed as e:
         print(f"rank {r}: {e!r}", file=sys.stderr, flush=True)
         code = 3
+        if r == 0 and fault == "corrupt":  # the victim's own outcome, for the test
+            with open(f"{out_path}.victim", "w") as f:
+                f.write(e.reason)
     except BaseException:
         traceback.print_exc()
         code = 1
@@ -216,7 +225,7 @@ if __name__ == "__main__":
         # their connections before they read its last status); the store is not the group.
         # With no victim (``slow``), every source, so the test sees every exit code.
         if r == w - 1:
-            first = 0 if fault == "slow" else 1
+            first = 0 if fault in ("slow", "corrupt") else 1
             store.wait([f"done{k}" for k in range(first, w - 1)],
                        datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         else:

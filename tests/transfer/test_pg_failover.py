@@ -50,6 +50,9 @@ def run(fault: str, world: int, device: str | None,
                     p.kill()
                 p.wait()
         report = json.loads(Path(out).read_text())
+        victim = Path(f"{out}.victim")
+        if victim.exists():
+            report["victim"] = victim.read_text()
         detail = report.pop("detail", None)
         if details is not None and detail is not None:
             details.append(detail)
@@ -197,3 +200,16 @@ def test_a_healthy_source_waits_out_a_co_source_near_t_per_chunk(device, request
     report, codes = run("slower", 3, device)
     assert codes[1:] == [0, 0], report
     assert report["failures"] == {} and report["tensors_equal"] and report["fingerprint_equal"]
+
+
+@pytest.mark.slow
+def test_a_source_that_sent_a_bad_chunk_is_told_at_once(device):
+    # Its chunk is fetched again from the other source, and it is told it was given up on,
+    # so it ends now (receiver_aborted) instead of waiting 3T for a word from the receiver
+    # (receiver_lost: a review). The receiver waits for it to end.
+    report, codes = run("corrupt", 3, device)
+    assert report.pop("victim") == "receiver_aborted"
+    assert report["failures"] == {"bad_chunk": 1}, report
+    assert report["refetched"] == 1  # chunk 0 (its other chunks passed their digests)
+    assert report["tensors_equal"] and report["fingerprint_equal"]
+    assert codes == [3, 0, 0]

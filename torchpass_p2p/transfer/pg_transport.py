@@ -486,6 +486,17 @@ class PgTransport(Transport):
         return [_post(self._pg().send, [m if dev is None else m.to(dev)], src, _TAG_STATUS)
                 for m in msgs]
 
+    def _abort(self, dev: torch.device | None, src: int) -> list[Any]:
+        """Tell ``src``, dropped, that the receiver gave up on it; returns the sends to keep
+        referenced until the transfer ends. Never waited on: a source dropped for its manifest
+        listens only once its stripe is sent, which nobody receives, so a wait would time out
+        and gloo would close the whole group, the healthy sources' connections too (a review:
+        one bad manifest failed the transfer)."""
+        try:
+            return self._post_status(dev, src, [], abort=True)
+        except _Lost:
+            return []
+
     def _status(self, dev: torch.device | None, src: int, chunks: Sequence[int],
                 timeout_s: float) -> None:
         """Tell ``src`` which chunks to send next (``_post_status``) and wait until it has."""
@@ -638,13 +649,7 @@ class PgTransport(Transport):
                 failures[e.reason] += 1
                 if one_shot:  # its stripe is already posted: a status would never match
                     raise TransferFailed(e.reason, e.detail, failures) from None
-                # Told, never waited on: it listens only once its stripe is sent, which nobody
-                # receives, so a wait would time out and gloo would close the whole group,
-                # the healthy sources' connections too (a review: the transfer failed).
-                try:
-                    told += self._post_status(dev, src, [], abort=True)
-                except _Lost:
-                    pass
+                told += self._abort(dev, src)
         try:
             if not alive:
                 raise TransferFailed("no_sources_left", f"failures {dict(failures)}", failures)
@@ -701,7 +706,9 @@ class PgTransport(Transport):
                         continue
                     missing.append(i)
                     if assign[i] in alive:  # it completed its sends: the bytes were bad
-                        drop(assign[i], "bad_chunk")
+                        bad = assign[i]
+                        drop(bad, "bad_chunk")
+                        told += self._abort(dev, bad)  # else it waits out its 3T for a word
                 if not missing:
                     break
                 if not alive:
