@@ -184,7 +184,10 @@ async def test_one_source_is_received_over_two_connections(snap, keys):
 
 @pytest.mark.usefixtures("streams_for_small_states")
 async def test_a_sources_connections_count_once(snap, keys):
-    servers = await serving(snap, keys, CorruptServer, TransferServer)
+    servers = await serving(snap, keys, CorruptServer, GatedServer)
+    # The healthy source waits until the corrupt one has sent a chunk: on a loaded machine it
+    # could serve the whole state first, and nothing was corrupted (one CI run).
+    servers[1].ready = lambda _: servers[0].stats["chunks"] >= 1
     try:
         res = await fetch([s.address for s in servers], keys, CONFIG, streams=4, window=1)
         assert res.failures == {"bad_chunk": 1}  # before: 2, one per connection
