@@ -10,7 +10,9 @@ receiver waits ``LATE_POST_S`` before posting its receives (the post itself then
 ``kill_one_shot``: as ``kill``, with a receiver that follows NCCL's rule (no repair round); or
 ``alloc``: no fault at the sources, a receiver that holds no tensors and cannot allocate any; or
 ``wrong_step``: the victim serves the state at step 6 where the plan asks for step 5; or
-``corrupt``: the victim flips a byte of chunk 0 once its manifest (its digests) has left; or
+``layout``: the victim stages its messages where the others do not, or the reverse (a
+mismatched ``device``); or ``corrupt``: the victim flips a byte of chunk 0 once its manifest
+(its digests) has left; or
 ``slow`` / ``slower``: the victim takes ``SLOW_CHUNK_S`` / ``SLOWER_CHUNK_S`` (under T) after each
 chunk, so its stripe takes longer than a healthy source's status wait (``STATUS_WAIT_FACTOR * T``)
 once the other's has arrived; or ``cancel``: the victim as ``slow``, and a receiver that cancels its
@@ -154,7 +156,8 @@ async def main(rank: int, world: int, out: str, fault: str, device: str | None,
                         step=5 if fault == "wrong_step" else None)
     snap = Snapshot.capture({"model": state(SIZE_MIB)}, step=5, chunk_bytes=CHUNK_BYTES)
     if rank != receiver:
-        transport = Victim(fault, device) if rank == 0 else PgTransport(device=device)
+        mine = ("cpu" if device is None else None) if fault == "layout" else device
+        transport = Victim(fault, mine) if rank == 0 else PgTransport(device=device)
         served = snap
         if rank == 0 and fault == "wrong_step":
             served = Snapshot.capture({"model": state(SIZE_MIB)}, step=6, chunk_bytes=CHUNK_BYTES)
@@ -214,7 +217,7 @@ if __name__ == "__main__":
     except TransferFailed as e:
         print(f"rank {r}: {e!r}", file=sys.stderr, flush=True)
         code = 3
-        if r == 0 and fault == "corrupt":  # the victim's own outcome, for the test
+        if r == 0 and fault in ("corrupt", "layout"):  # the victim's own outcome, for the test
             with open(f"{out_path}.victim", "w") as f:
                 f.write(e.reason)
     except BaseException:
@@ -225,7 +228,7 @@ if __name__ == "__main__":
         # their connections before they read its last status); the store is not the group.
         # With no victim (``slow``), every source, so the test sees every exit code.
         if r == w - 1:
-            first = 0 if fault in ("slow", "corrupt") else 1
+            first = 0 if fault in ("slow", "corrupt", "layout") else 1
             store.wait([f"done{k}" for k in range(first, w - 1)],
                        datetime.timedelta(seconds=GROUP_TIMEOUT_S))
         else:

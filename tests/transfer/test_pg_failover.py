@@ -213,3 +213,18 @@ def test_a_source_that_sent_a_bad_chunk_is_told_at_once(device):
     assert report["refetched"] == 1  # chunk 0 (its other chunks passed their digests)
     assert report["tensors_equal"] and report["fingerprint_equal"]
     assert codes == [3, 0, 0]
+
+
+@pytest.mark.slow
+def test_a_source_with_the_other_wire_layout_is_dropped_at_its_manifest(device):
+    # The victim stages where the receiver does not (or the reverse): a staged chunk is one
+    # message, an unstaged one a message per segment, and gloo aborted the receiving process on
+    # a message larger than the receive posted for it. Its manifest header says which; it is
+    # dropped there (bad_manifest), told so, and its stripe comes from the other source.
+    report, codes = run("layout", 3, device)
+    victim = report.pop("victim")
+    assert victim in ("receiver_aborted", "no_progress"), victim
+    assert report["failures"] == {"bad_manifest": 1}, report
+    assert report["tensors_equal"] and report["fingerprint_equal"] and report["in_place"]
+    assert report["bytes_by_source"] == {"0": 0, "1": report["total_bytes"]}
+    assert codes == [3, 0, 0]

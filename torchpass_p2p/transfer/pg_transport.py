@@ -10,9 +10,12 @@ counterpart here.
 
 Protocol (ranks from the plan; source ``j`` of ``n``; every wait bounded, see below):
 
-1. each source sends its manifest: an ``int64[1]`` length, then ``uint8[length]`` bytes;
+1. each source sends its manifest: an ``int64[2]`` header (length, wire layout: 0 a message
+   per tensor segment, 1 one staged message per chunk), then ``uint8[length]`` bytes;
 2. the receiver checks the sources agree (or match ``expected_fingerprint``) and builds its
-   target, receiving in place where it holds matching tensors;
+   target, receiving in place where it holds matching tensors; a source whose layout is not
+   the receiver's is dropped (``bad_manifest``): gloo aborts the process on a message larger
+   than the receive posted for it, so the layouts must match before any chunk is received;
 3. source ``j`` sends chunks ``i`` with ``i % n == j`` (each as its tensor segments, straight
    from snapshot memory, ``isend``), the receiver posts the matching ``irecv`` into target
    memory, all outstanding at once so every source streams concurrently;
@@ -105,6 +108,8 @@ _TAG_MANIFEST = 1
 _TAG_DATA = 2
 _TAG_STATUS = 3
 _TAG_CLOSE = 4
+_LAYOUT_SEGMENTS = 0
+_LAYOUT_STAGED = 1
 """Never sent: a receive on it can only time out, which is how ``_close_group`` closes a gloo
 group."""
 _TAG_REPAIR = 16
@@ -314,7 +319,8 @@ class PgTransport(Transport):
         """``device``: stage every message through buffers on this device (see the module's
         "Wire memory"); ``None``: the group's backend decides when the transfer starts (NCCL:
         the current CUDA device; gloo: no staging). Both ends must stage or both not: a staged
-        chunk is one message, an unstaged one a message per tensor segment."""
+        chunk is one message, an unstaged one a message per tensor segment (the receiver drops
+        a source that does otherwise, ``bad_manifest``)."""
         self.group = group
         self.algo = algo
         self.device = None if device is None else torch.device(device)
@@ -389,8 +395,9 @@ class PgTransport(Transport):
         staging = (None if dev is None
                    else _Staging(dev, min(snap.chunk_bytes, snap.total_bytes)))
         body = encode_manifest(snap, self.algo)
+        head = [len(body), _LAYOUT_SEGMENTS if dev is None else _LAYOUT_STAGED]
         try:
-            _send(dev, torch.tensor([len(body)], dtype=torch.int64), dst, g, _TAG_MANIFEST, t)
+            _send(dev, torch.tensor(head, dtype=torch.int64), dst, g, _TAG_MANIFEST, t)
             _send(dev, torch.frombuffer(bytearray(body), dtype=torch.uint8), dst, g,
                   _TAG_MANIFEST, t)
             self.manifest_sent()
@@ -464,12 +471,23 @@ class PgTransport(Transport):
             worker.exception()  # its outcome is moot (cancelled); retrieved, so never logged
 
     def _recv_manifest(self, dev: torch.device | None, src: int, timeout_s: float) -> Manifest:
-        size = int(_recv(dev, torch.zeros(1, dtype=torch.int64), src, self._pg(),
-                         _TAG_MANIFEST, timeout_s))
+        """``src``'s manifest. Raises ``TransferFailed`` ``bad_manifest`` for a size out of
+        bounds, an undecodable body, or a wire layout other than this receiver's (its chunks
+        could not be received: module, protocol step 2); ``_Lost`` if ``src`` is lost."""
+        size, layout = _recv(dev, torch.zeros(2, dtype=torch.int64), src, self._pg(),
+                             _TAG_MANIFEST, timeout_s).tolist()
         if not 0 < size <= self.max_manifest_bytes:
             raise TransferFailed("bad_manifest", f"size {size}")
         buf = _recv(dev, torch.empty(size, dtype=torch.uint8), src, self._pg(), _TAG_MANIFEST,
                     timeout_s)
+        mine = _LAYOUT_SEGMENTS if dev is None else _LAYOUT_STAGED
+        if layout != mine:
+            staged = {_LAYOUT_SEGMENTS: "a message per tensor segment",
+                      _LAYOUT_STAGED: "one staged message per chunk"}
+            raise TransferFailed(
+                "bad_manifest", f"source {src} sends {staged.get(layout, f'layout {layout}')}, "
+                f"this receiver takes {staged[mine]}: both ends must stage or neither "
+                "(PgTransport's device)")
         try:
             return decode_manifest(buf.numpy().tobytes(), self.max_state_bytes)
         except TransferError as e:
