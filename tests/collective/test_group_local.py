@@ -1,5 +1,6 @@
 """A ManagedGroup in one process (world size 1, gloo): its operations keep the input's device,
-and interrupting it while an operation of the caller's own is in flight retires it as stuck;
+and interrupting it while an operation of the caller's own is in flight retires it as stuck
+and (world size 2 in two threads) fails that operation and the peer's at once;
 ``wake()`` ends the wait slice of an operation hung on a silent peer (world size 2 in two
 threads). The NCCL wait (completion polled, never the future) against a scripted work
 object."""
@@ -45,18 +46,44 @@ def test_interrupt_retires_a_ready_group_as_stuck_and_keeps_it_referenced() -> N
     assert len(group_module._STUCK) == before + 1
 
 
-@pytest.mark.timeout(60)  # a wake that did not end the hour-long slice fails here
-def test_wake_runs_the_watch_of_an_operation_hung_on_a_silent_peer_at_once() -> None:
+def _pair(timeout_s: float) -> list[Any]:
+    """Both ranks of a gloo group of two, built in two threads of this process."""
     store, pgs = dist.HashStore(), [None, None]
 
     def connect(rank: int) -> None:
-        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=30))
+        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
 
     threads = [threading.Thread(target=connect, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    return pgs
+
+
+@pytest.mark.timeout(60)
+def test_interrupt_fails_the_operations_in_flight_here_and_at_the_peer_at_once() -> None:
+    # A state transfer in flight when a newer configuration comes: gloo cannot abort it, and
+    # it reports a dead peer often only as a timeout; closing the connections ends the
+    # receiver's wait and the peer's (a source waiting for a status) with a closed pair, not
+    # after the group's or the transfer's timeout.
+    pgs = _pair(timeout_s=600.0)
+    g = ManagedGroup(pgs[0], GroupSpec(9, 0, 2, 1), "gloo")
+    mine = pgs[0].recv([torch.empty(4)], 1, 2)  # a chunk that rank 1 never sends
+    theirs = pgs[1].recv([torch.empty(1)], 0, 3)  # rank 1 waits for a status
+    g.interrupt()
+    assert g.state == "stuck" and g.process_group is None
+    errors = []
+    for work in (mine, theirs):
+        with pytest.raises(RuntimeError) as e:
+            work.wait(datetime.timedelta(seconds=30))
+        errors.append(str(e.value))
+    assert "pair closure" in errors[0] and "Connection closed by peer" in errors[1], errors
+
+
+@pytest.mark.timeout(60)  # a wake that did not end the hour-long slice fails here
+def test_wake_runs_the_watch_of_an_operation_hung_on_a_silent_peer_at_once() -> None:
+    pgs = _pair(timeout_s=30.0)
     g = ManagedGroup(pgs[0], GroupSpec(8, 0, 2, 1), "gloo")
     changed, watched = threading.Event(), []
 

@@ -2,7 +2,9 @@
 
 Theory of operation (DESIGN sections 8 and 13). gloo operations cannot be aborted in place:
 ``abort()``, ``shutdown()`` and destroying the group from another thread all return without
-freeing a blocked operation. So a :class:`ManagedGroup` never blocks in one: every operation is
+freeing a blocked operation (only a wait that times out does: gloo then closes every connection
+of the group, :func:`close_connections`, which fails every operation in flight on it and the
+peers' too). So a :class:`ManagedGroup` never blocks in one: every operation is
 started asynchronously, and the caller's thread waits for its completion in slices of
 ``slice_s`` seconds, calling ``watch()`` between slices and at once after
 :meth:`ManagedGroup.wake` (gloo: on the work's future; NCCL: by polling the work's completion,
@@ -41,7 +43,7 @@ from .reduce import divide, from_shards, sum_in_rank_order, to_shards
 from .rendezvous import STORE_TIMEOUT_S, ServiceDirectory, StoreKeeper, connect_store
 
 __all__ = ["CollectiveError", "GroupSpec", "ManagedGroup", "Superseded", "build_group",
-           "exit_process"]
+           "close_connections", "exit_process"]
 
 Watch = Callable[[], bool]
 """Called between wait slices; True: stop waiting, a newer configuration is due."""
@@ -54,6 +56,11 @@ SHARDED_MIN_BYTES = 1 << 20
 all-gather) instead of gathering whole buffers. Measured with 4 gloo processes on this 2-core
 machine (``python -m benchmarks.rank_order_mean``): 2.8x faster at 10 and 100 MB, 1.2x at
 1 MB, and 0.9x at 0.4 MB, where the extra round trip costs more than the bytes it saves."""
+CLOSE_TAG = 4
+"""The point-to-point tag :func:`close_connections` receives on: one nobody sends (the state
+transfer's tags are others)."""
+CLOSE_WAIT = datetime.timedelta(milliseconds=1)
+"""How long :func:`close_connections` waits on its never-matched receive: any timeout closes."""
 POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
 """Bounds of the backoff between completion polls of an NCCL operation: at most 1 ms added
@@ -227,6 +234,31 @@ def _make_pg(backend: str, store: dist.Store, spec: GroupSpec,
     return nccl(store, spec.rank, spec.world_size, opts)
 
 
+def close_connections(pg: Any, peers: list[int] | tuple[int, ...]) -> bool:
+    """Close every connection of process group ``pg`` from this thread, so that every operation
+    in flight on it, here and at its peers, fails at once and none can complete (and write into
+    its buffers) any more. gloo offers no abort that frees a posted operation (DESIGN section
+    13), but a wait that times out closes every connection of the group (measured: the next
+    operation with any peer fails with "Application timeout caused pair closure"): a receive
+    from a peer of ``peers`` on :data:`CLOSE_TAG`, which nobody sends, waited on for
+    :data:`CLOSE_WAIT`; a peer whose connection is already closed fails it at once, so the next
+    is tried. NCCL: ``abort()``. Returns whether the group was closed (False: it could not be,
+    or every pair tried was already closed). Never raises."""
+    if pg.name() == "nccl":
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - best effort: the group is given up
+            return False
+        return True
+    for peer in peers:
+        try:
+            pg.recv([torch.empty(1, dtype=torch.uint8)], peer, CLOSE_TAG).wait(CLOSE_WAIT)
+        except RuntimeError as e:
+            if "timed out" in str(e).lower():
+                return True
+    return False
+
+
 class ManagedGroup:
     """The process group of one configuration (module docstring). Build with
     :func:`build_group`.
@@ -357,11 +389,16 @@ class ManagedGroup:
 
     def interrupt(self) -> None:
         """Give the group up while the caller's own operation on :attr:`process_group` (a
-        point-to-point state transfer) is in flight in another thread: NCCL aborts in place,
-        which fails that operation at once; gloo cannot be aborted, so its operation ends by
-        itself (a closed peer, or its own timeout). The group is kept referenced (stuck)."""
+        point-to-point state transfer) is in flight in another thread: its connections are
+        closed (:func:`close_connections`: NCCL aborts, gloo closes them by a timed-out wait),
+        which fails that operation at once, and its peers' operations on the group too. The
+        group is kept referenced (stuck)."""
         if self.state == "ready":
-            self._retire("stuck", None)
+            pg, me = self._pg, self.spec.rank
+            close_connections(pg, [r for r in range(self.spec.world_size) if r != me])
+            self._pg = None
+            self.state = "stuck"
+            _STUCK.append((pg, None))
 
     def _retire(self, state: str, work: Any) -> None:
         if state == "stuck":

@@ -16,6 +16,7 @@ the same ``state_transport``. Over NCCL this is NVLink or RDMA
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -25,8 +26,8 @@ import torch
 
 from torchpass_p2p.collective import ManagedGroup, Superseded
 from torchpass_p2p.transfer import FetchResult, Snapshot
-from torchpass_p2p.transfer.pg_transport import PgTransport
-from torchpass_p2p.transfer.transport import TransferPlan
+from torchpass_p2p.transfer.pg_transport import CANCEL_WAIT_FACTOR, PgTransport
+from torchpass_p2p.transfer.transport import PROGRESS_TIMEOUT_S, TransferPlan
 
 __all__ = ["GROUP_SOURCES", "SourceTransport", "run_watched", "transfer_over_group"]
 
@@ -35,6 +36,12 @@ GROUP_SOURCES = 4
 (4 x 16 MiB, in staging buffers over NCCL), and striping over more adds little."""
 WATCH_SLICE_S = 0.05
 """Seconds between looks for a newer configuration while a transfer runs."""
+STOP_WAIT_S = CANCEL_WAIT_FACTOR * PROGRESS_TIMEOUT_S
+"""How long an interrupted transfer's helper thread is given to end: its waits fail at once
+once the group's connections closed; should that not reach one, it still ends within the
+progress timeout by its own deadline (as a cancelled :meth:`PgTransport.receive` waits)."""
+
+logger = logging.getLogger(__name__)
 
 Restore = Callable[[FetchResult, int, float, tuple[int, ...]], Snapshot]
 """``restore(result, config_id, seconds, source_ranks)``: load what was received into the live
@@ -114,13 +121,15 @@ def transfer_over_group(group: ManagedGroup, configuration: Any, plan: Any, resu
 
 
 def run_watched(group: ManagedGroup, transfer: Coroutine[Any, Any, Any],
-                watch: Callable[[], bool]) -> Any:
+                watch: Callable[[], bool], stop_wait_s: float = STOP_WAIT_S) -> Any:
     """Run ``transfer`` (one transfer over ``group``) in a helper thread while this thread
-    watches for a newer configuration. Over NCCL a newer one interrupts the group, which fails
-    the transfer's waits at once (its progress timeout would take 10 s); gloo cannot be
-    interrupted, so there the transfer ends by itself (done, a closed peer, or that timeout).
-    Returns what it returned and raises what it raised; :class:`Superseded` once interrupted.
-    """
+    watches for a newer configuration. Once one is due the group is interrupted
+    (:meth:`ManagedGroup.interrupt`: NCCL aborts, gloo closes every connection), which fails
+    the transfer's waits here and at its peers at once (they would otherwise wait out the
+    progress timeout, 10 s, where gloo reports a dead peer only as a timeout); the helper is
+    given ``stop_wait_s`` to end, so that nothing it runs writes into the receiver's target
+    afterwards. Returns what ``transfer`` returned and raises what it raised;
+    :class:`Superseded` once interrupted."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -134,8 +143,11 @@ def run_watched(group: ManagedGroup, transfer: Coroutine[Any, Any, Any],
 
     threading.Thread(target=body, name=f"transfer-{group.config_id}", daemon=True).start()
     while not done.wait(WATCH_SLICE_S):
-        if group.backend == "nccl" and watch():
+        if watch():
             group.interrupt()
+            if not done.wait(stop_wait_s):  # a bug (every wait of a transfer is bounded)
+                logger.warning("interrupted transfer of configuration %d still running after "
+                            "%.1f s", group.config_id, stop_wait_s)
             raise Superseded
     if "error" in box:
         raise box["error"]

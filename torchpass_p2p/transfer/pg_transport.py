@@ -44,7 +44,7 @@ counts each source's reason. A source raises ``TransferFailed("receiver_lost")``
 receiver has said nothing for ``STATUS_WAIT_FACTOR * T`` (a slow co-source or a long hash
 does not count: the receiver keeps speaking), or as soon as the receiver's connection closes.
 
-Cancelling ``receive``: it closes the group's connections (``_close_group``: gloo cannot
+Cancelling ``receive``: it closes the group's connections (``close_connections``: gloo cannot
 withdraw a posted receive, DESIGN section 13) and waits, at most ``CANCEL_WAIT_FACTOR * T``,
 for its worker threads to end before the ``CancelledError`` propagates. Then no receive into
 target memory is posted any more and nothing writes there; what the target holds is
@@ -96,6 +96,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collective.group import CLOSE_TAG, close_connections
 from . import fingerprint as fp
 from .client import FetchResult
 from .errors import PeerError, TransferError, TransferFailed
@@ -107,11 +108,11 @@ from .transport import TransferPlan, Transport
 _TAG_MANIFEST = 1
 _TAG_DATA = 2
 _TAG_STATUS = 3
-_TAG_CLOSE = 4
+assert CLOSE_TAG not in (_TAG_MANIFEST, _TAG_DATA, _TAG_STATUS) and CLOSE_TAG < 16
 _LAYOUT_SEGMENTS = 0
+"""Wire layout (the manifest header's second word): a message per tensor segment."""
 _LAYOUT_STAGED = 1
-"""Never sent: a receive on it can only time out, which is how ``_close_group`` closes a gloo
-group."""
+"""Wire layout: one message per chunk, through staging buffers."""
 _TAG_REPAIR = 16
 """Chunks of repair round ``r`` travel with tag ``_TAG_REPAIR + r``: a late byte of an earlier
 round can never match a later round's receive."""
@@ -136,8 +137,6 @@ CANCEL_WAIT_FACTOR = 2
 """A cancelled ``receive`` waits at most ``2 T`` for its worker threads: once the group is
 closed their waits fail at once; should the close not reach one, that wait still ends within
 ``T`` by its own deadline, plus one chunk's copy or digest."""
-CLOSE_WAIT = datetime.timedelta(milliseconds=1)
-"""How long ``_close_group`` waits on its never-matched receive: any timeout closes the group."""
 
 _ABANDON = ("the group must be abandoned (the trainer restarts recovery in the next "
             "configuration, with a new group)")
@@ -184,28 +183,6 @@ def _wait_all(works: Sequence[Any], timeout_s: float) -> _Lost | None:
     except _Lost as e:
         return e
     return None
-
-
-def _close_group(pg: Any, peers: Sequence[int]) -> bool:
-    """Close every connection of ``pg``, so that no receive posted on it can complete (and
-    write) any more. gloo offers no abort that frees a posted operation (DESIGN section 13),
-    but a wait that times out closes every connection of the group (module, "Deadlines"): a
-    receive from a peer on a tag nobody sends, waited on for ``CLOSE_WAIT``; a peer whose
-    connection is already closed fails it at once, so the next is tried. NCCL: ``abort``.
-    Returns whether the group was closed (or every pair tried was already closed: False)."""
-    if pg.name() == "nccl":
-        try:
-            pg.abort()
-        except Exception:  # noqa: BLE001 - best effort: the group is given up
-            return False
-        return True
-    for peer in peers:
-        try:
-            pg.recv([torch.empty(1, dtype=torch.uint8)], peer, _TAG_CLOSE).wait(CLOSE_WAIT)
-        except RuntimeError as e:
-            if "timed out" in str(e).lower():
-                return True
-    return False
 
 
 class _KeepAlive:
@@ -462,7 +439,7 @@ class PgTransport(Transport):
         """End a cancelled receive's worker: close the group, so that its posted receives
         fail at once and none can write into the target any more, and wait for it (bounded)."""
         stop.set()
-        await asyncio.to_thread(_close_group, self._pg(), plan.sources)
+        await asyncio.to_thread(close_connections, self._pg(), list(plan.sources))
         limit_s = CANCEL_WAIT_FACTOR * plan.progress_timeout_s
         done, _ = await asyncio.wait([worker], timeout=limit_s)
         if not done:  # a bug (every wait of the worker is bounded): say so, do not hang

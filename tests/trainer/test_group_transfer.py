@@ -1,0 +1,75 @@
+"""``run_watched``: a state transfer over a configuration's group, given up when a newer
+configuration comes. gloo cannot abort the transfer's waits, and it reports a dead peer often
+only as a timeout; the interrupt closes the group's connections, so the transfer ends at once
+here and at its peers instead of after its progress timeout (set to an hour here: a transfer
+that was not interrupted fails the test by its pytest timeout)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchpass_p2p.collective import GroupSpec, ManagedGroup, Superseded
+from torchpass_p2p.trainer.group_transfer import run_watched
+from torchpass_p2p.transfer import Snapshot
+from torchpass_p2p.transfer.pg_transport import PgTransport
+from torchpass_p2p.transfer.transport import TransferPlan
+
+HOUR_S = 3600.0
+
+
+def _groups() -> list[ManagedGroup]:
+    store, pgs = dist.HashStore(), [None, None]
+
+    def connect(rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=HOUR_S))
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [ManagedGroup(pg, GroupSpec(5, r, 2, 1), "gloo") for r, pg in enumerate(pgs)]
+
+
+@pytest.mark.timeout(120)
+def test_a_newer_configuration_ends_a_gloo_transfer_here_and_at_the_source() -> None:
+    receiver, source = _groups()
+    plan = TransferPlan(sources=(1,), config_id=5, receiver=0, progress_timeout_s=HOUR_S)
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    into = Snapshot.capture({"model": {"w": torch.zeros(1 << 18)}}, step=0)
+    snap = Snapshot.capture({"model": state}, step=3)
+    outcome: dict[str, BaseException] = {}
+    manifest_sent = threading.Event()
+
+    class Stalled(PgTransport):
+        """A source that sends its manifest, then hangs in a wait on the group before its
+        first chunk (as on a peer gloo has not reported dead)."""
+
+        def manifest_sent(self) -> None:
+            manifest_sent.set()
+            self._pg().recv([torch.empty(1)], 0, 9).wait(datetime.timedelta(seconds=HOUR_S))
+
+    def serve() -> None:
+        try:
+            asyncio.run(Stalled(source.process_group).provide(snap, plan))
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            outcome["source"] = exc
+
+    served = threading.Thread(target=serve, daemon=True)
+    served.start()
+    # The newer configuration comes once the receiver waits for the stalled source's chunks.
+    with pytest.raises(Superseded):
+        run_watched(receiver, PgTransport(receiver.process_group).receive(plan, into=into),
+                    manifest_sent.is_set, stop_wait_s=HOUR_S)
+    assert receiver.state == "stuck" and receiver.process_group is None
+    assert not any(bool(t.any()) for t in into.tensors)  # nothing landed, nothing will
+
+    served.join(HOUR_S)  # its wait ended when the receiver closed the connections
+    assert isinstance(outcome["source"], RuntimeError)
+    assert "Connection closed by peer" in str(outcome["source"]), outcome
