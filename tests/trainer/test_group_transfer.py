@@ -64,9 +64,10 @@ def test_a_newer_configuration_ends_a_gloo_transfer_here_and_at_the_source() -> 
     served = threading.Thread(target=serve, daemon=True)
     served.start()
     # The newer configuration comes once the receiver waits for the stalled source's chunks.
+    transport = PgTransport(receiver.process_group)
     with pytest.raises(Superseded):
-        run_watched(receiver, PgTransport(receiver.process_group).receive(plan, into=into),
-                    manifest_sent.is_set, stop_wait_s=HOUR_S)
+        run_watched(receiver, transport.receive(plan, into=into), manifest_sent.is_set,
+                    transport.abandon)
     assert receiver.state == "stuck" and receiver.process_group is None
     assert not any(bool(t.any()) for t in into.tensors)  # nothing landed, nothing will
 

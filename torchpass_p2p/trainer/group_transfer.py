@@ -8,7 +8,8 @@ sources it asked for that hold the state (or the first :data:`GROUP_SOURCES` hol
 watch-bounded all-gather before each transfer keeps a receiver from waiting for sources still
 busy with the one before (a transfer's own waits end after ``progress_timeout_s``, and gloo then
 closes the group). A transfer runs in a helper thread while the calling thread watches for a
-newer configuration, as every wait on a group does (:func:`run_watched`). Every member must use
+newer configuration, as every wait on a group does (:func:`run_watched`); when one comes the
+group's connections are closed, which ends the transfer at every member at once. Every member must use
 the same ``state_transport``. Over NCCL this is NVLink or RDMA
 (:class:`~torchpass_p2p.transfer.pg_transport.PgTransport`).
 """
@@ -16,7 +17,6 @@ the same ``state_transport``. Over NCCL this is NVLink or RDMA
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -26,8 +26,8 @@ import torch
 
 from torchpass_p2p.collective import ManagedGroup, Superseded
 from torchpass_p2p.transfer import FetchResult, Snapshot
-from torchpass_p2p.transfer.pg_transport import CANCEL_WAIT_FACTOR, PgTransport
-from torchpass_p2p.transfer.transport import PROGRESS_TIMEOUT_S, TransferPlan
+from torchpass_p2p.transfer.pg_transport import PgTransport
+from torchpass_p2p.transfer.transport import TransferPlan
 
 __all__ = ["GROUP_SOURCES", "SourceTransport", "run_watched", "transfer_over_group"]
 
@@ -36,12 +36,6 @@ GROUP_SOURCES = 4
 (4 x 16 MiB, in staging buffers over NCCL), and striping over more adds little."""
 WATCH_SLICE_S = 0.05
 """Seconds between looks for a newer configuration while a transfer runs."""
-STOP_WAIT_S = CANCEL_WAIT_FACTOR * PROGRESS_TIMEOUT_S
-"""How long an interrupted transfer's helper thread is given to end: its waits fail at once
-once the group's connections closed; should that not reach one, it still ends within the
-progress timeout by its own deadline (as a cancelled :meth:`PgTransport.receive` waits)."""
-
-logger = logging.getLogger(__name__)
 
 Restore = Callable[[FetchResult, int, float, tuple[int, ...]], Snapshot]
 """``restore(result, config_id, seconds, source_ranks)``: load what was received into the live
@@ -112,7 +106,8 @@ def transfer_over_group(group: ManagedGroup, configuration: Any, plan: Any, resu
             log("fetch_started", config_id=c, step=resume, sources=len(sources),
                 over_group=True)
             receiver = PgTransport(group.process_group, device=group.device)
-            result = run_watched(group, receiver.receive(tp, into=into), watch)
+            result = run_watched(group, receiver.receive(tp, into=into), watch,
+                                 receiver.abandon)
             received = restore(result, c, time.monotonic() - t0, tuple(sources))
         elif me in sources:
             assert snap is not None
@@ -121,14 +116,15 @@ def transfer_over_group(group: ManagedGroup, configuration: Any, plan: Any, resu
 
 
 def run_watched(group: ManagedGroup, transfer: Coroutine[Any, Any, Any],
-                watch: Callable[[], bool], stop_wait_s: float = STOP_WAIT_S) -> Any:
+                watch: Callable[[], bool],
+                abandon: Callable[[], None] | None = None) -> Any:
     """Run ``transfer`` (one transfer over ``group``) in a helper thread while this thread
-    watches for a newer configuration. Once one is due the group is interrupted
-    (:meth:`ManagedGroup.interrupt`: NCCL aborts, gloo closes every connection), which fails
-    the transfer's waits here and at its peers at once (they would otherwise wait out the
-    progress timeout, 10 s, where gloo reports a dead peer only as a timeout); the helper is
-    given ``stop_wait_s`` to end, so that nothing it runs writes into the receiver's target
-    afterwards. Returns what ``transfer`` returned and raises what it raised;
+    watches for a newer configuration. Once one is due, ``abandon()`` (the receiver's
+    :meth:`PgTransport.abandon`: nothing more is written into its target) and the group is
+    interrupted (:meth:`ManagedGroup.interrupt`: NCCL aborts, gloo closes every connection),
+    which fails the transfer's waits here and at its peers; the helper is not waited for (a
+    wait on a peer gloo never reported dead ends only by the progress timeout, 10 s: the
+    reason not to wait). Returns what ``transfer`` returned and raises what it raised;
     :class:`Superseded` once interrupted."""
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -144,10 +140,9 @@ def run_watched(group: ManagedGroup, transfer: Coroutine[Any, Any, Any],
     threading.Thread(target=body, name=f"transfer-{group.config_id}", daemon=True).start()
     while not done.wait(WATCH_SLICE_S):
         if watch():
+            if abandon is not None:
+                abandon()
             group.interrupt()
-            if not done.wait(stop_wait_s):  # a bug (every wait of a transfer is bounded)
-                logger.warning("interrupted transfer of configuration %d still running after "
-                            "%.1f s", group.config_id, stop_wait_s)
             raise Superseded
     if "error" in box:
         raise box["error"]

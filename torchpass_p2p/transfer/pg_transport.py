@@ -303,6 +303,25 @@ class PgTransport(Transport):
         self.device = None if device is None else torch.device(device)
         self.max_manifest_bytes = max_manifest_bytes
         self.max_state_bytes = max_state_bytes
+        self._writes = threading.Lock()  # held by a staged chunk's copy into the target
+        self._receiving: set[threading.Event] = set()  # the stop events of receives in flight
+        self._abandoned = False
+
+    def abandon(self) -> None:
+        """Stop this transport's receives in flight, from any thread, without waiting for
+        them: once it returns, they write nothing more into their targets themselves (a chunk
+        being copied out of a staging buffer has landed; none is copied after). Receives posted
+        straight into target memory are the backend's: the caller closes the group next
+        (:meth:`~torchpass_p2p.collective.group.ManagedGroup.interrupt`), after which none can
+        complete. Their threads end by themselves within ``progress_timeout_s`` (a wait on a
+        peer that gloo never reported dead ends only by its deadline) and raise into a receive
+        nobody awaits any more. A receive started afterwards raises ``TransferFailed``
+        ``abandoned`` at once. For a caller that gives the group up and moves on (the trainer,
+        when a newer configuration comes)."""
+        with self._writes:
+            self._abandoned = True
+            for stop in self._receiving:
+                stop.set()
 
     def _pg(self) -> Any:
         return self.group if self.group is not None else dist.distributed_c10d._get_default_group()
@@ -425,6 +444,11 @@ class PgTransport(Transport):
         dev = self._staging_device()
         one_shot = not self.routes_around_failures()
         stop = threading.Event()
+        with self._writes:
+            if self._abandoned:
+                raise TransferFailed("abandoned", "the transport was abandoned (its group given "
+                                     "up) before this receive started")
+            self._receiving.add(stop)
         worker = asyncio.ensure_future(
             asyncio.to_thread(_on, dev, self._receive, plan, into, dev, one_shot, stop))
         try:
@@ -433,12 +457,15 @@ class PgTransport(Transport):
             if not worker.done():
                 await self._stop_worker(worker, stop, plan)
             raise
+        finally:
+            self._receiving.discard(stop)
 
     async def _stop_worker(self, worker: asyncio.Future[Any], stop: threading.Event,
                            plan: TransferPlan) -> None:
         """End a cancelled receive's worker: close the group, so that its posted receives
         fail at once and none can write into the target any more, and wait for it (bounded)."""
-        stop.set()
+        with self._writes:
+            stop.set()
         await asyncio.to_thread(close_connections, self._pg(), list(plan.sources))
         limit_s = CANCEL_WAIT_FACTOR * plan.progress_timeout_s
         done, _ = await asyncio.wait([worker], timeout=limit_s)
@@ -596,9 +623,10 @@ class PgTransport(Transport):
                 except _Lost as e:
                     drop(src, e.reason, e.detail)
                     continue
-                if stop.is_set():
-                    raise _Stopped  # before the copy: nothing lands in the target after a cancel
-                staging.unpack(view, target.segment_tensors(i))
+                with self._writes:  # nothing lands in the target after a cancel or abandon
+                    if stop.is_set():
+                        raise _Stopped
+                    staging.unpack(view, target.segment_tensors(i))
                 staging.give(buf)
                 left[src] -= 1
                 if not left[src]:
