@@ -78,7 +78,8 @@ def test_interrupt_fails_the_operations_in_flight_here_and_at_the_peer_at_once()
         with pytest.raises(RuntimeError) as e:
             work.wait(datetime.timedelta(seconds=30))
         errors.append(str(e.value))
-    assert "pair closure" in errors[0] and "Connection closed by peer" in errors[1], errors
+    assert "pair closure" in errors[0], errors
+    assert "closed by peer" in errors[1] or "reset by peer" in errors[1], errors
 
 
 @pytest.mark.timeout(60)  # a wake that did not end the hour-long slice fails here

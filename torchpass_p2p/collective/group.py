@@ -2,10 +2,11 @@
 
 Theory of operation (DESIGN sections 8 and 13). gloo operations cannot be aborted in place:
 ``abort()``, ``shutdown()`` and destroying the group from another thread all return without
-freeing a blocked operation (only a wait that times out does: gloo then closes every connection
-of the group, :func:`close_connections`, which fails every operation in flight on it and the
-peers' too). So a :class:`ManagedGroup` never blocks in one: every operation is
-started asynchronously, and the caller's thread waits for its completion in slices of
+freeing a blocked operation (a wait that times out closes every connection of the group,
+:func:`close_connections`: nothing completes on it any more, but an operation whose message was
+streaming still waits out its own deadline). So a :class:`ManagedGroup` never blocks in one:
+every operation is started asynchronously, and the caller's thread waits for its completion in
+slices of
 ``slice_s`` seconds, calling ``watch()`` between slices and at once after
 :meth:`ManagedGroup.wake` (gloo: on the work's future; NCCL: by polling the work's completion,
 :func:`_poll_completed`). When ``watch()`` says a newer
@@ -235,15 +236,17 @@ def _make_pg(backend: str, store: dist.Store, spec: GroupSpec,
 
 
 def close_connections(pg: Any, peers: list[int] | tuple[int, ...]) -> bool:
-    """Close every connection of process group ``pg`` from this thread, so that every operation
-    in flight on it, here and at its peers, fails at once and none can complete (and write into
-    its buffers) any more. gloo offers no abort that frees a posted operation (DESIGN section
-    13), but a wait that times out closes every connection of the group (measured: the next
-    operation with any peer fails with "Application timeout caused pair closure"): a receive
-    from a peer of ``peers`` on :data:`CLOSE_TAG`, which nobody sends, waited on for
-    :data:`CLOSE_WAIT`; a peer whose connection is already closed fails it at once, so the next
-    is tried. NCCL: ``abort()``. Returns whether the group was closed (False: it could not be,
-    or every pair tried was already closed). Never raises."""
+    """Close every connection of process group ``pg`` from this thread, so that no operation
+    in flight on it, here or at its peers, can complete (and write into its buffers) any more:
+    those still queued fail at once; one whose message is streaming when the pair closes
+    (gloo has taken it off the queue) ends only by its own deadline, with nothing more
+    written. gloo offers no abort that frees a posted operation (DESIGN section 13), but a wait
+    that times out closes every connection of the group (measured: the next operation with
+    any peer fails with "Application timeout caused pair closure"): a receive from a peer of
+    ``peers`` on :data:`CLOSE_TAG`, which nobody sends, waited on for :data:`CLOSE_WAIT`; a
+    peer whose connection is already closed fails it at once, so the next is tried. NCCL:
+    ``abort()``. Returns whether the group was closed (False: it could not be, or every pair
+    tried was already closed). Never raises."""
     if pg.name() == "nccl":
         try:
             pg.abort()
@@ -254,7 +257,8 @@ def close_connections(pg: Any, peers: list[int] | tuple[int, ...]) -> bool:
         try:
             pg.recv([torch.empty(1, dtype=torch.uint8)], peer, CLOSE_TAG).wait(CLOSE_WAIT)
         except RuntimeError as e:
-            if "timed out" in str(e).lower():
+            # gloo's own timeout, not a closed pair's socket error ("Connection timed out")
+            if "timed out waiting" in str(e).lower():
                 return True
     return False
 

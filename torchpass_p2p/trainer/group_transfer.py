@@ -9,8 +9,8 @@ watch-bounded all-gather before each transfer keeps a receiver from waiting for 
 busy with the one before (a transfer's own waits end after ``progress_timeout_s``, and gloo then
 closes the group). A transfer runs in a helper thread while the calling thread watches for a
 newer configuration, as every wait on a group does (:func:`run_watched`); when one comes the
-group's connections are closed, which ends the transfer at every member at once. Every member must use
-the same ``state_transport``. Over NCCL this is NVLink or RDMA
+group's connections are closed: nothing more completes on it, and every member moves on.
+Every member must use the same ``state_transport``. Over NCCL this is NVLink or RDMA
 (:class:`~torchpass_p2p.transfer.pg_transport.PgTransport`).
 """
 
@@ -119,13 +119,16 @@ def run_watched(group: ManagedGroup, transfer: Coroutine[Any, Any, Any],
                 watch: Callable[[], bool],
                 abandon: Callable[[], None] | None = None) -> Any:
     """Run ``transfer`` (one transfer over ``group``) in a helper thread while this thread
-    watches for a newer configuration. Once one is due, ``abandon()`` (the receiver's
-    :meth:`PgTransport.abandon`: nothing more is written into its target) and the group is
-    interrupted (:meth:`ManagedGroup.interrupt`: NCCL aborts, gloo closes every connection),
-    which fails the transfer's waits here and at its peers; the helper is not waited for (a
-    wait on a peer gloo never reported dead ends only by the progress timeout, 10 s: the
-    reason not to wait). Returns what ``transfer`` returned and raises what it raised;
-    :class:`Superseded` once interrupted."""
+    watches for a newer configuration. Once one is due (or ``watch()`` raises: this member was
+    removed, its agent failed), ``abandon()`` (the receiver's :meth:`PgTransport.abandon`:
+    nothing more is copied into its target) and the group is interrupted
+    (:meth:`ManagedGroup.interrupt`: NCCL aborts, gloo closes every connection), after which
+    nothing more completes on it here or at the peers. The helper is not waited for: a wait
+    on a message that was streaming, or on a peer gloo never reported dead, ends only by the
+    progress timeout (10 s); its executor's threads then end, and delay the interpreter's
+    exit until then unless the process ends by ``exit_process``, as the trainer's does.
+    Returns what ``transfer`` returned and raises what it raised; :class:`Superseded` once
+    interrupted."""
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -139,11 +142,20 @@ def run_watched(group: ManagedGroup, transfer: Coroutine[Any, Any, Any],
 
     threading.Thread(target=body, name=f"transfer-{group.config_id}", daemon=True).start()
     while not done.wait(WATCH_SLICE_S):
-        if watch():
-            if abandon is not None:
-                abandon()
-            group.interrupt()
+        try:
+            due = watch()
+        except BaseException:
+            _give_up(group, abandon)
+            raise
+        if due:
+            _give_up(group, abandon)
             raise Superseded
     if "error" in box:
         raise box["error"]
     return box.get("result")
+
+
+def _give_up(group: ManagedGroup, abandon: Callable[[], None] | None) -> None:
+    if abandon is not None:
+        abandon()
+    group.interrupt()

@@ -170,8 +170,11 @@ def _wait(work: Any, timeout_s: float) -> None:
     try:
         work.wait(datetime.timedelta(seconds=timeout_s))
     except RuntimeError as e:
-        text = str(e).lower()  # gloo: "Timed out ..."; NCCL: "... before timing out"
-        reason = "no_progress" if "timed out" in text or "timing out" in text else "source_failed"
+        # gloo: "Timed out waiting ..."; NCCL: "... before timing out"; a closed pair's socket
+        # error may read "Connection timed out" (the kernel's ETIMEDOUT): a lost peer
+        text = str(e).lower()
+        timeout = "timed out waiting" in text or "timing out" in text
+        reason = "no_progress" if timeout else "source_failed"
         raise _Lost(reason, str(e)[:300]) from None
 
 
