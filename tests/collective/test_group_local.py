@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torchpass_p2p.collective import CollectiveError, GroupSpec, ManagedGroup, Superseded
 from torchpass_p2p.collective import group as group_module
 
+from .gloo_pair import gloo_pair
+
 
 def _group() -> ManagedGroup:
     pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=10))
@@ -46,28 +48,13 @@ def test_interrupt_retires_a_ready_group_as_stuck_and_keeps_it_referenced() -> N
     assert len(group_module._STUCK) == before + 1
 
 
-def _pair(timeout_s: float) -> list[Any]:
-    """Both ranks of a gloo group of two, built in two threads of this process."""
-    store, pgs = dist.HashStore(), [None, None]
-
-    def connect(rank: int) -> None:
-        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=timeout_s))
-
-    threads = [threading.Thread(target=connect, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return pgs
-
-
 @pytest.mark.timeout(60)
 def test_interrupt_fails_the_operations_in_flight_here_and_at_the_peer_at_once() -> None:
     # A state transfer in flight when a newer configuration comes: gloo cannot abort it, and
     # it reports a dead peer often only as a timeout; closing the connections ends the
     # receiver's wait and the peer's (a source waiting for a status) with a closed pair, not
     # after the group's or the transfer's timeout.
-    pgs = _pair(timeout_s=600.0)
+    pgs = gloo_pair(timeout_s=600.0)
     g = ManagedGroup(pgs[0], GroupSpec(9, 0, 2, 1), "gloo")
     mine = pgs[0].recv([torch.empty(4)], 1, 2)  # a chunk that rank 1 never sends
     theirs = pgs[1].recv([torch.empty(1)], 0, 3)  # rank 1 waits for a status
@@ -84,7 +71,7 @@ def test_interrupt_fails_the_operations_in_flight_here_and_at_the_peer_at_once()
 
 @pytest.mark.timeout(60)  # a wake that did not end the hour-long slice fails here
 def test_wake_runs_the_watch_of_an_operation_hung_on_a_silent_peer_at_once() -> None:
-    pgs = _pair(timeout_s=30.0)
+    pgs = gloo_pair(timeout_s=30.0)
     g = ManagedGroup(pgs[0], GroupSpec(8, 0, 2, 1), "gloo")
     changed, watched = threading.Event(), []
 

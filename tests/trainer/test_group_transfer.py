@@ -12,7 +12,6 @@ import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from torchpass_p2p.collective import GroupSpec, ManagedGroup, Superseded
 from torchpass_p2p.trainer.group_transfer import run_watched
@@ -20,20 +19,13 @@ from torchpass_p2p.transfer import Snapshot, TransferFailed
 from torchpass_p2p.transfer.pg_transport import PgTransport
 from torchpass_p2p.transfer.transport import TransferPlan
 
+from ..collective.gloo_pair import gloo_pair
+
 HOUR_S = 3600.0
 
 
 def _groups() -> list[ManagedGroup]:
-    store, pgs = dist.HashStore(), [None, None]
-
-    def connect(rank: int) -> None:
-        pgs[rank] = dist.ProcessGroupGloo(store, rank, 2, datetime.timedelta(seconds=HOUR_S))
-
-    threads = [threading.Thread(target=connect, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    pgs = gloo_pair(timeout_s=HOUR_S)
     return [ManagedGroup(pg, GroupSpec(5, r, 2, 1), "gloo") for r, pg in enumerate(pgs)]
 
 
