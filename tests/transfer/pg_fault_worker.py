@@ -51,9 +51,9 @@ SLOW_CHUNK_S = 1.0
 """``slow``: half of T per chunk (every chunk well within T), 8 s for the victim's 8 chunks,
 more than the 6 s a healthy source waits without a word from the receiver."""
 SLOWER_CHUNK_S = 1.6
-"""``slower``: as ``slow``, at 0.8 T per chunk: the receiver, taking chunks in posting order
-only, heard from the healthy source's last chunks only after up to four of the victim's (a
-review: the healthy source concluded receiver_lost after 3T)."""
+"""``slower``: as ``slow``, at 0.8 T per chunk: a receiver taking chunks in posting order only
+heard from the healthy source's last chunks only after up to four of the victim's (a review:
+the healthy source concluded receiver_lost after 3T)."""
 GROUP_TIMEOUT_S = 600.0
 """Far above the transfer's own deadline: only ``progress_timeout_s`` may end a wait."""
 

@@ -30,10 +30,10 @@ Protocol (ranks from the plan; source ``j`` of ``n``; every wait bounded, see be
    ``KEEPALIVE_FACTOR * T``: that source waits on.
 
 Deadlines ("no progress for T", ``T = plan.progress_timeout_s``): the receiver waits on each
-source's receives in order (one thread per source on the direct path, so it learns at once
-that a source's part has arrived), each for at most ``T``. A source whose connection closes (it
-died: ``source_failed``) or that sends a bad chunk (``bad_chunk``) is dropped and its chunks go
-to the repair round. A receive that does not complete within ``T`` raises
+source's receives in order (a thread per source, except on the staged path over NCCL, so it
+learns at once that a source's part has arrived), each for at most ``T``. A source whose
+connection closes (it died: ``source_failed``) or that sends a bad chunk (``bad_chunk``) is
+dropped and its chunks go to the repair round. A receive that does not complete within ``T`` raises
 ``TransferFailed("no_progress")``: gloo answers a timed-out wait by closing every connection of
 the group (measured: the next send to a healthy source fails with "Application timeout caused
 pair closure"), so no repair is possible over it; the caller must abandon the group (the
@@ -125,11 +125,11 @@ _STATUS_WORKING = -2
 """Status count: the receiver still works (a keep-alive); the source waits on."""
 KEEPALIVE_FACTOR = 0.5
 """The receiver tells a source whose part of the round has arrived that it still works every
-``T / 2``: twice per ``T``, so even the staged path (which looks between blocking waits of up
-to ``T``) speaks well within a source's ``STATUS_WAIT_FACTOR * T``."""
+``T / 2``: twice per ``T``, so even the staged path over NCCL (one thread, which looks between
+blocking waits of up to ``T``) speaks well within a source's ``STATUS_WAIT_FACTOR * T``."""
 STATUS_WAIT_FACTOR = 3
 """A source gives up after ``3 T`` without a word from the receiver: between two keep-alives
-the receiver may spend ``T / 2``, then up to ``T`` blocked on one receive (staged path) and
+the receiver may spend ``T / 2``, then up to ``T`` blocked on one receive (staged, NCCL) and
 one chunk's digest; the rest is margin for a loaded host. The receiver gives a status it sends
 after a source's part arrived as long to be taken: the source listens only once the hooks of
 its last window of chunks have run."""
@@ -236,15 +236,19 @@ class _Staging:
         self.device = device
         self.chunk_bytes = chunk_bytes
         self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()  # the receiver's lanes (one thread per source) share it
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A buffer and its first ``nbytes`` (the view a message uses)."""
-        buf = (self._free.pop() if self._free
-               else torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device))
+        with self._lock:
+            buf = self._free.pop() if self._free else None
+        if buf is None:
+            buf = torch.empty(self.chunk_bytes, dtype=torch.uint8, device=self.device)
         return buf, buf[:nbytes]
 
     def give(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
+        with self._lock:
+            self._free.append(buf)
 
     @staticmethod
     def pack(view: torch.Tensor, parts: Sequence[torch.Tensor]) -> None:
@@ -283,6 +287,31 @@ def _on(dev: torch.device | None, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)
     with torch.cuda.device(dev):
         return fn(*args)
+
+
+def _gather(lanes: Mapping[futures.Future[_Lost | None], int], alive: Sequence[int],
+            drop: Callable[..., None], speak: _KeepAlive, stop: threading.Event) -> None:
+    """Wait for one round's ``lanes`` (a future per source, in plan order: the source's loss,
+    or None once its part of the round has arrived), telling each source whose part arrived
+    that the receiver still works (``speak``) while the others' come in; then drop the lost
+    sources. Raises ``_Stopped`` once ``stop`` is set, or ``TransferFailed`` from ``drop``."""
+    lost: dict[int, _Lost] = {}
+    pending = set(lanes)
+    while pending:
+        done, pending = futures.wait(pending, speak.interval_s, futures.FIRST_COMPLETED)
+        for f in done:
+            if (loss := f.result()) is None:
+                speak.arrived(lanes[f])
+            else:
+                lost[lanes[f]] = loss
+        if stop.is_set():
+            raise _Stopped
+        speak.tick(alive)
+    # A timed-out wait closed the whole group: the other sources' losses follow from it.
+    order = [src for src in lanes.values() if src in lost]
+    stalled = [src for src in order if lost[src].reason == "no_progress"]
+    for src in stalled[:1] or order:
+        drop(src, lost[src].reason, lost[src].detail)
 
 
 class PgTransport(Transport):
@@ -560,39 +589,81 @@ class PgTransport(Transport):
                                for seg in target.segment_tensors(i)]
             except _Lost as e:  # its chunks fail their digests: the next round
                 drop(src, e.reason, e.detail)
-        running = {waiters.submit(_wait_all, ws, timeout_s): src
-                   for src, ws in works.items() if src in alive}
-        lost: dict[int, _Lost] = {}
-        pending = set(running)
-        while pending:
-            done, pending = futures.wait(pending, speak.interval_s, futures.FIRST_COMPLETED)
-            for f in done:
-                if (loss := f.result()) is None:
-                    speak.arrived(running[f])
-                else:
-                    lost[running[f]] = loss
-            if stop.is_set():
-                raise _Stopped
-            speak.tick(alive)
-        # A timed-out wait closed the whole group: the other sources' losses follow from it.
-        stalled = [src for src in works if src in lost and lost[src].reason == "no_progress"]
-        for src in stalled[:1] or [src for src in works if src in lost]:
-            drop(src, lost[src].reason, lost[src].detail)
+        _gather({waiters.submit(_wait_all, ws, timeout_s): src
+                 for src, ws in works.items() if src in alive}, alive, drop, speak, stop)
 
     def _recv_staged(self, staging: _Staging, assign: Mapping[int, int], alive: list[int],
                      target: Snapshot, tag: int, timeout_s: float,
-                     drop: Callable[..., None], speak: _KeepAlive,
+                     drop: Callable[..., None], speak: _KeepAlive, waiters: ThreadPoolExecutor,
                      stop: threading.Event) -> None:
         """One round through ``staging``: ``SEND_WINDOW_CHUNKS`` receives per live source
         posted (as many as the sources keep in flight), each copied out into target memory
-        once complete; then its buffer takes the next chunk. Receives that report completion
-        are taken first, in any order; only when none does is the oldest waited on. A source
+        once complete; then its buffer takes the next chunk.
+
+        Over gloo every source has a lane of its own (a thread of ``waiters``,
+        :meth:`_staged_lane`): gloo reports a receive complete only once it is waited on, so
+        one thread waiting in posting order heard of a healthy source's last chunks only
+        after a slow source's window, and with chunks slower than ~0.75 T the healthy source,
+        waiting 3T for a word, concluded receiver_lost (a review; test_pg_failover's
+        ``slower``). Over NCCL one thread posts every receive (a communicator is not for use
+        from several threads at once) and takes first those that report completion (a CUDA
+        event): :meth:`_staged_serial`."""
+        if self._pg().name() == "nccl":
+            self._staged_serial(staging, assign, alive, target, tag, timeout_s, drop, speak,
+                                stop)
+            return
+        stripes: dict[int, list[int]] = {src: [] for src in alive}
+        for i, src in assign.items():  # each in the order its source sends them
+            if src in stripes:
+                stripes[src].append(i)
+        _gather({waiters.submit(self._staged_lane, staging, chunks, src, target, tag,
+                                timeout_s, stop): src
+                 for src, chunks in stripes.items()}, alive, drop, speak, stop)
+
+    def _staged_lane(self, staging: _Staging, chunks: Sequence[int], src: int,
+                     target: Snapshot, tag: int, timeout_s: float,
+                     stop: threading.Event) -> _Lost | None:
+        """Receive ``src``'s ``chunks`` of a round in order, ``SEND_WINDOW_CHUNKS`` posted
+        at a time; the source's loss, or None once all are in target memory. The buffers of a
+        lost source's receives stay out of use: its late bytes may still land in them."""
+        pg = self._pg()
+        todo = deque(chunks)
+        pending: deque[tuple[int, torch.Tensor, torch.Tensor, Any]] = deque()
+        while todo or pending:
+            while todo and len(pending) < SEND_WINDOW_CHUNKS:
+                i = todo.popleft()
+                buf, view = staging.take(target.chunk_range(i)[1])
+                try:
+                    pending.append((i, buf, view, _post(pg.recv, [view], src, tag)))
+                except _Lost as e:
+                    staging.give(buf)  # nothing was posted into it
+                    return e
+            i, buf, view, work = pending.popleft()
+            try:
+                _wait(work, timeout_s)
+            except _Lost as e:
+                return e
+            self._unstage(staging, buf, view, target, i, stop)
+        return None
+
+    def _unstage(self, staging: _Staging, buf: torch.Tensor, view: torch.Tensor,
+                 target: Snapshot, i: int, stop: threading.Event) -> None:
+        """Copy chunk ``i`` out of its staging buffer into target memory, then free the buffer;
+        raises ``_Stopped`` instead once the receive was cancelled or abandoned."""
+        with self._writes:  # nothing lands in the target after a cancel or abandon
+            if stop.is_set():
+                raise _Stopped
+            staging.unpack(view, target.segment_tensors(i))
+        staging.give(buf)
+
+    def _staged_serial(self, staging: _Staging, assign: Mapping[int, int], alive: list[int],
+                       target: Snapshot, tag: int, timeout_s: float,
+                       drop: Callable[..., None], speak: _KeepAlive,
+                       stop: threading.Event) -> None:
+        """:meth:`_recv_staged` from one thread (NCCL): receives that report completion are
+        taken first, in any order; only when none does is the oldest waited on. A source
         whose last chunk is in is told the receiver still works (``speak``), between two
-        waits. NCCL's receives report completion (a CUDA event); gloo's only once waited on,
-        so over gloo this is the wait in posting order, where a healthy source's last chunks
-        wait behind a slow source's window: with chunks slower than ~0.75 T, past the 3T it
-        waits for a word, it concludes receiver_lost (a review; test_pg_failover's
-        ``slower``)."""
+        waits."""
         pg = self._pg()
         queue = deque(assign.items())
         left = Counter(src for src in assign.values() if src in alive)
@@ -626,11 +697,7 @@ class PgTransport(Transport):
                 except _Lost as e:
                     drop(src, e.reason, e.detail)
                     continue
-                with self._writes:  # nothing lands in the target after a cancel or abandon
-                    if stop.is_set():
-                        raise _Stopped
-                    staging.unpack(view, target.segment_tensors(i))
-                staging.give(buf)
+                self._unstage(staging, buf, view, target, i, stop)
                 left[src] -= 1
                 if not left[src]:
                     speak.arrived(src)
@@ -717,7 +784,7 @@ class PgTransport(Transport):
                                       stop)
                 else:
                     self._recv_staged(staging, assign, alive, target, tag, t, drop, speak,
-                                      stop)
+                                      waiters, stop)
                 todo = sorted(assign)
                 digests = pool.map(lambda i: fp.digest_buffers(m.algo, target.segments(i)),
                                    todo)
