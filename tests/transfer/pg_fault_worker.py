@@ -1,6 +1,7 @@
 """One rank of a process-group transfer with a source that fails halfway:
 ``python -m tests.transfer.pg_fault_worker RANK WORLD STORE_PATH OUT_JSON FAULT [DEVICE]``
-(``DEVICE``: every rank stages its messages through buffers there, NCCL's path).
+(``DEVICE``: every rank stages its messages through buffers there, NCCL's path; ``cpu-serial``:
+on the CPU, the receiver taking every source's chunks from one thread, as over NCCL).
 
 Ranks 0..WORLD-2 are sources of a deterministic 16 MiB state in 1 MiB chunks; the last rank
 receives. Rank 0, the victim, injects ``FAULT`` right after the second chunk of its stripe has
@@ -208,6 +209,9 @@ if __name__ == "__main__":
     r, w, store_path, out_path, fault = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                          sys.argv[4], sys.argv[5])
     device = sys.argv[6] if len(sys.argv) > 6 else None
+    if device == "cpu-serial":
+        device = "cpu"
+        PgTransport.staged_lanes = lambda self: False  # type: ignore[method-assign]
     store = dist.FileStore(store_path, w)
     dist.init_process_group("gloo", store=store, rank=r, world_size=w,
                             timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))

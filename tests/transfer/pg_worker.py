@@ -46,6 +46,9 @@ if __name__ == "__main__":
     r, w, store_path, out_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     device = sys.argv[5] if len(sys.argv) > 5 else None
     backend = "gloo"
+    if device == "cpu-serial":  # staged on the CPU, one receiving thread: NCCL's path
+        device = "cpu"
+        PgTransport.staged_lanes = lambda self: False  # type: ignore[method-assign]
     if device == "nccl":
         backend, device = "nccl", None
         torch.cuda.set_device(r)

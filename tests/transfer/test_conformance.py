@@ -1,6 +1,7 @@
 """The shared transport suite, run against TCP and the gloo process group, the latter both
-sending snapshot memory and staging every message through buffers (NCCL's path); and against an
-NCCL group where three CUDA devices are present (NCCL refuses two ranks on one device)."""
+sending snapshot memory and staging every message through buffers (NCCL's path), received by a
+thread per source or, as over NCCL, by one; and against an NCCL group where three CUDA devices
+are present (NCCL refuses two ranks on one device)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from .conformance import run_pg, run_tcp
 from .states import CASES
 
 _RUNNERS = {"tcp": run_tcp, "pg": run_pg, "pg_staged": lambda: run_pg(device="cpu"),
+            "pg_staged_serial": lambda: run_pg(device="cpu-serial"),
             "pg_nccl": lambda: run_pg(device="nccl")}
 _NO_NCCL = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 3,
                               reason="needs 3 CUDA devices")
@@ -19,6 +21,8 @@ _NO_NCCL = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device
 # A gloo run starts three interpreters that import torch: 15-40 s on a shared 2-core host.
 @pytest.fixture(scope="module", params=[pytest.param("pg", marks=pytest.mark.slow),
                                         pytest.param("pg_staged", marks=pytest.mark.slow),
+                                        pytest.param("pg_staged_serial",
+                                                     marks=pytest.mark.slow),
                                         pytest.param("pg_nccl", marks=[pytest.mark.slow, _NO_NCCL]),
                                         "tcp"])
 def reports(request):

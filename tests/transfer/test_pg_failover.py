@@ -1,8 +1,10 @@
 """The process-group transport when a source fails halfway (real gloo processes, real signals):
 its chunks move to the other source, or, with none left, the receiver raises the typed
 ``TransferFailed("no_sources_left")`` after "no progress for T" instead of waiting for the
-group's timeout (set far above T in the workers). Each test runs twice: sending snapshot memory,
-and staging every message through buffers (``device="cpu"``: NCCL's path, over gloo)."""
+group's timeout (set far above T in the workers). Each test runs three times: sending snapshot
+memory; staging every message through buffers (``device="cpu"``: NCCL's path, over gloo); and
+staged with the receiver taking every source's chunks from one thread, as it does over NCCL
+(``cpu-serial``)."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ WAIT_S = 240.0
 """Backstop for a broken deadline (the workers' group timeout is 600 s), not a speed check."""
 
 
-@pytest.fixture(params=[None, "cpu"], ids=["direct", "staged"])
+@pytest.fixture(params=[None, "cpu", "cpu-serial"], ids=["direct", "staged", "staged_serial"])
 def device(request):
     return request.param
 
@@ -189,12 +191,14 @@ def test_a_source_at_another_step_is_dropped_and_its_stripe_moves(device):
 
 
 @pytest.mark.slow
-def test_a_healthy_source_waits_out_a_co_source_near_t_per_chunk(device):
+def test_a_healthy_source_waits_out_a_co_source_near_t_per_chunk(device, request):
     # As above at SLOWER_CHUNK_S = 0.8 T per chunk (a review). The victim, still in its last
-    # chunk's pause when the others end, may be killed by ``run``. Staged, this failed while
-    # one thread took gloo's receives in posting order (a receive reports completion only
-    # once waited on): the healthy source's last chunks were heard of only after the slow
-    # one's window, and it concluded receiver_lost.
+    # chunk's pause when the others end, may be killed by ``run``.
+    if device == "cpu-serial":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, reason="one receiving thread over gloo takes the receives in posting "
+            "order (gloo reports one complete only once waited on), so the healthy source's "
+            "last chunks wait behind the slow one's window; NCCL's report completion"))
     report, codes = run("slower", 3, device)
     assert codes[1:] == [0, 0], report
     assert report["failures"] == {} and report["tensors_equal"] and report["fingerprint_equal"]

@@ -381,6 +381,13 @@ class PgTransport(Transport):
         """Called on the receiver before it posts the receives of ``round_`` (0: the
         stripes)."""
 
+    def staged_lanes(self) -> bool:
+        """Whether a staged receive takes each source's chunks in a thread of its own: on every
+        backend but NCCL, whose communicator is not for use from several threads at once (it
+        takes NCCL's one-thread path, :meth:`_staged_serial`). Tests return False to run
+        that path over gloo."""
+        return self._pg().name() != "nccl"
+
     # -- source side -----------------------------------------------------------------------
     async def provide(self, snapshot: Snapshot, plan: TransferPlan) -> None:
         """Send this rank's manifest and stripe to ``plan.receiver``, then serve the repair
@@ -608,7 +615,7 @@ class PgTransport(Transport):
         ``slower``). Over NCCL one thread posts every receive (a communicator is not for use
         from several threads at once) and takes first those that report completion (a CUDA
         event): :meth:`_staged_serial`."""
-        if self._pg().name() == "nccl":
+        if not self.staged_lanes():
             self._staged_serial(staging, assign, alive, target, tag, timeout_s, drop, speak,
                                 stop)
             return
