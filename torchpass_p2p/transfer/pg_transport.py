@@ -346,10 +346,10 @@ class PgTransport(Transport):
         straight into target memory are the backend's: the caller closes the group next
         (:meth:`~torchpass_p2p.collective.group.ManagedGroup.interrupt`), after which none can
         complete. Their threads end by themselves within ``progress_timeout_s`` (a wait on a
-        peer that gloo never reported dead ends only by its deadline) and raise into a receive
-        nobody awaits any more. A receive started afterwards raises ``TransferFailed``
-        ``abandoned`` at once. For a caller that gives the group up and moves on (the trainer,
-        when a newer configuration comes)."""
+        peer that gloo never reported dead ends only by its deadline; at once once the group is
+        closed), and a receive still awaited then raises ``TransferFailed`` ``abandoned``; one
+        started afterwards raises it at once. For a caller that gives the group up and moves on
+        (the trainer, when a newer configuration comes)."""
         with self._writes:
             self._abandoned = True
             for stop in self._receiving:
@@ -475,7 +475,8 @@ class PgTransport(Transport):
         sends a bad chunk to the others. Raises ``TransferFailed``: ``no_progress`` (a source
         moved nothing for ``plan.progress_timeout_s``: gloo closed the group, abandon it),
         ``no_sources_left`` (``failures`` says why each source was dropped),
-        ``sources_disagree``, ``fingerprint_mismatch``, ``bad_manifest``.
+        ``sources_disagree``, ``fingerprint_mismatch``, ``bad_manifest``, ``abandoned``
+        (:meth:`abandon`).
 
         Cancelled, it closes the group and ends its threads (at most ``CANCEL_WAIT_FACTOR *
         plan.progress_timeout_s``) before ``CancelledError`` propagates: nothing writes into
@@ -496,6 +497,9 @@ class PgTransport(Transport):
             if not worker.done():
                 await self._stop_worker(worker, stop, plan)
             raise
+        except _Stopped:  # abandon() stopped it
+            raise TransferFailed("abandoned", "the transport was abandoned (its group given "
+                                 "up) during this receive") from None
         finally:
             self._receiving.discard(stop)
 
