@@ -20,6 +20,10 @@ it in each way below; the receiver (this process) measures, in interleaved round
   protocol and no integrity checks (same 4 MiB kernel socket buffers as the transfer client);
 * ``raw_socket_4mib_gb_per_s``: the same loop receiving in 4 MiB pieces without
   ``MSG_WAITALL`` (this benchmark's raw loop before: ~0.75 of the one above here);
+* ``raw_socket_mac_gb_per_s``: the raw loop with every piece fed to a GMAC as it lands, as
+  the client does, and nothing else (no protocol, no tags): the most any transfer that
+  authenticates every byte with this MAC can reach here; ``mac_ceiling_vs_raw`` is its rate
+  over the raw loop's, the ceiling of ``ratio_vs_raw`` on this host;
 * ``torch_save_gb_per_s``: ``torch.save`` into memory, send, receive, ``torch.load``;
 * ``pg_gb_per_s``, ``pg_two_sources_gb_per_s``: the process-group transport
   (:class:`~torchpass_p2p.transfer.pg_transport.PgTransport`) over a gloo group of the two
@@ -76,7 +80,7 @@ from torchpass_p2p.transfer import Snapshot, TransferKeys, TransferServer, chunk
 from torchpass_p2p.transfer.client import RECV_PIECE_BYTES, STREAMS
 from torchpass_p2p.transfer.frames import set_buffers
 from torchpass_p2p.transfer.pg_transport import PgTransport
-from torchpass_p2p.transfer.snapshot import byte_view
+from torchpass_p2p.transfer.snapshot import DEFAULT_CHUNK_BYTES, byte_view
 from torchpass_p2p.transfer.transport import TransferPlan
 
 N_TENSORS = 16
@@ -177,8 +181,8 @@ def _join_pg(rank: int, store_port: int) -> None:
 
 
 CASES = ("gb_per_s", "raw_socket_gb_per_s", "one_stream_gb_per_s", "raw_socket_4mib_gb_per_s",
-         "two_sources_gb_per_s", "zero_copy_source_gb_per_s", "torch_save_gb_per_s",
-         "pg_gb_per_s", "pg_two_sources_gb_per_s", "pg_staged_gb_per_s")
+         "raw_socket_mac_gb_per_s", "two_sources_gb_per_s", "zero_copy_source_gb_per_s",
+         "torch_save_gb_per_s", "pg_gb_per_s", "pg_two_sources_gb_per_s", "pg_staged_gb_per_s")
 """Every case, in the order each round runs them."""
 
 KEY_VARIABLE = "TORCHPASS_BENCH_KEY"
@@ -267,7 +271,11 @@ def _cpu_s(source_pids: list[int]) -> tuple[float, float]:
 
 
 def _raw_recv(port: int, views: list[memoryview], piece: int = RECV_PIECE_BYTES,
-              flags: int = socket.MSG_WAITALL) -> None:
+              flags: int = socket.MSG_WAITALL, mac: bool = False) -> None:
+    """The raw loop; with ``mac``, every piece also fed to a GMAC as it lands (a new one,
+    under its own key, every ``DEFAULT_CHUNK_BYTES``), as the transfer client does."""
+    key = chunkmac.new_key()
+    gmac, index, in_chunk = None, 0, 0
     with socket.create_connection(("127.0.0.1", port)) as c:
         set_buffers(c)  # the same kernel buffers as the transfer client asks for
         c.sendall(b"g")
@@ -277,7 +285,17 @@ def _raw_recv(port: int, views: list[memoryview], piece: int = RECV_PIECE_BYTES,
                 n = c.recv_into(v[pos:pos + piece], 0, flags)
                 if n == 0:
                     raise ConnectionError("closed")
+                if mac:
+                    if gmac is None:
+                        gmac = chunkmac.Gmac(chunkmac.chunk_key(key, index))
+                    gmac.update(v[pos:pos + n])
+                    in_chunk += n
+                    if in_chunk >= DEFAULT_CHUNK_BYTES:
+                        gmac.digest()
+                        gmac, index, in_chunk = None, index + 1, 0
                 pos += n
+        if gmac is not None:
+            gmac.digest()
 
 
 def _mac_gb_per_s(repeats: int = 7, pieces: int = 256) -> float:
@@ -374,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
     def run_fetch(sources, streams=STREAMS):
         return _fetch_s(sources, keys, into, streams)
 
-    def run_raw(piece: int = RECV_PIECE_BYTES, flags: int = socket.MSG_WAITALL):
+    def run_raw(piece: int = RECV_PIECE_BYTES, flags: int = socket.MSG_WAITALL,
+                mac: bool = False):
         t0 = time.perf_counter()
-        _raw_recv(ports[0]["raw"], views, piece, flags)
+        _raw_recv(ports[0]["raw"], views, piece, flags, mac)
         return time.perf_counter() - t0
 
     def run_pg(sources: list[int], device: str | None = None) -> float:
@@ -398,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         "raw_socket_gb_per_s": run_raw,
         "one_stream_gb_per_s": lambda: run_fetch(src[:1], streams=1),
         "raw_socket_4mib_gb_per_s": lambda: run_raw(PIECE, 0),
+        "raw_socket_mac_gb_per_s": lambda: run_raw(mac=True),
         "two_sources_gb_per_s": lambda: run_fetch(src),
         "zero_copy_source_gb_per_s": lambda: run_fetch([("127.0.0.1",
                                                           ports[0]["by_reference"])]),
@@ -424,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         out[k] = round(total / statistics.median(ts) / 1e9, 3)
     for name, case, base in (("ratio_vs_raw", "gb_per_s", "raw_socket_gb_per_s"),
                              ("pg_ratio_vs_raw", "pg_gb_per_s", "raw_socket_gb_per_s"),
+                             ("mac_ceiling_vs_raw", "raw_socket_mac_gb_per_s",
+                              "raw_socket_gb_per_s"),
                              ("two_sources_vs_one", "two_sources_gb_per_s", "gb_per_s"),
                              ("streams_vs_one_stream", "gb_per_s", "one_stream_gb_per_s")):
         if case in times and base in times:
