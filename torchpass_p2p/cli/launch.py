@@ -38,9 +38,10 @@ def add_parser(
         "launch", help="start and supervise the ranks and spares of a training script",
         description=plain(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=1, metavar="N",
-                   help="rank processes (the world size) (default: 1)")
+                   help="rank processes: the world size, or with --nodes those of each host "
+                        "(default: 1)")
     p.add_argument("--spares", type=int, default=0, metavar="S",
-                   help="hot-spare processes (default: 0)")
+                   help="hot-spare processes (with --nodes: on each host) (default: 0)")
     p.add_argument("--config", metavar="FILE",
                    help="TOML profile of protocol parameters, e.g. configs/lan.toml "
                         "(children get TORCHPASS_PROFILE)")

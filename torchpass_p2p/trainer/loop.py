@@ -195,8 +195,9 @@ class Trainer:
             change before regrouping in the same configuration (default:
             :func:`~.regroup.regroup_wait_s` of the agent's protocol parameters).
         give_up_s: the last resort, in seconds: a rank whose failed collective nothing
-            repaired, or a spare that reached no majority of its configuration, stops after
-            this long with :class:`Removed` (default :data:`~.regroup.GIVE_UP_S`).
+            repaired stops after this long with :class:`Removed`, a spare that reached no
+            majority of its configuration with :class:`Stopped` (default
+            :data:`~.regroup.GIVE_UP_S`).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
