@@ -247,6 +247,18 @@ def test_a_late_spare_still_joining_waits_for_a_rank(trainer: Trainer, tmp_path:
     assert events(tmp_path, "removed")[0]["drained"] is False
 
 
+def test_a_drained_spare_ends_as_drained(trainer: Trainer, tmp_path: Path) -> None:
+    # Found by a new user: a spare drained while it waited for a rank ended as Removed, so its
+    # script exited 3 and the launcher respawned it (--respawn); Drained is exit 4, never
+    # respawned.
+    agent = trainer.agent
+    agent.settings.configuration = agent.configuration = ZERO_AS_SPARE
+    agent.role, agent.draining = "removed", True
+    with pytest.raises(Drained, match=r"^no rank for this spare: the agent stopped \(drained\)$"):
+        trainer.run(lambda step, rank: torch.zeros(()), steps=1)
+    assert events(tmp_path, "removed")[0]["drained"] is True
+
+
 @pytest.mark.parametrize("role, fenced, why", [
     ("spare", True, "no majority of configuration 0 reachable for 0.05 s"),
     ("joining", False, "not admitted for 0.05 s"),

@@ -11,17 +11,21 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 __all__ = ["EventLog"]
 
 
 class EventLog:
-    """Appends to ``path`` (line buffered); ``path`` None: keeps nothing. Thread-safe: the
+    """Appends to ``path`` (line buffered; its folder is made if missing); ``path`` None:
+    keeps nothing. Thread-safe: the
     training thread and the state service's thread (a ``serve`` fault) both log."""
 
     def __init__(self, path: str | os.PathLike[str] | None, member: int) -> None:
         self.member = f"{member:016x}"
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115
         self._lock = threading.Lock()
 

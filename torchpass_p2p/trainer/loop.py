@@ -341,8 +341,8 @@ class Trainer:
                 return agent.wait_for_rank(timeout_s=WAIT_SLICE_S)
             except TimeoutError:
                 pass
-            except Exception as exc:
-                raise Removed(f"no rank for this spare: {exc}") from None
+            except Exception as exc:  # removed: a drained spare ends as Drained, not respawned
+                raise self._out(f"no rank for this spare: {exc}") from None
             now, fenced = time.monotonic(), agent.fenced
             if fenced and not was_fenced:
                 self.log("fenced", step=self.step, config_id=agent.config_id)
