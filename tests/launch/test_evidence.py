@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 
 import aiohttp
 import pytest
@@ -59,3 +60,43 @@ async def test_each_sibling_is_told_and_each_failure_is_named(
         f"evidence for {DEAD:016x} to {hung} not delivered: TimeoutError",
         f"evidence for {DEAD:016x} to {refused} not delivered: 401, message='Unauthorized', "
         f"url='http://{refused}/evidence'"])
+
+
+async def test_a_page_still_starting_is_asked_again_until_it_listens(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # A new user's run: a child killed while its siblings still imported torch; their status
+    # ports were bound (by the launcher) but not listening, and the evidence was dropped.
+    got: list[object] = []
+
+    async def accept(request: web.Request) -> web.Response:
+        got.append(await request.json())
+        return web.json_response({"accepted": True})
+
+    starting = socket.socket()
+    starting.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+    never = socket.socket()
+    never.bind(("127.0.0.1", 0))
+    app = web.Application()
+    app.router.add_post("/evidence", accept)
+    runner = web.AppRunner(app)
+    await runner.setup()
+
+    async def start_later() -> None:
+        await asyncio.sleep(0.5)
+        await web.SockSite(runner, starting).start()  # it listens now
+
+    pages = [s.getsockname() for s in (starting, never)]
+    try:
+        async with aiohttp.ClientSession() as session, asyncio.TaskGroup() as tg:
+            tg.create_task(start_later())
+            with caplog.at_level(logging.WARNING, "torchpass_p2p.launch.evidence"):
+                told = await notify_siblings(session, pages, DEAD, "exited with 3", "tok",
+                                             exited=True, start_wait_s=2.0)
+    finally:
+        await runner.cleanup()
+        never.close()
+    assert told == 1
+    assert got == [{"member_id": f"{DEAD:016x}", "reason": "exited with 3", "exited": True}]
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith(f"evidence for {DEAD:016x} to 127.0.0.1:{pages[1][1]} not delivered: "
+                           "Cannot connect to host"), line

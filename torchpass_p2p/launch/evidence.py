@@ -7,6 +7,10 @@ for their failure detector (DESIGN section 4).
 the launcher reaped the process, so the death is certain and needs no refutation window).
 Each request has a short
 deadline; a sibling that does not answer is logged and skipped, never an error of the launcher.
+A sibling whose page refuses the connection is still starting (the launcher bound its port; its
+agent serves it once the script has imported its modules, seconds): it is asked again until
+``START_WAIT_S`` has passed, so a child that dies while its siblings start is not left to their
+failure detectors (a new user's run).
 """
 
 from __future__ import annotations
@@ -22,13 +26,18 @@ from torchpass_p2p.core.messages import MemberId, format_member_id
 
 from .plan import format_address
 
-__all__ = ["EVIDENCE_TIMEOUT_S", "notify_siblings", "post_evidence"]
+__all__ = ["EVIDENCE_TIMEOUT_S", "START_WAIT_S", "notify_siblings", "post_evidence"]
 
 log = logging.getLogger(__name__)
 
 EVIDENCE_TIMEOUT_S = 2.0
 """Deadline of one evidence request. A live agent answers on loopback in milliseconds; one that
 takes seconds is busy or hung, and its own failure detector will learn of the death anyway."""
+START_WAIT_S = 30.0
+"""How long a sibling whose status page refuses connections (its agent still starting) is asked
+again: a script importing torch took 6-11 s to serve it on a shared 2-core host."""
+_RETRY_S = (0.1, 1.0)
+"""First and longest pause between two attempts at a page still starting, doubling between."""
 
 
 async def post_evidence(
@@ -63,19 +72,31 @@ async def notify_siblings(
     *,
     exited: bool = False,
     timeout_s: float = EVIDENCE_TIMEOUT_S,
+    start_wait_s: float = START_WAIT_S,
 ) -> int:
     """Post the evidence to every status page in ``siblings`` concurrently; returns how many
-    accepted it. Failures are logged (one line each), never raised."""
+    accepted it. A page that refuses the connection is asked again for up to ``start_wait_s``
+    seconds (its agent still starting). Failures are logged (one line each), never raised."""
+    loop = asyncio.get_running_loop()
 
     async def one(status: Address) -> bool:
-        try:
-            await post_evidence(session, status, member_id, reason, token, exited=exited,
-                                timeout_s=timeout_s)
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        deadline, pause = loop.time() + start_wait_s, _RETRY_S[0]
+        while True:
+            try:
+                await post_evidence(session, status, member_id, reason, token, exited=exited,
+                                    timeout_s=timeout_s)
+                return True
+            except aiohttp.ClientConnectorError as exc:  # nothing listens there yet
+                if loop.time() + pause < deadline:
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, _RETRY_S[1])
+                    continue
+                error: BaseException = exc
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                error = exc
             log.warning("evidence for %s to %s not delivered: %s", format_member_id(member_id),
-                        format_address(status), str(exc) or type(exc).__name__)
+                        format_address(status), str(error) or type(error).__name__)
             return False
-        return True
 
     results = await asyncio.gather(*(one(s) for s in siblings))
     return sum(results)
