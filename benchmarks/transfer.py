@@ -274,7 +274,7 @@ def _raw_recv(port: int, views: list[memoryview], piece: int = RECV_PIECE_BYTES,
               flags: int = socket.MSG_WAITALL, mac: bool = False) -> None:
     """The raw loop; with ``mac``, every piece also fed to a GMAC as it lands (a new one,
     under its own key, every ``DEFAULT_CHUNK_BYTES``), as the transfer client does."""
-    key = chunkmac.new_key()
+    key = chunkmac.new_key() if mac else b""
     gmac, index, in_chunk = None, 0, 0
     with socket.create_connection(("127.0.0.1", port)) as c:
         set_buffers(c)  # the same kernel buffers as the transfer client asks for

@@ -19,14 +19,15 @@ __all__ = ["EventLog"]
 
 class EventLog:
     """Appends to ``path`` (line buffered; its folder is made if missing); ``path`` None:
-    keeps nothing. Thread-safe: the
-    training thread and the state service's thread (a ``serve`` fault) both log."""
+    keeps nothing. Thread-safe: the training thread and the state service's thread (a
+    ``serve`` fault) both log."""
 
     def __init__(self, path: str | os.PathLike[str] | None, member: int) -> None:
         self.member = f"{member:016x}"
+        self._file = None
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", buffering=1) if path is not None else None  # noqa: SIM115
+            self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the run
         self._lock = threading.Lock()
 
     def __call__(self, event: str, **fields: Any) -> None:
