@@ -20,3 +20,19 @@ def start(config=None, **settings):  # type: ignore[no-untyped-def]
     import importlib
 
     return importlib.import_module("torchpass_p2p.agent.api").start(config, **settings)
+
+
+_TRAINING = frozenset({
+    "DataLoader", "DistributedDataParallel", "DistributedSampler", "JobMismatch",
+    "destroy_process_group", "epochs", "get_rank", "get_world_size", "init_process_group",
+    "track",
+})
+
+
+def __getattr__(name: str):  # type: ignore[no-untyped-def]
+    """The training API (:mod:`.ddp`), imported on first use like :func:`start`."""
+    if name in _TRAINING:
+        import importlib
+
+        return getattr(importlib.import_module("torchpass_p2p.ddp"), name)
+    raise AttributeError(f"module 'torchpass_p2p' has no attribute {name!r}")

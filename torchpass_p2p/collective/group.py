@@ -360,9 +360,27 @@ class ManagedGroup:
         return tensor.detach().to(self.device, copy=True)
 
     def _run(self, start: Callable[[Any], Any], watch: Watch | None, slice_s: float) -> None:
+        self.complete(self.launch(start), watch=watch, slice_s=slice_s)
+
+    def launch(self, start: Callable[[Any], Any]) -> Any:
+        """Start an operation: ``start(process_group)`` returns the backend's work, which is
+        returned for :meth:`complete`. Every rank must launch the same operations in the
+        same order. Raises ``RuntimeError`` if the group is not ``ready``."""
         if self.state != "ready":
             raise RuntimeError(f"group of configuration {self.config_id} is {self.state}")
-        work = start(self._pg)
+        return start(self._pg)
+
+    def complete(self, work: Any, *, watch: Watch | None = None,
+                 slice_s: float = SLICE_S) -> None:
+        """Wait for a launched ``work`` as every operation is waited for (module docstring).
+
+        Raises:
+            CollectiveError: the operation failed; the group is failed.
+            Superseded: ``watch()`` was true first; the group is stuck.
+            RuntimeError: the group stopped being ``ready`` since the launch.
+        """
+        if self.state != "ready":
+            raise RuntimeError(f"group of configuration {self.config_id} is {self.state}")
         try:
             if self.backend == "nccl":
                 _poll_completed(work, self._wake, watch, slice_s)

@@ -310,24 +310,37 @@ class Trainer:
         self.log("start", role=agent.role, config_id=agent.config_id, rank=agent.rank,
                  address=format_address(agent.address),
                  status=None if status is None else format_address(status))
-        # Started as a spare (or joining: a late spare) by the configuration it was started in,
-        # not by its role now: a slow start may find it already holding a dead rank's place
-        # in a later configuration; it then takes the spare's way in all the same.
-        started_in = agent.settings.configuration
-        if started_in is None or agent.member_id not in started_in.ranks:
-            self.log("spare_waiting", config_id=agent.config_id)
-            self._holds_state = False
-            change = self._wait_for_rank()
-            self._latest = change
-            self._drain_changes()
-            self._enter_until_in(self._latest if self._changes_ranks() else change)
+        if self._started_as_spare():
+            self._enter_as_spare(self._await_first_rank())
             return
+        started_in = agent.settings.configuration
         # Every rank enters the configuration it was started in, never "the current one": a
         # change decided while the ranks start up (a spare joined) would otherwise put them in
         # different groups' rendezvous. A later change arrives as usual (``_poll``).
         self.faults.at(0, "enter", started_in.rank_of(self.me))
         self._enter_configuration(started_in, group_id=started_in.config_id, resume=0,
                                   fetch_from=None)
+
+    def _started_as_spare(self) -> bool:
+        """Started as a spare (or joining: a late spare), judged by the configuration it was
+        started in, not by its role now: a slow start may find it already holding a dead
+        rank's place in a later configuration; it takes the spare's way in all the same."""
+        started_in = self.agent.settings.configuration
+        return started_in is None or self.agent.member_id not in started_in.ranks
+
+    def _await_first_rank(self) -> Any:
+        """A spare's wait for its first rank (:meth:`_wait_for_rank`); returns that change."""
+        self.log("spare_waiting", config_id=self.agent.config_id)
+        self._holds_state = False
+        change = self._wait_for_rank()
+        self._latest = change
+        return change
+
+    def _enter_as_spare(self, change: Any) -> None:
+        """Enter the newest configuration that changes the ranks since ``change`` (the one
+        that gave this spare its rank), fetching the state."""
+        self._drain_changes()
+        self._enter_until_in(self._latest if self._changes_ranks() else change)
 
     def _wait_for_rank(self) -> Any:
         """A spare's wait for a rank, as long as it takes while the job lives. A spare that
@@ -737,6 +750,8 @@ class Trainer:
                                  watch=self._watch)
         self.log("group_formed", config_id=c, group_id=group_id, rank=spec.rank,
                  world_size=spec.world_size, seconds=self.group.formed_s)
+        if self._agree(self.group, configuration, resume) and snap is not None:
+            snap = self._capture()  # the agreement changed the state (rank 0's broadcast)
         if self.state_over_group:
             received = transfer_over_group(
                 self.group, configuration, plan, resume, snap, step=self.step,
@@ -748,6 +763,13 @@ class Trainer:
         self._check_fingerprints(self.group, mine, f"configuration {c}", resume)
         self._withdraw()
         self.log("joined", config_id=c, rank=spec.rank, step=resume, fingerprint=mine.hex())
+
+    def _agree(self, group: ManagedGroup, configuration: Any, resume: int) -> bool:
+        """Called once the group of a configuration has formed, before the fingerprints are
+        compared: a subclass checks here that its members run the same job. Returns whether
+        it changed the state. The step loop agrees on nothing more: False."""
+        del group, configuration, resume
+        return False
 
     def _check_fingerprints(self, group: ManagedGroup, mine: bytes, what: str,
                             resume: int) -> None:

@@ -1,0 +1,135 @@
+"""Fault tolerance inside the user's own torchrun-style DDP script (``docs/training.md``).
+
+A script adopts it by importing these names instead of torch's::
+
+    from torchpass_p2p import init_process_group, destroy_process_group, epochs, track
+    from torchpass_p2p import DistributedDataParallel as DDP, DistributedSampler, DataLoader
+
+and looping ``for epoch in epochs(start, stop)``. Everything else (its Dataset, DataLoader
+workers, epochs, evaluation, logging, checkpoints) stays as it is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from .data import DataLoader, DistributedSampler
+from .model import DistributedDataParallel
+from .session import JobMismatch, Session, current, install
+
+__all__ = [
+    "DataLoader", "DistributedDataParallel", "DistributedSampler", "JobMismatch",
+    "destroy_process_group", "epochs", "get_rank", "get_world_size", "init_process_group",
+    "track",
+]
+
+REFUSED = ("init_method", "store", "rank", "world_size")
+
+
+def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
+                       exact: bool = True, **kwargs: Any) -> None:
+    """Start this process's agent and take its place in the job. A rank returns at once; a
+    spare returns only once it holds a rank (``RANK`` and ``WORLD_SIZE`` are set then, as
+    torchrun sets them). Its state arrives at the epochs loop (:func:`epochs`).
+
+    Args:
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"``; None: gloo.
+        seed: the job's seed for per-step and per-sample generators (default
+            ``TORCHPASS_SEED``, else 0).
+        exact: average gradients by rank-order sums, bitwise equal to a fault-free run
+            (default), or by the backend's all-reduce (faster; same step, not bitwise).
+        kwargs: torch's other arguments; ``timeout``, ``group_name``, ``pg_options`` and
+            ``device_id`` are accepted and unused.
+
+    Raises:
+        ValueError: ``init_method``, ``store``, ``rank`` or ``world_size`` given (the
+            launcher and the agreement decide them), or an unknown backend.
+        RuntimeError: called twice.
+    """
+    for name in REFUSED:
+        if kwargs.get(name) not in (None, -1, ""):
+            raise ValueError(f"init_process_group({name}=...): run under `torchpass-p2p "
+                             "launch`, which decides ranks and rendezvous")
+    backend = backend or "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: 'gloo' or 'nccl'")
+    try:
+        current()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError("init_process_group() was called already")
+    from torchpass_p2p import start
+
+    agent = start()
+    if seed is None:
+        seed = int(os.environ.get("TORCHPASS_SEED", "0"))
+    log_dir = os.environ.get("TORCHPASS_LOG_DIR")
+    log_path = None if not log_dir else os.path.join(log_dir, f"{agent.member_id:016x}.jsonl")
+    session = Session(agent, seed=seed, exact=exact, backend=backend, log_path=log_path)
+    install(session)
+    session._set_env()
+
+
+def destroy_process_group(group: Any = None) -> None:
+    """The end of training: every member holds the final state, then this member leaves
+    the job (its agent stops). Scripts call it where they called torch's."""
+    del group
+    session = current()
+    session.finish()
+    session.agent.stop(leave=False, timeout_s=2.0)
+    install(None)
+
+
+def epochs(start: int, stop: int) -> Iterator[int]:
+    """``range(start, stop)`` for this job. A spare joins here: it receives the state and
+    starts at the epoch (and batch) the job is at. Every member must give the same ``stop``.
+    Build the model, optimizer, scheduler and data loaders before the loop."""
+    session = current()
+    session.epoch = session.join(start, stop)
+    while session.epoch < stop:
+        yield session.epoch
+        session.epoch += 1
+
+
+def track(*objects: Any, **named: Any) -> None:
+    """Move these objects with the training state (the one call for what the library cannot
+    see): optimizers, LR schedulers, ``GradScaler``, anything with ``state_dict`` and
+    ``load_state_dict``. Unnamed objects are named by kind (``optimizer``, ``scheduler``,
+    ``scaler``; a second one gets ``.1``). Call it before the epochs loop.
+
+    Raises:
+        TypeError: an object without ``state_dict``/``load_state_dict``.
+        ValueError: a name given twice, or the loop has started.
+    """
+    import torch
+
+    session = current()
+    for obj in objects:
+        if isinstance(obj, torch.optim.Optimizer):
+            kind = "optimizer"
+        elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+            kind = "scheduler"
+        elif type(obj).__name__ == "GradScaler":
+            kind = "scaler"
+        else:
+            raise TypeError(f"name the {type(obj).__name__}: track(name=obj)")
+        name, n = kind, 0
+        while name in session.objects:
+            n += 1
+            name = f"{kind}.{n}"
+        session.track(name, obj)
+    for name, obj in named.items():
+        session.track(name, obj)
+
+
+def get_rank() -> int:
+    """This member's rank in its configuration."""
+    return current().rank
+
+
+def get_world_size() -> int:
+    """Ranks in this member's configuration."""
+    return current().world_size

@@ -1,0 +1,178 @@
+"""The data position: which batch a rank takes next, so that a spare takes the dead rank's.
+
+:class:`DistributedSampler` is torch's, with the rank and world size taken from this member's
+place in the configuration, and a start offset a spare is given once. :class:`DataLoader` is
+torch's, counting the batches it hands the training loop; with a :class:`DistributedSampler`
+it also seeds every sample's fetch: before ``dataset[i]`` of epoch ``e``, the worker's torch,
+``random`` and numpy generators are seeded from ``(seed, e, i)``, so a random transform draws
+the same in every process whichever worker fetches the sample (a worker's generator otherwise
+depends on the batches it fetched before, which a replacement that starts mid-epoch never
+fetched).
+
+The position of a step boundary (``docs/training.md``): every tracked loader's ``(epoch,
+batches handed out by its current iterator)``, taken just before the step's first batch was
+handed out. An iterator run to its end counts as not started: the loader's next iterator
+starts from the first batch, as torch's does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from torchpass_p2p.trainer.seeding import step_seed
+
+from .session import current
+
+__all__ = ["DataLoader", "DistributedSampler"]
+
+SAMPLE_SALT = 0x5A4D
+"""Separates the per-sample seeds from the per-step ones (``step_seed(seed, epoch, index)``
+would otherwise equal the seed of rank ``epoch``'s step ``index``)."""
+
+
+class DistributedSampler(tud.distributed.DistributedSampler):
+    """torch's ``DistributedSampler`` (same arguments, same order of indices), for a world
+    whose members change. ``num_replicas`` and ``rank`` default to this member's place in its
+    configuration, taken again at every ``__iter__``; a spare that takes a rank mid-epoch
+    starts at the batch the dead rank would have taken next.
+
+    Raises:
+        RuntimeError: iterated by anything but a :class:`DataLoader` (the batches a loop took
+            would be unknown, and a replacement would start at the wrong one).
+    """
+
+    def __init__(self, dataset: Any, num_replicas: int | None = None, rank: int | None = None,
+                 shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
+        session = current()
+        self._fixed = (num_replicas, rank)
+        super().__init__(dataset, num_replicas=num_replicas or session.world_size,
+                         rank=session.rank if rank is None else rank, shuffle=shuffle,
+                         seed=seed, drop_last=drop_last)
+        self.loader: DataLoader | None = None
+        self.skip = 0
+        """Samples to skip at the next ``__iter__`` (once): a restored position."""
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.loader is None:
+            raise RuntimeError("torchpass_p2p.DistributedSampler must be given to a "
+                               "torchpass_p2p.DataLoader: a torch DataLoader does not say which "
+                               "batches the training loop took")
+        session = current()
+        world, rank = self._fixed
+        self.num_replicas = world or session.world_size
+        self.rank = session.rank if rank is None else rank
+        if self.drop_last and len(self.dataset) % self.num_replicas != 0:  # type: ignore[arg-type]
+            self.num_samples = -(-(len(self.dataset) - self.num_replicas)  # type: ignore[arg-type]
+                                 // self.num_replicas)
+        else:
+            self.num_samples = -(-len(self.dataset) // self.num_replicas)  # type: ignore[arg-type]
+        self.total_size = self.num_samples * self.num_replicas
+        skip, self.skip = self.skip, 0
+        epoch = self.epoch
+        return ((epoch, i) for i in itertools.islice(super().__iter__(), skip, None))
+
+    def describe(self) -> dict[str, Any]:
+        """What every member's sampler must agree on."""
+        return {"samples": len(self.dataset), "shuffle": self.shuffle,  # type: ignore[arg-type]
+                "seed": self.seed, "drop_last": self.drop_last}
+
+
+class _SeededSamples(tud.Dataset):  # type: ignore[type-arg]
+    """``dataset[(epoch, i)]`` is ``dataset[i]`` fetched with every generator seeded from
+    ``(seed, epoch, i)`` (module docstring). Other attributes are the dataset's."""
+
+    def __init__(self, dataset: Any, seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: Any) -> Any:
+        epoch, index = key
+        s = step_seed(self.seed ^ SAMPLE_SALT, epoch, index)
+        torch.manual_seed(s)
+        random.seed(s)
+        np.random.seed(s % (1 << 32))
+        return self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("dataset", "seed"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
+    """torch's ``DataLoader`` (same arguments), whose batches are counted for the data
+    position (module docstring) when its sampler is a :class:`DistributedSampler`. Workers,
+    shuffling, ``drop_last``, pinned memory and collation are torch's own.
+
+    Raises:
+        ValueError: a :class:`DistributedSampler` with a ``batch_sampler`` (a position counts
+            whole batches of ``batch_size``), or with an ``IterableDataset``.
+    """
+
+    def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
+        sampler = kwargs.get("sampler", args[2] if len(args) > 2 else None)
+        self._tracked = isinstance(sampler, DistributedSampler)
+        if self._tracked:
+            if kwargs.get("batch_sampler") is not None:
+                raise ValueError("a DistributedSampler with a batch_sampler is not supported: "
+                                 "give batch_size (and drop_last) to the DataLoader instead")
+            if isinstance(dataset, tud.IterableDataset):
+                raise ValueError("an IterableDataset has no sampler: a replacement could not "
+                                 "start at the dead rank's batch")
+            dataset = _SeededSamples(dataset, current().seed)
+        super().__init__(dataset, *args, **kwargs)
+        self._epoch = 0
+        self._handed = 0
+        """Batches the current iterator handed out (-1: it ran to its end)."""
+        if self._tracked:
+            assert isinstance(sampler, DistributedSampler)
+            sampler.loader = self
+            current().track_loader(self)
+
+    @property
+    def distributed_sampler(self) -> DistributedSampler:
+        sampler = self.sampler
+        assert isinstance(sampler, DistributedSampler)
+        return sampler
+
+    def __iter__(self) -> Any:
+        if not self._tracked:
+            return super().__iter__()
+        return self._counted(super().__iter__())
+
+    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
+        sampler = self.distributed_sampler
+        start = sampler.skip // max(1, self.batch_size or 1)
+        self._epoch, self._handed = sampler.epoch, start
+        session = current()
+        for batch in batches:
+            session.handing_out(self)
+            self._handed += 1
+            yield batch
+        self._handed = -1
+
+    # ------------------------------------------------------------------ the position
+
+    def position(self) -> list[int]:
+        """``[epoch, batches handed out]`` of the current iterator (0 once it ran out)."""
+        return [self._epoch, max(self._handed, 0)]
+
+    def restore(self, position: list[int]) -> None:
+        """The next iterator starts ``position[1]`` batches into epoch ``position[0]``."""
+        self._epoch, batches = position
+        self._handed = batches
+        self.distributed_sampler.skip = batches * (self.batch_size or 1)
+
+    def describe(self) -> dict[str, Any]:
+        """What every member's loader must agree on."""
+        return {"batch_size": self.batch_size, "drop_last": self.drop_last,
+                **self.distributed_sampler.describe()}

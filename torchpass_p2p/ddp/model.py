@@ -1,0 +1,74 @@
+"""torch's ``DistributedDataParallel``, reducing over the configuration's group.
+
+DDP keeps its own bucketing, overlap, ``no_sync``, unused-parameter search and compile
+integration. It is built on a process group of this process alone, so that nothing DDP does
+by itself (its constructor's checks, a buffer broadcast, the unused-parameter map) waits for
+another member; every byte that crosses between members goes through the session's
+communication hook (:meth:`~.session.Session.comm_hook`), on the group of the configuration
+this member trains in.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from .session import current
+
+__all__ = ["DistributedDataParallel"]
+
+REFUSED = {
+    "process_group": "the process group is the configuration's, rebuilt after each fault: "
+                     "leave process_group out",
+    "device_mesh": "the mesh is the configuration's: leave device_mesh out",
+    "mixed_precision": "DDP's experimental mixed_precision is not supported: use "
+                       "torch.autocast (with a GradScaler) around the forward",
+}
+
+
+def _local_group() -> Any:
+    """A gloo process group of this process alone (rank 0 of 1)."""
+    from torch._C._distributed_c10d import ProcessGroup
+
+    store = dist.HashStore()
+    backend = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=60))
+    pg = ProcessGroup(store, 0, 1)
+    pg._set_default_backend(ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+class DistributedDataParallel(TorchDDP):
+    """``torch.nn.parallel.DistributedDataParallel`` (same arguments but
+    ``process_group``), whose gradients are averaged over the members of the configuration
+    (rank-order sums unless :func:`~torchpass_p2p.init_process_group` chose
+    ``exact=False``). A spare that takes a rank receives the module's state; at step 0 every
+    rank takes rank 0's, as DDP's constructor gives it.
+
+    Raises:
+        ValueError: an argument this wrapper cannot honour (the message names what to do).
+        RuntimeError: before :func:`~torchpass_p2p.init_process_group`, or a second model.
+    """
+
+    def __init__(self, module: torch.nn.Module, *args: Any, **kwargs: Any) -> None:
+        for name, why in REFUSED.items():
+            if kwargs.get(name) is not None:
+                raise ValueError(f"DistributedDataParallel({name}=...): {why}")
+        if any(getattr(m, "sparse", False) for m in module.modules()):
+            raise ValueError("sparse gradients (an Embedding with sparse=True) are not "
+                             "supported: use sparse=False")
+        session = current()
+        kwargs["process_group"] = _local_group()
+        super().__init__(module, *args, **kwargs)
+        # unannotated: DDP checks a hook's annotations against its own types
+        self.register_comm_hook(None, lambda state, bucket: session.comm_hook(state, bucket))
+        session.attach_model(self)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and self.training:
+            current().step_starting()
+        return super().forward(*inputs, **kwargs)

@@ -1,0 +1,238 @@
+"""One step's gradient reduction in a fixed layout, overlapped with backward.
+
+DDP hands its communication hook buckets whose layout is its own: one bucket of everything in
+a replica's first backward, then buckets rebuilt from the order gradients became ready. A spare
+that joins after the others rebuilt theirs would issue other collectives than they do. So the
+hook never communicates DDP's buckets: it copies their gradients into a *canonical layout*
+(:class:`Layout`), a function of the model's parameters alone and so the same on every member,
+and launches each canonical bucket's reduction as soon as it is full, in canonical order. Every
+member therefore issues the same operations in the same order whatever DDP's buckets are, and a
+step can be reduced again on another group from the kept inputs (:meth:`StepReduction.relaunch`)
+while the spare that joined reduces it for the first time.
+
+Exact mode sums in rank order (:mod:`torchpass_p2p.collective.reduce`): a bucket below
+:data:`~torchpass_p2p.collective.group.SHARDED_MIN_BYTES` by one all-gather, a larger one by an
+all-to-all of shards, each rank summing its shard, then an all-gather of the sums. The element
+sum ``((g0 + g1) + g2) + ...`` does not depend on how elements are grouped into buckets, so the
+result is bitwise the same as one reduction of the whole gradient. Native mode uses the
+backend's all-reduce (same step, not bitwise).
+
+Operations are launched from one thread (the autograd thread) in one order: a sharded bucket's
+all-gather is launched just before the next bucket's first operation, never from a completion
+callback, whose thread and timing differ between ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchpass_p2p.collective import ManagedGroup
+from torchpass_p2p.collective.group import SHARDED_MIN_BYTES, Watch
+from torchpass_p2p.collective.reduce import divide, from_shards, sum_in_rank_order, to_shards
+
+__all__ = ["FIRST_BUCKET_BYTES", "BUCKET_BYTES", "Layout", "StepReduction"]
+
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_BYTES = 25 << 20
+"""Canonical bucket caps: DDP's own defaults (``first_bucket_bytes_cap`` 1 MiB, ``bucket_cap_mb``
+25 MiB), so the first reduction starts as early as DDP's would."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each trainable parameter's gradient lives in the canonical buckets.
+
+    Parameters are taken in reverse registration order (gradients of the last layers are ready
+    first), a bucket closes at its cap or where the dtype or device changes.
+
+    Attributes:
+        sizes: elements per bucket.
+        dtypes: each bucket's dtype.
+        devices: each bucket's device.
+        where: ``{parameter index: (bucket, offset in elements, numel)}``, indices into
+            ``params`` as given to :meth:`of`.
+    """
+
+    sizes: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    devices: tuple[torch.device, ...]
+    where: dict[int, tuple[int, int, int]]
+
+    @classmethod
+    def of(cls, params: Sequence[torch.nn.Parameter], *,
+           first_bytes: int = FIRST_BUCKET_BYTES, bytes_cap: int = BUCKET_BYTES) -> Layout:
+        """The layout of ``params`` (trainable parameters in registration order).
+
+        Raises:
+            ValueError: no parameters.
+        """
+        if not params:
+            raise ValueError("the model has no trainable parameters")
+        sizes: list[int] = []
+        dtypes: list[torch.dtype] = []
+        devices: list[torch.device] = []
+        where: dict[int, tuple[int, int, int]] = {}
+        used = 0
+        for i in reversed(range(len(params))):
+            p = params[i]
+            cap = first_bytes if len(sizes) <= 1 else bytes_cap
+            fits = (sizes and dtypes[-1] == p.dtype and devices[-1] == p.device
+                    and (used == 0 or used + p.numel() * p.element_size() <= cap))
+            if not fits:
+                sizes.append(0)
+                dtypes.append(p.dtype)
+                devices.append(p.device)
+                used = 0
+            where[i] = (len(sizes) - 1, sizes[-1], p.numel())
+            sizes[-1] += p.numel()
+            used += p.numel() * p.element_size()
+        return cls(tuple(sizes), tuple(dtypes), tuple(devices), where)
+
+    def describe(self) -> list[Any]:
+        """Plain data every member must agree on: ``[[numel, dtype], ...]`` per bucket."""
+        return [[n, str(d)] for n, d in zip(self.sizes, self.dtypes, strict=True)]
+
+
+class StepReduction:
+    """The reduction of one step's gradients (module docstring), filled bucket by bucket.
+
+    The inputs (``send``) are this member's local gradients of the step, kept until the next
+    step starts, so the same step can be reduced again on another group. Outputs are fresh
+    tensors per launch: an abandoned operation may still write into its own later.
+
+    Args:
+        layout: the canonical layout.
+        exact: rank-order sums (True) or the backend's all-reduce.
+    """
+
+    def __init__(self, layout: Layout, *, exact: bool) -> None:
+        self.layout = layout
+        self.exact = exact
+        self.send = [torch.empty(n, dtype=d, device=v) for n, d, v in
+                     zip(layout.sizes, layout.dtypes, layout.devices, strict=True)]
+        self._missing = list(layout.sizes)
+        self._group: ManagedGroup | None = None
+        self._launched = 0
+        self._works: list[tuple[int, str, Any, Any]] = []  # (bucket, kind, work, output)
+        self._results: list[torch.Tensor | None] = [None] * len(layout.sizes)
+        self._watch: Watch | None = None
+
+    # ------------------------------------------------------------------ filling
+
+    def reset(self) -> None:
+        """A new step: every bucket empty again (inputs are overwritten as they are filled)."""
+        self._missing = list(self.layout.sizes)
+        self._group = None
+        self._launched = 0
+        self._works = []
+        self._results = [None] * len(self.layout.sizes)
+
+    def fill(self, index: int, grad: torch.Tensor) -> None:
+        """Copy parameter ``index``'s gradient (any shape, ``numel`` elements) into its place."""
+        b, offset, n = self.layout.where[index]
+        self.send[b][offset:offset + n].copy_(grad.reshape(-1))
+        self._missing[b] -= n
+
+    @property
+    def filled(self) -> bool:
+        return not any(self._missing)
+
+    # ------------------------------------------------------------------ communication
+
+    def launch_ready(self, group: ManagedGroup, watch: Watch | None) -> None:
+        """Launch, in canonical order, every full bucket not launched yet on ``group``
+        (``watch`` as for :meth:`ManagedGroup.complete`: a sharded bucket's all-to-all may be
+        waited for here). Raises what :meth:`ManagedGroup.complete` raises."""
+        self._watch = watch
+        if self._group is not group:
+            self._group = group
+            self._launched = 0
+            self._works = []
+            self._results = [None] * len(self.layout.sizes)
+        while self._launched < len(self.send) and self._missing[self._launched] == 0:
+            self._launch(group, self._launched)
+            self._launched += 1
+
+    def relaunch(self, group: ManagedGroup, watch: Watch | None) -> None:
+        """Reduce the kept inputs again, from the first bucket, on ``group``."""
+        self._group = None
+        self.launch_ready(group, watch)
+
+    def _launch(self, group: ManagedGroup, b: int) -> None:
+        self._flush_sharded(group, self._watch)
+        src = self.send[b]
+        n = group.spec.world_size
+        if not self.exact:
+            buf = src.clone()
+            self._works.append((b, "sum", group.launch(lambda pg: pg.allreduce([buf])), buf))
+        elif n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES:
+            out = [torch.empty_like(src) for _ in range(n)]
+            self._works.append((b, "gather", group.launch(lambda pg: pg.allgather([out], [src])),
+                                out))
+        else:
+            shards = to_shards(src, n)
+            recv = torch.empty_like(shards)
+            self._works.append((b, "shards", group.launch(
+                lambda pg: pg.alltoall_base(recv, shards, [], [])), recv))
+
+    def _flush_sharded(self, group: ManagedGroup, watch: Watch | None = None) -> None:
+        """Turn the last launched bucket's finished all-to-all into its all-gather of sums
+        (the one place an all-gather of shards is launched: before the next bucket's first
+        operation, or when the step is waited for)."""
+        if not self._works or self._works[-1][1] != "shards":
+            return
+        b, _, work, recv = self._works.pop()
+        group.complete(work, watch=watch)
+        n = group.spec.world_size
+        mine = divide(sum_in_rank_order(recv.unbind(0)), n)
+        gathered = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
+        self._works.append((b, "sharded", group.launch(
+            lambda pg: pg._allgather_base(gathered.view(-1), mine)), gathered))
+
+    def wait(self, group: ManagedGroup, watch: Watch | None) -> list[torch.Tensor]:
+        """Wait for every bucket (all must be launched) and return the averaged gradient per
+        bucket, in the layout's order. Raises ``CollectiveError`` or ``Superseded`` as
+        :meth:`ManagedGroup.complete` does."""
+        assert self._launched == len(self.send) and self._group is group
+        self._flush_sharded(group, watch)
+        n = group.spec.world_size
+        for b, kind, work, out in self._works:
+            group.complete(work, watch=watch)
+            if kind == "gather":
+                self._results[b] = divide(sum_in_rank_order(out), n)
+            elif kind == "sharded":
+                self._results[b] = from_shards(out, self.send[b])
+            else:
+                self._results[b] = divide(out, n)
+        self._works = []
+        results = self._results
+        assert all(r is not None for r in results)
+        return [r for r in results if r is not None]
+
+    def copy_out(self, results: list[torch.Tensor], index: int, grad: torch.Tensor) -> None:
+        """Write parameter ``index``'s averaged gradient from ``results`` into ``grad``."""
+        b, offset, n = self.layout.where[index]
+        grad.copy_(results[b][offset:offset + n].view_as(grad))
+
+
+def flat_tensors(tensors: Sequence[torch.Tensor]) -> dict[torch.dtype, torch.Tensor]:
+    """The tensors concatenated per dtype (in order), as new 1-d tensors."""
+    by: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by.setdefault(t.dtype, []).append(t.detach().reshape(-1))
+    return {d: torch.cat(ts) for d, ts in by.items()}
+
+
+def unflat_into(flats: dict[torch.dtype, torch.Tensor], tensors: Sequence[torch.Tensor],
+                ) -> None:
+    """Undo :func:`flat_tensors` into ``tensors`` in place."""
+    offsets = dict.fromkeys(flats, 0)
+    for t in tensors:
+        o = offsets[t.dtype]
+        t.detach().copy_(flats[t.dtype][o:o + t.numel()].view_as(t))
+        offsets[t.dtype] = o + t.numel()
+

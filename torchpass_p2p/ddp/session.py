@@ -1,0 +1,558 @@
+"""This process's place in the job, driven from inside the user's own training loop.
+
+:class:`Session` is the recovery machinery of :class:`~torchpass_p2p.trainer.Trainer` (entering
+configurations, the commit rule, the state exchange, regroups) with the step taken apart and
+driven by the parts a training script already calls (``docs/training.md``):
+
+* a training ``forward`` with no step open opens step ``k``: a configuration that is due is
+  entered there (the state is at a step boundary), every generator is seeded from
+  ``(seed, rank, k)``, the module's buffers are kept as they were;
+* DDP's communication hook fills the step's reduction (:mod:`.reduction`) bucket by bucket; at
+  the last bucket it waits for the reduction, takes rank 0's buffers, and votes; the commit
+  (the agent accepts ``k``) closes the step. DDP then writes the averaged gradients, and the
+  script clips, scales and steps its optimizer as it always did;
+* a fault inside the step is recovered from inside the last hook: the step's reduction is done
+  again on the new group from the kept local gradients (*redo*, the spare computing its own for
+  the same batch), or, when another member committed it, the held result is returned and the
+  next configuration is entered at the next step's start (*roll forward*). ``loss.backward()``
+  returns only with the gradients every rank agrees on, so nothing in the script ever sees a
+  fault.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
+
+import torch
+
+from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, exit_process
+from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
+from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
+from torchpass_p2p.trainer.seeding import seed_step
+from torchpass_p2p.transfer import FetchResult, Snapshot
+
+from .reduction import Layout, StepReduction, flat_tensors, unflat_into
+
+if TYPE_CHECKING:
+    from .data import DataLoader
+
+__all__ = ["JobMismatch", "Session", "current", "install"]
+
+T = TypeVar("T")
+_SESSION: Session | None = None
+
+
+def current() -> Session:
+    """This process's session. Raises ``RuntimeError`` before
+    :func:`torchpass_p2p.init_process_group`."""
+    if _SESSION is None:
+        raise RuntimeError("call torchpass_p2p.init_process_group() first")
+    return _SESSION
+
+
+def install(session: Session | None) -> None:
+    global _SESSION
+    _SESSION = session
+
+
+class JobMismatch(Stopped):
+    """This member's script describes another job than the majority of its configuration
+    (another number of epochs, dataset, model, seed, ...). It stops (exit code 5) and is not
+    respawned: a respawn would run the same script again."""
+
+
+class _RollForward(Exception):
+    """Internal: the commit rule says apply the held step; the script applies it."""
+
+
+class _Progress:
+    """The epoch and the loaders' positions at the step boundary, as a Stateful."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.session
+        return {"epoch": s.epoch, "loaders": s.positions()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        s = self.session
+        loaders = list(sd["loaders"])
+        if len(loaders) != len(s.loaders):
+            raise ValueError(f"the state tracks {len(loaders)} data loaders, this script "
+                             f"made {len(s.loaders)}")
+        s.epoch = int(sd["epoch"])
+        for loader, position in zip(s.loaders, loaders, strict=True):
+            loader.restore([int(v) for v in position])
+
+
+class Session(Trainer):
+    """The training side of one member (module docstring). Made by
+    :func:`torchpass_p2p.init_process_group`.
+
+    Args:
+        agent: this process's started agent.
+        seed: the job's seed: step ``k`` of rank ``r`` draws from ``(seed, r, k)``, sample
+            ``i`` of epoch ``e`` from ``(seed, e, i)``.
+        exact: rank-order sums (bitwise equal to a fault-free run) or the backend's own.
+        backend: ``"gloo"`` or ``"nccl"``.
+        log_path: the JSON-lines timeline, or None.
+    """
+
+    def __init__(self, agent: Any, *, seed: int, exact: bool, backend: str,
+                 log_path: str | os.PathLike[str] | None) -> None:
+        super().__init__(torch.nn.Module(), None, agent=agent,  # type: ignore[arg-type]
+                         seed=seed, backend=backend, log_path=log_path)
+        self.objects = {}
+        self.exact = exact
+        self.ddp: Any = None
+        self.loaders: list[DataLoader] = []
+        self.epoch = 0
+        self.epochs_stop: int | None = None
+        self.layout: Layout | None = None
+        self.reduction: StepReduction | None = None
+        self._index: dict[int, int] = {}
+        self._buffers: list[torch.Tensor] = []
+        self._at_start: list[torch.Tensor] = []
+        self._open = False
+        self._frozen: list[list[int]] | None = None
+        self._last_handed: tuple[DataLoader, list[int]] | None = None
+        self._buckets: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor,
+                                  list[torch.Tensor], list[int]]] = []
+        self._step_error: BaseException | None = None
+        self._pending: Any = None
+        self._deferred_check: tuple[ManagedGroup, str, int] | None = None
+        self._entering: Any = None
+        self._in_regroup = False
+        self._joined = False
+        self._first_change: Any = None
+        self.service.start()
+        if self._started_as_spare():
+            self._first_change = self.guard(self._await_first_rank)
+
+    # ------------------------------------------------------------------ place
+
+    @property
+    def rank(self) -> int:
+        if self.group is not None:
+            return self.group.spec.rank
+        configuration = self._configuration()
+        rank = configuration.rank_of(self.me)
+        if rank is None:
+            raise RuntimeError("this member holds no rank")
+        return int(rank)
+
+    @property
+    def world_size(self) -> int:
+        if self.group is not None:
+            return self.group.spec.world_size
+        return int(self._configuration().world_size)
+
+    def _configuration(self) -> Any:
+        if self._first_change is not None:
+            return self._first_change.configuration
+        return self.agent.settings.configuration
+
+    # ------------------------------------------------------------------ registration
+
+    def attach_model(self, ddp: Any) -> None:
+        """The DDP replica: its module's state moves, its gradients are reduced here.
+
+        Raises:
+            RuntimeError: a second model (one replica per process).
+        """
+        if self.ddp is not None:
+            raise RuntimeError("one torchpass_p2p.DistributedDataParallel per process")
+        params = [p for p in ddp.module.parameters() if p.requires_grad]
+        self.ddp = ddp
+        self.layout = Layout.of(params)
+        self.reduction = StepReduction(self.layout, exact=self.exact)
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._buffers = list(ddp.module.buffers())
+        self.objects["model"] = ddp.module
+
+    def track(self, name: str, obj: Any) -> None:
+        """Move ``obj`` (``state_dict``/``load_state_dict``) with the training state.
+
+        Raises:
+            TypeError: ``obj`` is not Stateful.
+            ValueError: ``name`` taken, or the job has started (a spare would not know it).
+        """
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):
+            raise TypeError(f"{name}: {type(obj).__name__} has no state_dict/load_state_dict; "
+                            "wrap what it holds in an object that has")
+        if name in self.objects or name == "progress":
+            raise ValueError(f"{name!r} is tracked already")
+        if self._joined:
+            raise ValueError(f"{name!r}: track state before the epochs loop starts")
+        self.objects[name] = obj
+
+    def track_loader(self, loader: DataLoader) -> None:
+        if self._joined:
+            raise ValueError("make the data loaders before the epochs loop starts")
+        self.loaders.append(loader)
+
+    # ------------------------------------------------------------------ the job
+
+    def join(self, start: int, stop: int) -> int:
+        """Enter the job at the epochs loop: a rank its first configuration, a spare the one
+        that gave it a rank (receiving the state). Returns the epoch to run first."""
+        if self.ddp is None:
+            raise RuntimeError("wrap the model in torchpass_p2p.DistributedDataParallel before "
+                               "the epochs loop")
+        if self._joined:
+            return self.epoch
+        self.epoch, self.epochs_stop = start, stop
+        self.objects["progress"] = _Progress(self)
+        self._joined = True
+        self.guard(self._enter_job)
+        return self.epoch
+
+    def _enter_job(self) -> None:
+        try:
+            if self._first_change is not None:
+                self._enter_as_spare(self._first_change)
+            else:
+                started_in = self.agent.settings.configuration
+                self.faults.at(0, "enter", started_in.rank_of(self.me))
+                self._enter_configuration(started_in, group_id=started_in.config_id,
+                                          resume=0, fetch_from=None)
+        except (CollectiveError, Superseded) as exc:
+            self._recover(exc)
+        self._set_env()
+
+    def _set_env(self) -> None:
+        """``RANK`` and ``WORLD_SIZE`` as torchrun sets them, for scripts that read them."""
+        os.environ["RANK"] = str(self.rank)
+        os.environ["WORLD_SIZE"] = str(self.world_size)
+        os.environ.setdefault("LOCAL_RANK", str(self.rank))
+
+    def finish(self) -> None:
+        """Every member holds the final state (the final barrier), then this member stops."""
+        if not self._joined:
+            self._close()
+            return
+
+        def barrier() -> None:
+            while True:
+                try:
+                    self._catch_up()
+                    self._finish()
+                    return
+                except (CollectiveError, Superseded) as exc:
+                    self._recover(exc)
+
+        self.guard(barrier)
+        self._close()
+
+    def guard(self, fn: Callable[[], T]) -> T:
+        """Run ``fn``; a member that is out of the job stops the process with its exit code
+        (``docs/running.md``): nothing of the script may run on after it."""
+        try:
+            return fn()
+        except Removed as exc:
+            self._exit(exc, EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED)
+        except Stopped as exc:
+            self._exit(exc, EXIT_STOPPED)
+
+    def _exit(self, exc: BaseException, code: int) -> NoReturn:
+        self.log("exit", code=code, reason=str(exc)[:200], step=self.step)
+        print(f"torchpass_p2p: member {self.log.member}: {exc}; exit code {code}",
+              file=sys.stderr, flush=True)
+        try:
+            self._close()
+            self.agent.stop(leave=False, timeout_s=2.0)
+        finally:
+            exit_process(code)
+
+    # ------------------------------------------------------------------ the data position
+
+    def handing_out(self, loader: DataLoader) -> None:
+        """``loader`` is about to hand out a batch: with no step open, this may be the next
+        step's first batch, so its position before it is the boundary's."""
+        if not self._open:
+            self._last_handed = (loader, loader.position())
+
+    def positions(self) -> list[list[int]]:
+        """Every tracked loader's position at the current step boundary."""
+        if self._frozen is not None:
+            return self._frozen
+        return self._boundary_positions()
+
+    def _boundary_positions(self) -> list[list[int]]:
+        out = []
+        for loader in self.loaders:
+            if self._last_handed is not None and self._last_handed[0] is loader:
+                out.append(self._last_handed[1])
+            else:
+                out.append(loader.position())
+        return out
+
+    # ------------------------------------------------------------------ the step
+
+    def step_starting(self) -> None:
+        """A training forward with no step open: open step ``self.step`` (module docstring)."""
+        if self._open:
+            return
+        if not self._joined:
+            raise RuntimeError("train inside `for epoch in torchpass_p2p.epochs(start, stop)`: "
+                               "a spare joins there")
+        self._frozen = self._boundary_positions()
+        self._open = True
+        self.guard(self._catch_up)
+        k, rank = self.step, self.rank
+        self.faults.at(k, "compute", rank)
+        seed_step(self.seed, rank, k)
+        self._at_start = [b.detach().clone() for b in self._buffers]
+        assert self.reduction is not None
+        self.reduction.reset()
+        self._buckets = []
+        self._step_error = None
+
+    def _catch_up(self) -> None:
+        """At a step boundary: enter a configuration that is due (rolled forward into, or
+        decided since), finish a regroup's deferred fingerprint check."""
+        while True:
+            try:
+                if self._pending is not None:
+                    change, self._pending = self._pending, None
+                    self._enter_until_in(change)
+                if self._deferred_check is not None:
+                    group, what, resume = self._deferred_check
+                    self._deferred_check = None
+                    self._check_fingerprints(group, self._fingerprint(), what, resume)
+                if self._poll():
+                    raise Superseded
+                return
+            except (CollectiveError, Superseded) as exc:
+                self._recover(exc)
+
+    def comm_hook(self, _state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        """DDP's communication hook (module docstring). Its future completes when the step
+        is committed, with the averaged gradients of the bucket."""
+        reduction = self.reduction
+        assert reduction is not None
+        if not self._open:
+            raise RuntimeError("a backward without a forward of the torchpass_p2p "
+                               "DistributedDataParallel")
+        indices = [self._index[id(p)] for p in bucket.parameters()]
+        grads = bucket.gradients()
+        for i, g in zip(indices, grads, strict=True):
+            reduction.fill(i, g)
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._buckets.append((future, bucket.buffer(), grads, indices))
+        if self._step_error is None and self.group is not None:
+            try:
+                reduction.launch_ready(self.group, self._watch)
+            except (CollectiveError, Superseded, RuntimeError) as exc:
+                self._step_error = exc
+        if bucket.is_last():
+            if not reduction.filled:
+                raise RuntimeError("DDP's buckets do not cover every trainable parameter")
+            self.guard(self._end_step)
+        return future
+
+    def _end_step(self) -> None:
+        k = self.step
+        reduction = self.reduction
+        assert reduction is not None
+        error, self._step_error = self._step_error, None
+        relaunch = False
+        results: list[torch.Tensor] = []
+        while True:
+            try:
+                group = self.group
+                if group is None:
+                    raise Superseded
+                if error is not None:
+                    raise error
+                if relaunch:
+                    relaunch = False
+                    reduction.relaunch(group, self._watch)
+                self.faults.at(k, "grad", group.spec.rank)
+                results = reduction.wait(group, self._watch)
+                self._take_buffers(group)
+                self._reduced = (k, results[0])
+                self.faults.at(k, "commit", group.spec.rank)
+                if not self._vote(group, k):
+                    relaunch = True
+                    continue
+                if not self.agent.report_commit(k, self._ranks):
+                    self.log("commit_refused", step=k, config_id=group.config_id)
+                    group.abandon()
+                    raise Superseded
+                self._close_step(k, results)
+                return
+            except (CollectiveError, Superseded, RuntimeError) as exc:
+                if not isinstance(exc, CollectiveError | Superseded):
+                    if self.group is None or self.group.state == "ready":
+                        raise
+                error, relaunch = None, True
+                if self._recover_in_step(exc):
+                    self._close_step(k, results)
+                    return
+
+    def _vote(self, group: ManagedGroup, k: int) -> bool:
+        """The commit vote, after the whole reduction: True when every rank votes to commit
+        step ``k``; after a veto (a fenced member) this waits for the lease and the step is
+        reduced again. Raises ``RuntimeError`` when the ranks are at different steps."""
+        vote = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k)], dtype=torch.float64)
+        votes = group.allgather(vote, watch=self._watch)
+        steps = sorted({int(v[1].item()) for v in votes})
+        if steps != [k]:
+            group.abandon()
+            raise JobMismatch(f"ranks of configuration {group.config_id} are at steps "
+                              f"{steps}: not the same job")
+        if all(v[0].item() == 1.0 for v in votes):
+            return True
+        self.log("commit_vetoed", step=k, config_id=group.config_id, fenced=self.agent.fenced)
+        self._await_lease()
+        return False
+
+    def _take_buffers(self, group: ManagedGroup) -> None:
+        """Every rank takes rank 0's buffers as its forward left them (what DDP's
+        ``broadcast_buffers`` gives the next forward)."""
+        if not self._buffers:
+            return
+        for dtype, flat in flat_tensors(self._buffers).items():
+            parts = group.allgather(flat, watch=self._watch)
+            unflat_into({dtype: parts[0]}, [b for b in self._buffers if b.dtype == dtype])
+
+    def _close_step(self, k: int, results: list[torch.Tensor]) -> None:
+        """Step ``k`` is committed (or rolled forward): hand DDP the averaged gradients."""
+        reduction = self.reduction
+        assert reduction is not None
+        for future, buffer, grads, indices in self._buckets:
+            for i, g in zip(indices, grads, strict=True):
+                reduction.copy_out(results, i, g)
+            future.set_result(buffer)
+        self._buckets = []
+        self.step = k + 1
+        self._reduced = None
+        self._open = False
+        self._frozen = None
+        self._last_handed = None
+
+    def _recover_in_step(self, exc: BaseException) -> bool:
+        """Recover from a fault inside step ``self.step``'s reduction. The state served and
+        fingerprinted is the step's start: the buffers go back to it meanwhile. Returns True
+        when the step is rolled forward (its held result is applied by the script; the next
+        configuration is entered at the next step's start), False when it is to be reduced
+        again on ``self.group``."""
+        post = [b.detach().clone() for b in self._buffers]
+        for b, start in zip(self._buffers, self._at_start, strict=True):
+            b.detach().copy_(start)
+        try:
+            self._recover(exc)
+            return False
+        except _RollForward:
+            return True
+        finally:
+            for b, p in zip(self._buffers, post, strict=True):
+                b.detach().copy_(p)
+
+    # ------------------------------------------------------------------ Trainer's seams
+
+    def _enter(self, change: Any) -> None:
+        self._entering = change
+        try:
+            super()._enter(change)
+        finally:
+            self._entering = None
+
+    def _regroup(self) -> None:
+        self._in_regroup = True
+        try:
+            super()._regroup()
+        finally:
+            self._in_regroup = False
+
+    def _apply(self, k: int, avg: torch.Tensor) -> None:
+        """The commit rule rolls step ``k`` forward: the script applies it once the hook
+        returns; what the recovery would have done next happens at the next step's start."""
+        del avg
+        if self._in_regroup:
+            assert self.group is not None and self._spec is not None
+            self._deferred_check = (self.group, f"configuration {self.config_id}, regroup "
+                                    f"{self._spec.attempt}", k + 1)
+        else:
+            self._pending = self._entering
+        self.agent.report_progress(k)
+        raise _RollForward
+
+    def _metadata(self) -> dict[str, Any]:
+        return {"seed": self.seed, "world_size": len(self._ranks)}
+
+    def _restored(self, result: FetchResult, config_id: int, total_s: float, sources: int,
+                  served_by: dict[str, int], **details: Any) -> Snapshot:
+        if self._open:
+            # Only a spare fetches (in the epochs loop, before any batch); a survivor holds
+            # either the state or the step's full reduction. A batch in hand would be its own.
+            raise RuntimeError("a member fetched the state while it held a batch: refusing to "
+                               "train on a data position that is not the state's")
+        return super()._restored(result, config_id, total_s, sources, served_by, **details)
+
+    def _agree(self, group: ManagedGroup, configuration: Any, resume: int) -> bool:
+        """Check that every member runs the same job; at step 0 every rank takes rank 0's
+        model (as DDP's constructor does). Raises :class:`JobMismatch` on this member when
+        its job is not the majority's, ``CollectiveError`` on the others (they wait for the
+        change that removes it)."""
+        mine = self.describe()
+        blobs = _allgather_bytes(group, json.dumps(mine, sort_keys=True).encode(), self._watch)
+        counts = Counter(blobs)
+        top, n = counts.most_common(1)[0]
+        if len(counts) > 1:
+            others = [json.loads(b) for b in blobs]
+            if blobs[group.spec.rank] != top or 2 * n <= len(blobs):
+                majority = json.loads(top)
+                diff = ", ".join(f"{key} {mine.get(key)!r} vs {majority.get(key)!r}"
+                                 for key in sorted(set(mine) | set(majority))
+                                 if mine.get(key) != majority.get(key))
+                group.abandon()
+                raise JobMismatch(f"configuration {configuration.config_id}: this member's job "
+                                  f"differs from the others': {diff}")
+            odd = [r for r, b in enumerate(blobs) if b != top]
+            group.abandon()
+            self.log("job_mismatch", config_id=configuration.config_id, ranks=odd,
+                     theirs=[others[r] for r in odd][:1])
+            raise CollectiveError(f"ranks {odd} run another job", group.config_id)
+        if resume != 0 or self.step != 0:
+            return False
+        state = [t for t in self.ddp.module.state_dict().values() if isinstance(t, torch.Tensor)]
+        for dtype, flat in flat_tensors(state).items():
+            parts = group.allgather(flat, watch=self._watch)
+            unflat_into({dtype: parts[0]}, [t for t in state if t.dtype == dtype])
+        return True
+
+    def describe(self) -> dict[str, Any]:
+        """The job as this member's script describes it: what every member must agree on."""
+        module = self.ddp.module
+        shapes = hashlib.sha256(json.dumps(
+            [[name, list(t.shape), str(t.dtype)] for name, t in module.state_dict().items()]
+        ).encode()).hexdigest()[:16]
+        return {
+            "seed": self.seed, "exact": self.exact, "world_size": len(self._ranks),
+            "epochs": self.epochs_stop, "model": shapes,
+            "buckets": self.layout.describe() if self.layout else None,
+            "data": [loader.describe() for loader in self.loaders],
+            "state": {name: type(obj).__name__ for name, obj in self.objects.items()},
+        }
+
+
+def _allgather_bytes(group: ManagedGroup, data: bytes,
+                     watch: Callable[[], bool]) -> list[bytes]:
+    """Every rank's ``data``, by rank (two all-gathers: the lengths, then padded bytes)."""
+    sizes = group.allgather(torch.tensor([len(data)], dtype=torch.int64), watch=watch)
+    width = max(int(s.item()) for s in sizes)
+    buf = torch.zeros(width, dtype=torch.uint8)
+    if data:
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = group.allgather(buf, watch=watch)
+    return [bytes(p[:int(s.item())].tolist()) for p, s in zip(parts, sizes, strict=True)]
