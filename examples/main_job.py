@@ -84,17 +84,28 @@ def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = ""
     by environment variable, e.g. ``{"TORCHPASS_POLICY": "stop"}``). A launch
     still running after ``timeout_s`` seconds is killed (code -9) after its children printed
     their stacks into ``output`` (:meth:`Run.diagnosis`)."""
+    return launch(work, SCRIPT, ("--out", str(work / "out"), "--log-dir", str(work / "logs"),
+                                 "--steps", str(steps), *script_args),
+                  nproc=nproc, spares=spares, faults=faults, timeout_s=timeout_s,
+                  launch_args=launch_args, settings=settings)
+
+
+def launch(work: Path, script: Path, script_args: tuple[str, ...], *, nproc: int, spares: int,
+           faults: str = "", timeout_s: float = 600.0, launch_args: tuple[str, ...] = (),
+           settings: dict[str, str] | None = None) -> Run:
+    """Launch ``script`` under ``torchpass-p2p launch`` in ``work``: its members' timelines go
+    to ``work/logs`` (``TORCHPASS_LOG_DIR``), ``final-*.json`` files it writes to
+    ``work/out`` are read back. Otherwise as :func:`run_job`."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("TORCHPASS_") and k not in ("RANK", "WORLD_SIZE")}
     env["PYTHONPATH"] = str(REPO)
+    env["TORCHPASS_LOG_DIR"] = str(work / "logs")
     if faults:
         env["TORCHPASS_FAULTS"] = faults
     env.update(settings or {})
     cmd = [sys.executable, "-m", "torchpass_p2p.cli.main", "launch", "--nproc", str(nproc),
-           "--spares", str(spares), "--grace", "3", *launch_args, str(SCRIPT),
-           "--out", str(work / "out"),
-           "--log-dir", str(work / "logs"), "--steps", str(steps), *script_args]
+           "--spares", str(spares), "--grace", "3", *launch_args, str(script), *script_args]
     t0 = time.monotonic()
     chunks: list[bytes] = []
     with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,

@@ -1,6 +1,7 @@
 """An ordinary DDP training script as PyTorch's DDP tutorials teach it: a Dataset, a
-DataLoader with a DistributedSampler (shuffled, two workers), DDP, an LR scheduler, gradient
-clipping, epochs and a periodic snapshot that a restarted job resumes from.
+DataLoader with a DistributedSampler (shuffled, two workers), DDP, bf16 autocast with a
+GradScaler, an LR scheduler, gradient clipping, epochs and a periodic snapshot that a restarted
+job resumes from.
 ``examples/torchrun_ddp.py`` runs under torchrun; ``examples/torchpass_ddp.py`` is the same
 script adopted by torchpass_p2p (``diff`` the two; ``docs/training.md``):
 
@@ -44,10 +45,10 @@ def build_model(dim=32, hidden=256, classes=8):
 
 
 class Trainer:
-    def __init__(self, model, loader, optimizer, scheduler, save_every, snapshot_path):
+    def __init__(self, model, loader, optimizer, scheduler, scaler, save_every, snapshot_path):
         self.rank = int(os.environ["RANK"])
         self.model, self.loader = model, loader
-        self.optimizer, self.scheduler = optimizer, scheduler
+        self.optimizer, self.scheduler, self.scaler = optimizer, scheduler, scaler
         self.save_every, self.snapshot_path = save_every, snapshot_path
         self.epochs_run = 0
         if snapshot_path and os.path.exists(snapshot_path):
@@ -59,22 +60,27 @@ class Trainer:
         self.model.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scheduler.load_state_dict(snapshot["scheduler"])
+        self.scaler.load_state_dict(snapshot["scaler"])
         self.epochs_run = snapshot["epochs_run"]
         print(f"rank {self.rank}: resuming at epoch {self.epochs_run}")
 
     def save_snapshot(self, epoch):
         snapshot = {"model": self.model.module.state_dict(),
                     "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "epochs_run": epoch + 1}
+                    "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict(), "epochs_run": epoch + 1}
         torch.save(snapshot, self.snapshot_path)
         print(f"epoch {epoch}: snapshot saved at {self.snapshot_path}")
 
     def run_batch(self, source, targets):
         self.optimizer.zero_grad()
-        loss = F.cross_entropy(self.model(source), targets)
-        loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(self.model(source), targets)
+        self.scaler.scale(loss).backward()
+        self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         return loss.item()
 
     def run_epoch(self, epoch):
@@ -108,9 +114,11 @@ def main():
     model = build_model(hidden=args.hidden)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu")
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=2,
                         sampler=DistributedSampler(dataset, shuffle=True))
-    trainer = Trainer(model, loader, optimizer, scheduler, args.save_every, args.snapshot)
+    trainer = Trainer(model, loader, optimizer, scheduler, scaler, args.save_every,
+                      args.snapshot)
     trainer.train(args.epochs)
     destroy_process_group()
 

@@ -11,8 +11,11 @@ workers, epochs, evaluation, logging, checkpoints) stays as it is.
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 from .data import DataLoader, DistributedSampler
@@ -71,6 +74,37 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
     session = Session(agent, seed=seed, exact=exact, backend=backend, log_path=log_path)
     install(session)
     session._set_env()
+    _skip_teardown_of_stuck_groups()
+
+
+_failed = False
+
+
+def _skip_teardown_of_stuck_groups() -> None:
+    """A gloo group given up with an operation in flight can be neither aborted nor
+    destroyed: the interpreter's teardown would destroy it and abort the process
+    (``docs/collective.md``). So when the script ends and such a group exists, the process
+    exits at once, with status 1 if the script died of an exception, else 0 (a script's
+    ``sys.exit(n)`` then ends with 0: return from ``main`` instead). Nothing changes for a
+    process that has none."""
+    hook = sys.excepthook
+
+    def record(kind: type[BaseException], value: BaseException,
+               tb: TracebackType | None) -> None:
+        global _failed
+        _failed = True
+        hook(kind, value, tb)
+
+    sys.excepthook = record
+
+    def skip() -> None:
+        from torchpass_p2p.collective import exit_process
+        from torchpass_p2p.collective.group import stuck_groups
+
+        if stuck_groups():
+            exit_process(1 if _failed else 0)
+
+    atexit.register(skip)
 
 
 def destroy_process_group(group: Any = None) -> None:

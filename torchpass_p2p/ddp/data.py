@@ -147,12 +147,15 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     def __iter__(self) -> Any:
         if not self._tracked:
             return super().__iter__()
-        return self._counted(super().__iter__())
-
-    def _counted(self, batches: Iterator[Any]) -> Iterator[Any]:
         sampler = self.distributed_sampler
-        start = sampler.skip // max(1, self.batch_size or 1)
-        self._epoch, self._handed = sampler.epoch, start
+        # Before torch's iterator exists: making it runs the sampler (workers prefetch), which
+        # uses up the skip.
+        start = sampler.skip // (self.batch_size or 1)
+        epoch = sampler.epoch
+        return self._counted(super().__iter__(), epoch, start)
+
+    def _counted(self, batches: Iterator[Any], epoch: int, start: int) -> Iterator[Any]:
+        self._epoch, self._handed = epoch, start
         session = current()
         for batch in batches:
             session.handing_out(self)

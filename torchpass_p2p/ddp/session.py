@@ -308,6 +308,8 @@ class Session(Trainer):
         self._open = True
         self.guard(self._catch_up)
         k, rank = self.step, self.rank
+        self.log("step_started", step=k, rank=rank, config_id=self.config_id,
+                 epoch=self.epoch, positions=self._frozen)
         self.faults.at(k, "compute", rank)
         seed_step(self.seed, rank, k)
         self._at_start = [b.detach().clone() for b in self._buffers]
@@ -434,6 +436,7 @@ class Session(Trainer):
                 reduction.copy_out(results, i, g)
             future.set_result(buffer)
         self._buckets = []
+        self.log("step", step=k, config_id=self.config_id, rank=self.rank)
         self.step = k + 1
         self._reduced = None
         self._open = False

@@ -1,0 +1,111 @@
+"""The adopted torchrun script end to end: ``examples/torchpass_ddp.py`` (a Dataset, a
+DataLoader with a shuffled DistributedSampler and two workers, DDP, bf16 autocast with a
+GradScaler, clipping, an LR scheduler, epochs and its own ``torch.save`` snapshots) under the
+launcher with four ranks and two spares, once without faults and once with a SIGKILL of rank 1
+in the middle of epoch 1 (its peers inside the gradient reduction) and a SIGSTOP of rank 2 at
+its commit, held past its lease.
+
+Must hold: the faulty run exits 0; no step is lost or run twice by a survivor; every finished
+member's state (model, optimizer, scheduler, scaler, data position) has the fault-free run's
+fingerprint; the script's own last snapshot is bitwise the fault-free one; and the spare that
+took rank 1 started with the batch rank 1 would have taken next.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from examples.main_job import REPO, Run, launch
+
+SCRIPT = REPO / "examples" / "torchpass_ddp.py"
+EPOCHS = 3
+STEPS = 96  # 4096 samples, 4 ranks, batches of 32: 32 steps an epoch
+FAULTS = "kill@40:grad:rank=1,stop@75:commit:rank=2:8"
+
+
+def run(work: Path, faults: str = "") -> tuple[Run, Path]:
+    snapshot = work / "snapshot.pt"
+    result = launch(work, SCRIPT, ("--epochs", str(EPOCHS), "--snapshot", str(snapshot)),
+                    nproc=4, spares=2, faults=faults, timeout_s=240)
+    return result, snapshot
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path]:
+    return run(tmp_path_factory.mktemp("clean"))
+
+
+def events(result: Run, name: str) -> list[dict[str, Any]]:
+    return [r for r in result.events if r["event"] == name]
+
+
+def flat(obj: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in flat(value, f"{path}/{key}").items()}
+    if isinstance(obj, list | tuple):
+        return {k: v for i, value in enumerate(obj) for k, v in flat(value, f"{path}/{i}").items()}
+    return {path: obj}
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8),
+                                b.reshape(-1).view(torch.uint8)))
+    return bool(a == b)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_and_a_stopped_rank_are_replaced_exactly(
+        tmp_path: Path, clean: tuple[Run, Path]) -> None:
+    (free, free_snapshot), (faulty, snapshot) = clean, run(tmp_path, FAULTS)
+    assert free.code == 0, free.diagnosis()
+    assert faulty.code == 0, faulty.diagnosis()
+
+    # Every member that finished holds the fault-free final state, at the last step.
+    [reference] = {r["fingerprint"] for r in events(free, "finished")}
+    finished = events(faulty, "finished")
+    assert len(finished) == 4 and {r["step"] for r in finished} == {STEPS}
+    assert {r["fingerprint"] for r in finished} == {reference}
+    # The script's own snapshot (model, optimizer, scheduler, scaler, epochs run) too.
+    mine, theirs = flat(torch.load(snapshot)), flat(torch.load(free_snapshot))
+    assert mine.keys() == theirs.keys() and len(mine) > 50
+    assert all(bitwise_equal(mine[k], theirs[k]) for k in mine)
+
+    # No step lost, none run twice: each member commits its steps in order, once each,
+    # and together the four ranks committed every step.
+    by_member: dict[str, list[int]] = {}
+    for r in events(faulty, "step"):
+        by_member.setdefault(r["member"], []).append(r["step"])
+    assert all(steps == sorted(set(steps)) for steps in by_member.values())
+    assert set().union(*map(set, by_member.values())) == set(range(STEPS))
+
+    # Both faults fired, two spares took ranks 1 and 2, and the stopped member was removed.
+    assert {(r["kind"], r["step"], r["rank"]) for r in events(faulty, "fault")} == {
+        ("kill", 40, 1), ("stop", 75, 2)}
+    stopped = {r["member"] for r in events(faulty, "fault") if r["kind"] == "stop"}
+    assert stopped and not stopped & {r["member"] for r in finished}
+
+    # The spare that took rank 1 started where rank 1 stood: the same step, epoch and batch
+    # of the same loader as rank 1 took at that step in the fault-free run.
+    spares = {r["member"] for r in events(faulty, "spare_waiting")}
+    first = {}
+    for r in events(faulty, "step_started"):
+        if r["member"] in spares:
+            first.setdefault(r["member"], r)
+    assert sorted((r["rank"], r["step"]) for r in first.values()) == [(1, 40), (2, 75)]
+    for r in first.values():
+        [expected] = [e for e in events(free, "step_started")
+                      if (e["rank"], e["step"]) == (r["rank"], r["step"])]
+        assert (r["epoch"], r["positions"]) == (expected["epoch"], expected["positions"])
+    assert first_of_rank(first, 1)["positions"] == [[1, 8]]  # epoch 1, its 9th batch
+
+
+def first_of_rank(first: dict[str, dict[str, Any]], rank: int) -> dict[str, Any]:
+    [record] = [r for r in first.values() if r["rank"] == rank]
+    return record
