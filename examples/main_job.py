@@ -1,18 +1,20 @@
-"""The main job: the character-level LM (``char_lm.py``) under ``torchpass-p2p launch``, once
-without faults and once with two, then a report.
+"""The main job: a training script under ``torchpass-p2p launch``, once without faults and once
+with two, then a report.
 
-Faults (``--faults``, see :mod:`torchpass_p2p.trainer.faults`), by default: SIGKILL of rank 1
-in the middle of step 37 (its peers already inside the gradient all-reduce), and later a SIGSTOP
-of rank 2 at step 80 before the commit all-reduce, held 8 s (past the 5 s lease), then SIGCONT.
-Four ranks and two spares (one per fault).
+By default the script is ``examples/torchpass_ddp.py``, an ordinary torchrun DDP script adopted
+by torchpass_p2p (``docs/training.md``): 3 epochs of 32 steps, four ranks and two spares (one
+per fault). Faults (``--faults``, see :mod:`torchpass_p2p.trainer.faults`), by default: SIGKILL
+of rank 1 in the middle of step 40 (epoch 1, its peers already inside the gradient reduction),
+and later a SIGSTOP of rank 2 at step 75 before the commit vote, held 8 s (past the 5 s lease),
+then SIGCONT. ``--job char_lm`` runs the character-level language model of
+``examples/char_lm.py`` instead (120 steps; faults at steps 37 and 80).
 
-Prints the loss curve, one recovery timeline per fault (seconds after the fault: detected,
-decided, state transferred, group rebuilt, training resumed), steps lost, and whether every
-rank's final state (weights, optimizer, schedule, data position: the state fingerprint) and
-weights are bitwise equal to the fault-free run. Exit status 1 if they differ, a step was lost
-or a run failed.
+Prints the loss, one recovery timeline per fault (seconds after the fault: detected, decided,
+state transferred, group rebuilt, training resumed), steps lost, and whether every rank's final
+state (weights, optimizer, scheduler, scaler, data position: the state fingerprint) is bitwise
+equal to the fault-free run. Exit status 1 if it differs, a step was lost or a run failed.
 
-``python -m examples.main_job [--steps N] [--nproc 4] [--spares 2] [--faults SPEC]``
+``python -m examples.main_job [--job ddp|char_lm] [--epochs N] [--steps N] [--faults SPEC]``
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from torchpass_p2p.trainer.timeline import FaultTimeline, final_states, read_eve
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "char_lm.py"
 DEFAULT_FAULTS = "kill@37:grad:rank=1,stop@80:commit:rank=2:8"
+DDP_SCRIPT = REPO / "examples" / "torchpass_ddp.py"
+DDP_FAULTS = "kill@40:grad:rank=1,stop@75:commit:rank=2:8"
 
 
 KILLED_MARK = "\n[main_job] past its deadline: stacks of every child, then SIGKILL\n"
@@ -162,8 +166,22 @@ def _s(v: float | None) -> str:
     return "   -  " if v is None else f"{v:6.2f}"
 
 
+def timeline_lines(faulty: Run) -> tuple[list[str], list[FaultTimeline]]:
+    """The recovery timeline's lines, one per fault, and the timelines."""
+    timelines: list[FaultTimeline] = recoveries(faulty.events)
+    lines = ["recovery timeline, seconds after the fault:",
+             "  fault                      config  detected  decided  transferred  "
+             "rebuilt  resumed  resume_step  rule          steps_lost"]
+    for f in timelines:
+        lines.append(f"  {f.kind:4} rank {f.rank} step {f.step:3} {f.point:7}  {f.config_id!s:>5}"
+                     f"    {_s(f.detected_s)}   {_s(f.decided_s)}    {_s(f.transferred_s)}"
+                     f"     {_s(f.rebuilt_s)}   {_s(f.resumed_s)}   {f.resume_step!s:>5}"
+                     f"      {','.join(f.action):12}  {f.steps_lost}")
+    return lines, timelines
+
+
 def report(clean: Run, faulty: Run, steps: int) -> tuple[list[str], bool]:
-    """The report's lines, and whether everything held."""
+    """The report's lines for ``char_lm``, and whether everything held."""
     lines, ok = [], True
     for name, run in (("fault-free", clean), ("with faults", faulty)):
         lines.append(f"{name}: launcher exit {run.code}, {run.seconds:.1f} s, "
@@ -173,15 +191,8 @@ def report(clean: Run, faulty: Run, steps: int) -> tuple[list[str], bool]:
         lines.append("loss (fault-free, mean over ranks): " + loss_curve(clean.finals))
     if faulty.finals:
         lines.append("loss (with faults):                 " + loss_curve(faulty.finals))
-    timelines: list[FaultTimeline] = recoveries(faulty.events)
-    lines.append("recovery timeline, seconds after the fault:")
-    lines.append("  fault                      config  detected  decided  transferred  "
-                 "rebuilt  resumed  resume_step  rule          steps_lost")
-    for f in timelines:
-        lines.append(f"  {f.kind:4} rank {f.rank} step {f.step:3} {f.point:7}  {f.config_id!s:>5}"
-                     f"    {_s(f.detected_s)}   {_s(f.decided_s)}    {_s(f.transferred_s)}"
-                     f"     {_s(f.rebuilt_s)}   {_s(f.resumed_s)}   {f.resume_step!s:>5}"
-                     f"      {','.join(f.action):12}  {f.steps_lost}")
+    more, timelines = timeline_lines(faulty)
+    lines += more
     lost = sum(f.steps_lost for f in timelines)
     finished_all = all(r["steps"] == steps for r in clean.finals + faulty.finals)
     lines.append(f"steps lost: {lost}; every rank finished {steps} steps: {finished_all}")
@@ -198,35 +209,75 @@ def report(clean: Run, faulty: Run, steps: int) -> tuple[list[str], bool]:
     return lines, ok
 
 
+def report_ddp(clean: Run, faulty: Run, nproc: int) -> tuple[list[str], bool]:
+    """The report's lines for the adopted DDP script, and whether everything held: the
+    members' ``finished`` events carry the step count and the fingerprint of the whole
+    tracked state."""
+    lines, ok = [], True
+    finished = {}
+    for name, run in (("fault-free", clean), ("with faults", faulty)):
+        done = [r for r in run.events if r["event"] == "finished"]
+        finished[name] = done
+        lines.append(f"{name}: launcher exit {run.code}, {run.seconds:.1f} s, "
+                     f"{len(done)} ranks finished")
+        ok &= run.code == 0 and len(done) == nproc
+        losses = [line for line in run.output.splitlines() if line.startswith("rank 0 epoch")]
+        lines += [f"  {line}" for line in losses]
+    more, timelines = timeline_lines(faulty)
+    lines += more
+    lost = sum(f.steps_lost for f in timelines)
+    steps = {r["step"] for done in finished.values() for r in done}
+    lines.append(f"steps lost: {lost}; every rank finished at step {sorted(steps)}")
+    ok &= lost == 0 and len(steps) == 1 and len(timelines) > 0
+    ok &= all(f.resumed_s is not None for f in timelines)
+    prints = {r["fingerprint"] for done in finished.values() for r in done}
+    equal = len(prints) == 1 and all(finished.values())
+    lines.append("final state (model, optimizer, scheduler, scaler, data position) bitwise "
+                 f"equal to the fault-free run on every rank: {equal} (fingerprints "
+                 f"{sorted(p[:16] for p in prints)})")
+    ok &= equal
+    return lines, ok
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=120, help="training steps of each run")
+    ap.add_argument("--job", choices=("ddp", "char_lm"), default="ddp",
+                    help="the adopted DDP script (default) or the character-level LM")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs of the DDP script")
+    ap.add_argument("--steps", type=int, default=120, help="training steps of char_lm")
     ap.add_argument("--nproc", type=int, default=4, help="ranks")
     ap.add_argument("--spares", type=int, default=2, help="hot spares (one per fault)")
-    ap.add_argument("--faults", default=DEFAULT_FAULTS,
-                    help="KIND@STEP:POINT:rank=R[:N],... with KIND kill, stop, orphan or "
-                         "reset and POINT compute, grad, commit, enter or serve (the spec: "
-                         "torchpass_p2p/trainer/faults.py); default: %(default)s")
+    ap.add_argument("--faults", help="KIND@STEP:POINT:rank=R[:N],... with KIND kill, stop, "
+                    "orphan or reset and POINT compute, grad, commit, enter or serve (the "
+                    f"spec: torchpass_p2p/trainer/faults.py); default: {DDP_FAULTS!r} "
+                    f"(char_lm: {DEFAULT_FAULTS!r})")
     ap.add_argument("--keep", help="directory to keep the runs' logs in")
     ap.add_argument("--state-transport", choices=("auto", "tcp", "pg"), default="auto",
-                    help="how the spares get the state (examples/char_lm.py)")
+                    help="how the spares get the state (char_lm)")
     ap.add_argument("--pulse", choices=("on", "off"), default="on",
                     help="the agents' pulse responders and probers (TORCHPASS_PULSE; the "
                          "launched processes see no other TORCHPASS_* variable of yours)")
     args = ap.parse_args()
-    script_args = ("--state-transport", args.state_transport)
     settings = {"TORCHPASS_PULSE": args.pulse}
+    faults = args.faults or (DDP_FAULTS if args.job == "ddp" else DEFAULT_FAULTS)
     with tempfile.TemporaryDirectory(prefix="torchpass-main-job-") as tmp:
         work = Path(args.keep or tmp)
-        print(f"fault-free run: {args.nproc} ranks + {args.spares} spares, {args.steps} steps",
-              flush=True)
-        clean = run_job(work / "clean", nproc=args.nproc, spares=args.spares, steps=args.steps,
-                        script_args=script_args, settings=settings)
-        print(f"run with faults {args.faults!r}", flush=True)
-        faulty = run_job(work / "faults", nproc=args.nproc, spares=args.spares,
-                         steps=args.steps, faults=args.faults, script_args=script_args,
-                         settings=settings)
-        lines, ok = report(clean, faulty, args.steps)
+        runs = []
+        for name, spec in (("fault-free run", ""), (f"run with faults {faults!r}", faults)):
+            print(f"{name}: {args.nproc} ranks + {args.spares} spares", flush=True)
+            if args.job == "ddp":
+                where = work / ("faults" if spec else "clean")
+                runs.append(launch(where, DDP_SCRIPT, (
+                    "--epochs", str(args.epochs), "--snapshot", str(where / "snapshot.pt")),
+                    nproc=args.nproc, spares=args.spares, faults=spec, settings=settings))
+            else:
+                runs.append(run_job(work / ("faults" if spec else "clean"), nproc=args.nproc,
+                                    spares=args.spares, steps=args.steps, faults=spec,
+                                    script_args=("--state-transport", args.state_transport),
+                                    settings=settings))
+        clean, faulty = runs
+        lines, ok = (report_ddp(clean, faulty, args.nproc) if args.job == "ddp"
+                     else report(clean, faulty, args.steps))
         print("\n".join(lines))
         if not ok:
             for name, run in (("fault-free", clean), ("with faults", faulty)):

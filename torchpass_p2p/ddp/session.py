@@ -22,6 +22,7 @@ driven by the parts a training script already calls (``docs/training.md``):
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import os
 import sys
@@ -134,6 +135,11 @@ class Session(Trainer):
         self._first_change: Any = None
         self.service.start()
         if self._started_as_spare():
+            # What the script does once a spare holds a rank is on the recovery's critical
+            # path; torch's DDP constructor imports torch._dynamo (seconds), so a spare
+            # imports it while it waits.
+            importlib.import_module("torch._dynamo")
+
             self._first_change = self.guard(self._await_first_rank)
 
     # ------------------------------------------------------------------ place
