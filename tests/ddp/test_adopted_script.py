@@ -98,7 +98,10 @@ def test_a_killed_and_a_stopped_rank_are_replaced_exactly(
     for r in events(faulty, "step_started"):
         if r["member"] in spares:
             first.setdefault(r["member"], r)
-    assert sorted((r["rank"], r["step"]) for r in first.values()) == [(1, 40), (2, 75)]
+    # Rank 1 died inside step 40's reduction: nobody committed 40. Rank 2 stopped after its
+    # vote went out with the last bucket, so the others may have committed 75 without it.
+    [(rank_1, step_1), (rank_2, step_2)] = sorted((r["rank"], r["step"]) for r in first.values())
+    assert (rank_1, step_1, rank_2) == (1, 40, 2) and step_2 in (75, 76)
     for r in first.values():
         [expected] = [e for e in events(free, "step_started")
                       if (e["rank"], e["step"]) == (r["rank"], r["step"])]

@@ -36,7 +36,6 @@ from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, 
 from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
 from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
 from torchpass_p2p.trainer.seeding import seed_step
-from torchpass_p2p.transfer import FetchResult, Snapshot
 
 from .reduction import Layout, StepReduction, flat_tensors, unflat_into
 
@@ -178,7 +177,8 @@ class Session(Trainer):
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.ddp = ddp
         self.layout = Layout.of(params)
-        self.reduction = StepReduction(self.layout, exact=self.exact)
+        self.reduction = StepReduction(self.layout, exact=self.exact,
+                                       vote=lambda: not self.agent.fenced)
         self._index = {id(p): i for i, p in enumerate(params)}
         self._buffers = list(ddp.module.buffers())
         self.objects["model"] = ddp.module
@@ -320,7 +320,7 @@ class Session(Trainer):
         seed_step(self.seed, rank, k)
         self._at_start = [b.detach().clone() for b in self._buffers]
         assert self.reduction is not None
-        self.reduction.reset()
+        self.reduction.reset(k)
         self._buckets = []
         self._step_error = None
 
@@ -389,7 +389,7 @@ class Session(Trainer):
                 self._take_buffers(group)
                 self._reduced = (k, results[0])
                 self.faults.at(k, "commit", group.spec.rank)
-                if not self._vote(group, k):
+                if not self._vote(group, k, results):
                     relaunch = True
                     continue
                 if not self.agent.report_commit(k, self._ranks):
@@ -407,18 +407,26 @@ class Session(Trainer):
                     self._close_step(k, results)
                     return
 
-    def _vote(self, group: ManagedGroup, k: int) -> bool:
-        """The commit vote, after the whole reduction: True when every rank votes to commit
-        step ``k``; after a veto (a fenced member) this waits for the lease and the step is
-        reduced again. Raises ``RuntimeError`` when the ranks are at different steps."""
-        vote = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k)], dtype=torch.float64)
-        votes = group.allgather(vote, watch=self._watch)
-        steps = sorted({int(v[1].item()) for v in votes})
-        if steps != [k]:
+    def _vote(self, group: ManagedGroup, k: int, results: list[torch.Tensor]) -> bool:
+        """The commit vote: True when every rank votes to commit step ``k``; after a veto (a
+        fenced member) this waits for the lease and the step is reduced again. The vote rides
+        with the last bucket (:class:`~.reduction.Layout`), else it is a small all-gather after
+        the reduction. Raises :class:`JobMismatch` when the ranks are at different steps."""
+        reduction = self.reduction
+        assert reduction is not None
+        if reduction.layout.vote_bucket is not None:
+            commit, same = reduction.votes(results, group.spec.world_size)
+        else:
+            vote = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k)],
+                                dtype=torch.float64)
+            votes = group.allgather(vote, watch=self._watch)
+            commit = all(v[0].item() == 1.0 for v in votes)
+            same = {int(v[1].item()) for v in votes} == {k}
+        if not same:
             group.abandon()
-            raise JobMismatch(f"ranks of configuration {group.config_id} are at steps "
-                              f"{steps}: not the same job")
-        if all(v[0].item() == 1.0 for v in votes):
+            raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "
+                              f"{k}: not the same job")
+        if commit:
             return True
         self.log("commit_vetoed", step=k, config_id=group.config_id, fenced=self.agent.fenced)
         self._await_lease()
@@ -426,12 +434,17 @@ class Session(Trainer):
 
     def _take_buffers(self, group: ManagedGroup) -> None:
         """Every rank takes rank 0's buffers as its forward left them (what DDP's
-        ``broadcast_buffers`` gives the next forward)."""
+        ``broadcast_buffers`` gives the next forward): one all-gather of every buffer as
+        float64, which holds each value of the narrower dtypes exactly (integers up to
+        2**53)."""
         if not self._buffers:
             return
-        for dtype, flat in flat_tensors(self._buffers).items():
-            parts = group.allgather(flat, watch=self._watch)
-            unflat_into({dtype: parts[0]}, [b for b in self._buffers if b.dtype == dtype])
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self._buffers])
+        mine = group.allgather(flat, watch=self._watch)[0]
+        offset = 0
+        for b in self._buffers:
+            b.detach().copy_(mine[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
 
     def _close_step(self, k: int, results: list[torch.Tensor]) -> None:
         """Step ``k`` is committed (or rolled forward): hand DDP the averaged gradients."""
@@ -499,14 +512,18 @@ class Session(Trainer):
     def _metadata(self) -> dict[str, Any]:
         return {"seed": self.seed, "world_size": len(self._ranks)}
 
-    def _restored(self, result: FetchResult, config_id: int, total_s: float, sources: int,
-                  served_by: dict[str, int], **details: Any) -> Snapshot:
-        if self._open:
-            # Only a spare fetches (in the epochs loop, before any batch); a survivor holds
-            # either the state or the step's full reduction. A batch in hand would be its own.
-            raise RuntimeError("a member fetched the state while it held a batch: refusing to "
-                               "train on a data position that is not the state's")
-        return super()._restored(result, config_id, total_s, sources, served_by, **details)
+    def _enter_configuration(self, configuration: Any, *, group_id: int, resume: int,
+                             fetch_from: tuple[int, ...] | None, plan: Any = None) -> None:
+        if fetch_from is not None and self._open:
+            # A survivor inside a step whose reduction it lacks while another member committed
+            # that step (the vote rides with the last bucket, so one rank can see every vote
+            # while another misses a bucket): it cannot reach the resume step without the
+            # state, and the script would run the rest of the step on it. It leaves; a spare
+            # takes its rank from the members that hold the state. Rare, and never wrong.
+            raise Removed(f"step {self.step} was committed by others while this member lacks "
+                          "its reduction: leaving so a spare takes the rank")
+        super()._enter_configuration(configuration, group_id=group_id, resume=resume,
+                                     fetch_from=fetch_from, plan=plan)
 
     def _agree(self, group: ManagedGroup, configuration: Any, resume: int) -> bool:
         """Check that every member runs the same job; at step 0 every rank takes rank 0's
