@@ -1,0 +1,166 @@
+"""The step's reduction in the canonical layout (torchpass_p2p/ddp/reduction.py), over real
+gloo groups of three ranks built in threads of one process.
+
+Must hold: the result does not depend on the order or grouping in which DDP hands over the
+gradients (each rank fills in another order, as a spare's first-iteration bucket and rebuilt
+buckets do); it is bitwise the rank-order mean of the whole flat gradient, through gathered and
+sharded buckets alike; reducing the kept inputs again on another group gives the same bits;
+the vote's slots say whether every rank voted to commit the same step.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchpass_p2p.collective import GroupSpec, ManagedGroup
+from torchpass_p2p.collective.reduce import divide, sum_in_rank_order
+from torchpass_p2p.ddp.reduction import VOTE_SLOTS, Layout, StepReduction
+
+N = 3
+# 1 MiB of float32 in one parameter: its bucket is summed in shards.
+SHAPES = [(7, 5), (5,), (300, 1024), (64, 3), (3,), (11,)]
+
+
+def groups(config_id: int) -> list[ManagedGroup]:
+    store, pgs = dist.HashStore(), [None] * N
+
+    def connect(rank: int) -> None:
+        pgs[rank] = dist.ProcessGroupGloo(store, rank, N, datetime.timedelta(seconds=30))
+
+    threads = [threading.Thread(target=connect, args=(r,)) for r in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [ManagedGroup(pg, GroupSpec(config_id, r, N, 0), "gloo") for r, pg in enumerate(pgs)]
+
+
+def on_every_rank(fn: Callable[[int], Any]) -> list[Any]:
+    out: list[Any] = [None] * N
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(N)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.empty(s)) for s in SHAPES]
+
+
+def gradients(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    return [torch.randn(s, generator=g) * 10 ** (rank - 1) for s in SHAPES]
+
+
+def layout() -> Layout:
+    return Layout.of(params(), first_bytes=64, bytes_cap=4096)
+
+
+def test_the_layout_is_a_function_of_the_parameters() -> None:
+    a, b = layout(), layout()
+    assert a == b
+    assert len(a.sizes) >= 4 and a.vote_bucket == len(a.sizes) - 1
+    # Reverse order: the last parameter starts the first bucket.
+    assert a.where[len(SHAPES) - 1] == (0, 0, 11)
+    assert sum(a.sizes) == sum(torch.Size(s).numel() for s in SHAPES) + VOTE_SLOTS
+
+
+def test_any_filling_order_gives_the_flat_rank_order_mean_bitwise() -> None:
+    every = groups(1)
+    orders = [list(range(len(SHAPES))), list(reversed(range(len(SHAPES)))), [2, 0, 5, 1, 4, 3]]
+
+    def step(rank: int) -> tuple[list[torch.Tensor], tuple[bool, bool]]:
+        reduction = StepReduction(layout(), exact=True)
+        reduction.reset(7)
+        grads = gradients(rank)
+        for i in orders[rank]:
+            reduction.fill(i, grads[i])
+            reduction.launch_ready(every[rank], None)
+        assert reduction.filled
+        results = reduction.wait(every[rank], None)
+        out = [torch.empty(s) for s in SHAPES]
+        for i, g in enumerate(out):
+            reduction.copy_out(results, i, g)
+        return out, reduction.votes(results, N)
+
+    outs = on_every_rank(step)
+    flat = [torch.cat([g.reshape(-1) for g in gradients(r)]) for r in range(N)]
+    expected = divide(sum_in_rank_order(flat), N)
+    for out, votes in outs:
+        assert votes == (True, True)
+        got = torch.cat([g.reshape(-1) for g in out])
+        assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+
+
+def test_the_kept_inputs_reduce_again_on_another_group_to_the_same_bits() -> None:
+    first, second = groups(2), groups(3)
+
+    def step(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        reduction = StepReduction(layout(), exact=True)
+        reduction.reset(3)
+        for i, g in enumerate(gradients(rank)):
+            reduction.fill(i, g)
+        reduction.launch_ready(first[rank], None)
+        before = [r.clone() for r in reduction.wait(first[rank], None)]
+        reduction.relaunch(second[rank], None)
+        return before, reduction.wait(second[rank], None)
+
+    for before, after in on_every_rank(step):
+        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
+                   for a, b in zip(before, after, strict=True))
+
+
+def test_one_fenced_rank_vetoes_and_a_rank_at_another_step_is_seen() -> None:
+    every = groups(4)
+
+    def step(rank: int) -> tuple[bool, bool]:
+        reduction = StepReduction(layout(), exact=True, vote=lambda: rank != 2)
+        reduction.reset(5 if rank != 1 else 6)
+        for i, g in enumerate(gradients(rank)):
+            reduction.fill(i, g)
+        reduction.launch_ready(every[rank], None)
+        return reduction.votes(reduction.wait(every[rank], None), N)
+
+    assert on_every_rank(step) == [(False, False)] * N
+
+
+def test_native_mode_averages_with_the_backends_all_reduce() -> None:
+    every = groups(5)
+
+    def step(rank: int) -> list[torch.Tensor]:
+        reduction = StepReduction(layout(), exact=False)
+        reduction.reset(0)
+        for i, g in enumerate(gradients(rank)):
+            reduction.fill(i, g)
+        reduction.launch_ready(every[rank], None)
+        results = reduction.wait(every[rank], None)
+        assert reduction.votes(results, N) == (True, True)
+        out = [torch.empty(s) for s in SHAPES]
+        for i, g in enumerate(out):
+            reduction.copy_out(results, i, g)
+        return out
+
+    outs = on_every_rank(step)
+    flat = [torch.cat([g.reshape(-1) for g in gradients(r)]) for r in range(N)]
+    expected = divide(sum_in_rank_order(flat), N)
+    for out in outs:
+        got = torch.cat([g.reshape(-1) for g in out])
+        torch.testing.assert_close(got, expected)
+    assert all(torch.equal(outs[0][i], o[i]) for o in outs for i in range(len(SHAPES)))
