@@ -31,7 +31,7 @@ REFUSED = {
 
 
 def _local_group() -> Any:
-    """A gloo process group of this process alone (rank 0 of 1)."""
+    """A gloo process group of this process alone (rank 0 of 1), for CPU and CUDA tensors."""
     from torch._C._distributed_c10d import ProcessGroup
 
     store = dist.HashStore()
@@ -39,6 +39,8 @@ def _local_group() -> Any:
     pg = ProcessGroup(store, 0, 1)
     pg._set_default_backend(ProcessGroup.BackendType.GLOO)
     pg._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    if torch.cuda.is_available():  # DDP's constructor checks a CUDA module's tensors on it
+        pg._register_backend(torch.device("cuda"), ProcessGroup.BackendType.GLOO, backend)
     return pg
 
 
