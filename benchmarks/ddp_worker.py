@@ -1,0 +1,168 @@
+"""One DDP training script for :mod:`benchmarks.vs_ddp`, run as plain torch DDP or adopted by
+torchpass_p2p; it times its own steps.
+
+``--api torch`` imports ``init_process_group``, ``DistributedDataParallel``, ``DataLoader`` and
+``DistributedSampler`` from torch and loops over ``range(0, 1)`` (run it under torchrun);
+``--api torchpass`` imports the same names from torchpass_p2p, loops over ``epochs(0, 1)`` and
+calls ``track(optimizer)`` (run it under ``torchpass-p2p launch``), with ``exact=False`` when
+``--native`` is given. Everything else is the same code: the model (:data:`SIZES`), the data, the
+batch size, AdamW, gradient clipping, ``loss.item()`` every step, gloo, one thread per rank.
+
+The epoch holds exactly ``--warmup + --steps`` batches per rank. Rank 0 reads
+``time.perf_counter()`` before the first batch and after every ``optimizer.step()``; a step's
+time is the difference between consecutive readings (fetching the batch, forward, backward with
+the gradient reduction, clipping, the optimizer). The first ``--warmup`` steps are dropped, and
+rank 0 writes ``--out`` as one JSON object: ``step_s`` (the timed steps, seconds each),
+``cpu_step_s`` (the CPU time of rank 0's process in each, all its threads: the agent's and the
+backend's too; seconds), ``parameters``, ``world_size``, ``final_loss`` and the arguments.
+
+The script imports nothing from this repository but torchpass_p2p: the launchers run it by path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+SIZES: dict[str, dict[str, int]] = {
+    "small": {"dim": 64, "hidden": 288, "depth": 1},  # 104,840 parameters
+    "large": {"dim": 64, "hidden": 2048, "depth": 6},  # 25,331,720 parameters
+}
+"""Model shapes by name (:func:`build_model`)."""
+CLASSES = 8
+
+
+class NoisyBlobs(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """``size`` samples ``(x [dim] float32, label int64)`` around ``CLASSES`` fixed centres;
+    each fetch adds fresh noise from torch's generator (a random augmentation)."""
+
+    def __init__(self, size: int, dim: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.centres = torch.randn(CLASSES, dim, generator=g)
+        self.labels = torch.randint(0, CLASSES, (size,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        label = self.labels[i]
+        return self.centres[label] + 0.5 * torch.randn(self.centres.shape[1]), label
+
+
+def build_model(dim: int, hidden: int, depth: int) -> torch.nn.Sequential:
+    """An MLP: ``dim`` -> ``hidden`` (BatchNorm, ReLU, dropout), ``depth`` more
+    ``hidden`` x ``hidden`` layers, -> ``CLASSES``. The BatchNorm gives DDP a buffer to
+    broadcast each step, as in ``examples/torchrun_ddp.py``."""
+    layers: list[torch.nn.Module] = [torch.nn.Linear(dim, hidden), torch.nn.BatchNorm1d(hidden),
+                                     torch.nn.ReLU(), torch.nn.Dropout(0.1)]
+    for _ in range(depth):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    layers.append(torch.nn.Linear(hidden, CLASSES))
+    return torch.nn.Sequential(*layers)
+
+
+def parameters(size: str) -> int:
+    """Trainable parameters of the model named ``size``."""
+    return sum(p.numel() for p in build_model(**SIZES[size]).parameters())
+
+
+def _api(name: str, native: bool) -> dict[str, Any]:
+    """The names the script takes from ``torch`` or from ``torchpass_p2p``, and its group
+    started. ``epochs`` and ``track`` are what an adopted script calls in addition."""
+    if name == "torch":
+        import torch.distributed as dist
+        import torch.utils.data as tud
+        from torch.nn.parallel import DistributedDataParallel
+
+        def track(*objects: Any) -> None:
+            del objects
+
+        dist.init_process_group(backend="gloo")
+        return {"DataLoader": tud.DataLoader,
+                "DistributedSampler": tud.DistributedSampler,
+                "DDP": DistributedDataParallel,
+                "destroy_process_group": dist.destroy_process_group, "epochs": range,
+                "track": track}
+    import torchpass_p2p as tp
+
+    tp.init_process_group(backend="gloo", exact=not native)
+    return {"DataLoader": tp.DataLoader, "DistributedSampler": tp.DistributedSampler,
+            "DDP": tp.DistributedDataParallel,
+            "destroy_process_group": tp.destroy_process_group, "epochs": tp.epochs,
+            "track": tp.track}
+
+
+def train(args: argparse.Namespace) -> int:
+    torch.set_num_threads(1)
+    api = _api(args.api, args.native)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.manual_seed(0)
+    shape = SIZES[args.size]
+    batches = args.warmup + args.steps
+    dataset = NoisyBlobs(batches * args.batch_size * world, shape["dim"])
+    model = build_model(**shape)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    loader = api["DataLoader"](dataset, batch_size=args.batch_size, num_workers=args.workers,
+                               sampler=api["DistributedSampler"](dataset, shuffle=True))
+    ddp = api["DDP"](model)
+    api["track"](optimizer)
+    ends = [time.perf_counter()]
+    cpu = [time.process_time()]
+    loss = torch.zeros(())
+    for epoch in api["epochs"](0, 1):
+        loader.sampler.set_epoch(epoch)
+        for source, targets in loader:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(ddp(source), targets)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+            optimizer.step()
+            loss.item()
+            ends.append(time.perf_counter())
+            cpu.append(time.process_time())
+    steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    cpu_steps = [b - a for a, b in zip(cpu, cpu[1:], strict=False)]
+    if len(steps) != batches:
+        raise RuntimeError(f"rank {rank}: {len(steps)} steps, expected {batches}")
+    if rank == 0:
+        out = Path(args.out)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({
+            "api": args.api, "native": args.native, "size": args.size,
+            "parameters": sum(p.numel() for p in model.parameters()), "world_size": world,
+            "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps,
+            "step_s": steps[args.warmup:],
+            "cpu_step_s": cpu_steps[args.warmup:], "final_loss": loss.item()}) + "\n")
+        os.replace(tmp, out)  # the benchmark never reads a half-written file
+    api["destroy_process_group"]()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--api", choices=("torch", "torchpass"), required=True)
+    ap.add_argument("--native", action="store_true",
+                    help="torchpass: init_process_group(exact=False), gloo's all-reduce")
+    ap.add_argument("--size", choices=tuple(SIZES), default="small")
+    ap.add_argument("--steps", type=int, default=50, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
+    ap.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
+    ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
+    args = ap.parse_args(argv)
+    if args.native and args.api != "torchpass":
+        ap.error("--native is a torchpass_p2p option")
+    return train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
