@@ -18,15 +18,12 @@ starts from the first batch, as torch's does.
 from __future__ import annotations
 
 import itertools
-import random
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-import torch
 import torch.utils.data as tud
 
-from torchpass_p2p.trainer.seeding import step_seed
+from torchpass_p2p.trainer.seeding import seed_globals, step_seed
 
 from .session import current
 
@@ -96,10 +93,7 @@ class _SeededSamples(tud.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, key: Any) -> Any:
         epoch, index = key
-        s = step_seed(self.seed ^ SAMPLE_SALT, epoch, index)
-        torch.manual_seed(s)
-        random.seed(s)
-        np.random.seed(s % (1 << 32))
+        seed_globals(step_seed(self.seed ^ SAMPLE_SALT, epoch, index))
         return self.dataset[index]
 
     def __getattr__(self, name: str) -> Any:
@@ -127,7 +121,8 @@ class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
                                  "give batch_size (and drop_last) to the DataLoader instead")
             if isinstance(dataset, tud.IterableDataset):
                 raise ValueError("an IterableDataset has no sampler: a replacement could not "
-                                 "start at the dead rank's batch")
+                                 "start at the dead rank's batch; use a map-style Dataset "
+                                 "(__getitem__ and __len__) with the DistributedSampler")
             dataset = _SeededSamples(dataset, current().seed)
         super().__init__(dataset, *args, **kwargs)
         self._epoch = 0

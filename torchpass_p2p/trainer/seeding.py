@@ -14,7 +14,7 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["seed_step", "step_generator", "step_seed"]
+__all__ = ["seed_globals", "seed_step", "step_generator", "step_seed"]
 
 _PERSON = b"torchpass-seed-1"
 
@@ -36,7 +36,16 @@ def step_generator(seed: int, rank: int, step: int, salt: int = 0) -> torch.Gene
 def seed_step(seed: int, rank: int, step: int) -> None:
     """Seed torch's global CPU (and CUDA) generators, ``random`` and numpy's legacy generator
     for step ``step`` of rank ``rank`` (dropout and any library drawing from globals)."""
-    s = step_seed(seed, rank, step)
-    torch.manual_seed(s)  # also seeds every CUDA device
+    seed_globals(step_seed(seed, rank, step))
+
+
+def seed_globals(s: int) -> None:
+    """Seed torch's CPU generator, every CUDA device's where CUDA exists, ``random`` and
+    numpy's legacy generator with ``s`` (``0 <= s < 2**64``). ``torch.manual_seed`` does the
+    same for torch but also queues a lazy CUDA seeding that records a stack trace, hundreds of
+    microseconds a call on a CPU-only build: too much for every sample a loader fetches."""
+    torch.default_generator.manual_seed(s)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(s)
     random.seed(s)
     np.random.seed(s % (1 << 32))
