@@ -179,16 +179,17 @@ class Agent:
 
     def report_commit(self, step: int, ranks: tuple[int | None, ...],
                       timeout_s: float = COMMIT_TIMEOUT_S) -> bool:
-        """The commit all-reduce of ``step`` completed in the group of rank map ``ranks``: True
-        when the step may be applied (see :meth:`~.runtime.AgentRuntime.report_commit`); blocks
-        for one round trip to the agent's loop. False too when the agent does not answer within
-        ``timeout_s``: not applying is always safe, the commit rule redoes or rolls forward."""
-        runtime = self._live()
+        """The commit vote of ``step`` completed in the group of rank map ``ranks``: True
+        when the step may be applied (see :meth:`~.runtime.AgentRuntime.report_commit`).
+        Checked on the calling thread under the lock the agent's loop holds while its core
+        handles an input, so it is atomic with every decision and costs no round trip. False
+        too when the lock is not had within ``timeout_s``: not applying is always safe, the
+        commit rule redoes or rolls forward."""
         try:
-            return bool(self._call(lambda: _on_loop(lambda: runtime.report_commit(step, ranks)),
-                                   timeout_s))
-        except (TimeoutError, AgentError):
+            runtime = self._live()
+        except AgentError:
             return False
+        return runtime.commit_now(step, ranks, timeout_s)
 
     def report_error(self, exc: BaseException, *, peer_rank: int | None = None) -> None:
         """A collective failed with ``exc`` (naming ``peer_rank`` when known): fast evidence."""

@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import random
+import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Coroutine
@@ -172,6 +173,10 @@ class AgentRuntime:
         self.stopped = False
         self.draining = False
         self._committed_ranks: tuple[MemberId | None, ...] | None = None
+        self._core_lock = threading.RLock()
+        """Held by this loop while the core handles an input (a decision can only come from
+        one) and by a training thread's :meth:`commit_now`: a commit is checked and recorded
+        either wholly before a decision or wholly after it."""
         """The rank map of the last group in which a step committed here (:meth:`report_commit`):
         every member in it held the state then. None until the host's first commit (:meth:`drain`
         then counts the ranks this member was started with)."""
@@ -245,7 +250,8 @@ class AgentRuntime:
         if self.stopped:
             return
         if leave and self.member is not None and not self.member.removed:
-            self.member.leave(self._clock())
+            with self._core_lock:
+                self.member.leave(self._clock())
             self._flush()
             await asyncio.sleep(0.05)  # let the Left datagrams out before the socket closes
         self.stopped = True
@@ -326,7 +332,10 @@ class AgentRuntime:
         self._progress_at = self._clock()
         self._hang_reported = False
         if phase == Phase.COMMITTED and self.member is not None:
-            self.member.report_progress(step)
+            with self._core_lock:  # also reached from a training thread (commit_now)
+                # Never lowered: a report posted from the training thread may arrive after
+                # a later commit it made directly.
+                self.member.report_progress(max(step, self.member.last_committed_step))
             if self.metrics is not None:
                 self.metrics.set_step(step)
 
@@ -348,6 +357,18 @@ class AgentRuntime:
         self.report_progress(step, Phase.COMMITTED)
         return True
 
+    def commit_now(self, step: int, ranks: tuple[MemberId | None, ...],
+                   timeout_s: float) -> bool:
+        """:meth:`report_commit` from the training thread, without a round trip to this loop:
+        under the lock the loop holds while the core handles an input. False too when the lock
+        is not had within ``timeout_s`` seconds (not applying is always safe)."""
+        if not self._core_lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            return self.report_commit(step, ranks)
+        finally:
+            self._core_lock.release()
+
     def report_unreachable(self, member_id: MemberId, reason: str, exited: bool = False) -> bool:
         """Fast evidence that ``member_id`` failed (a reset connection, a failed collective
         naming it): an observer alerts at once, anyone else probes it now. ``exited``: the
@@ -358,10 +379,11 @@ class AgentRuntime:
             return False
         log.info("evidence against %016x: %s", member_id, reason)
         now = self._clock()
-        if exited:
-            raised = self.member.report_exited(now, member_id)
-        else:
-            raised = self.member.report_unreachable(now, member_id)
+        with self._core_lock:
+            if exited:
+                raised = self.member.report_exited(now, member_id)
+            else:
+                raised = self.member.report_unreachable(now, member_id)
         self._flush()
         return raised
 
@@ -424,7 +446,8 @@ class AgentRuntime:
             return {"draining": False, "reason": "not running"}
         if not self.draining:
             self.draining = True
-            self.member.leave(self._clock())
+            with self._core_lock:
+                self.member.leave(self._clock())
             self._flush()
         return {"draining": True, "member_id": format_member_id(self.member_id),
                 "config_id": self.member.configuration.config_id, "rank": self.rank}
@@ -535,7 +558,8 @@ class AgentRuntime:
                     pass
             now = self._clock()
             if now >= member.next_deadline():
-                member.handle_timer(now)
+                with self._core_lock:
+                    member.handle_timer(now)
             self._watch_hang(now)
             self._watch_pulses()
             self._flush()
@@ -573,7 +597,8 @@ class AgentRuntime:
             if len(joiners) >= MAX_JOINER_ADDRESSES:
                 joiners.pop(next(iter(joiners)))
             joiners[message.joiner.member] = (message.joiner.host, message.joiner.port)
-        member.receive(self._clock(), received.sender, received.message)
+        with self._core_lock:
+            member.receive(self._clock(), received.sender, received.message)
         self._flush()
 
     def _on_send_error(self, address: Address, exc: OSError) -> None:
@@ -582,7 +607,8 @@ class AgentRuntime:
             return
         dest = self._member_at(address)
         if dest is not None:
-            member.report_send_error(self._clock(), dest)
+            with self._core_lock:
+                member.report_send_error(self._clock(), dest)
             self._flush()
 
     def _on_request(self, kind: int, body: bytes) -> Reply | Coroutine[Any, Any, Reply] | None:
@@ -834,7 +860,8 @@ class AgentRuntime:
         if member is None or self.stopped:
             return
         log.info("pulse: %016x silent", subject)
-        member.report_silent(self._clock(), subject)
+        with self._core_lock:
+            member.report_silent(self._clock(), subject)
         self._flush()
 
     def _start_health(self) -> None:

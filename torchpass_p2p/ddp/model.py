@@ -63,7 +63,15 @@ class DistributedDataParallel(TorchDDP):
         if any(getattr(m, "sparse", False) for m in module.modules()):
             raise ValueError("sparse gradients (an Embedding with sparse=True) are not "
                              "supported: use sparse=False")
+        for name in ("broadcast_buffers", "forward_sync_buffers"):
+            if kwargs.pop(name, None) is False:
+                raise ValueError(f"DistributedDataParallel({name}=False): buffers that differ "
+                                 "between ranks cannot move to a spare; every rank takes rank "
+                                 "0's buffers after each step, as DDP's default does")
         session = current()
+        # The session takes rank 0's buffers after each step (Session._take_buffers); DDP's own
+        # per-forward broadcast would cost a collective on the local group for nothing.
+        kwargs["forward_sync_buffers"] = False
         kwargs["process_group"] = _local_group()
         super().__init__(module, *args, **kwargs)
         # unannotated: DDP checks a hook's annotations against its own types
@@ -72,5 +80,13 @@ class DistributedDataParallel(TorchDDP):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and self.training:
-            current().step_starting()
+            _step_starting()
         return super().forward(*inputs, **kwargs)
+
+
+@torch.compiler.disable
+def _step_starting() -> None:
+    """The session's step opening, run as it is under ``torch.compile(ddp)``: dynamo traced
+    into it and recompiled at every step (its generators are seeded from the step number)
+    until it hit its recompile limit; a graph break here keeps the session's code eager."""
+    current().step_starting()

@@ -126,6 +126,7 @@ class Session(Trainer):
         self._buckets: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor,
                                   list[torch.Tensor], list[int]]] = []
         self._step_error: BaseException | None = None
+        self._buffer_work: tuple[Any, list[torch.Tensor]] | None = None
         self._pending: Any = None
         self._deferred_check: tuple[ManagedGroup, str, int] | None = None
         self._entering: Any = None
@@ -355,9 +356,12 @@ class Session(Trainer):
         for i, g in zip(indices, grads, strict=True):
             reduction.fill(i, g)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        first = not self._buckets
         self._buckets.append((future, bucket.buffer(), grads, indices))
         if self._step_error is None and self.group is not None:
             try:
+                if first:  # the forward is over: the buffers are final
+                    self._launch_buffers(self.group)
                 reduction.launch_ready(self.group, self._watch)
             except (CollectiveError, Superseded, RuntimeError) as exc:
                 self._step_error = exc
@@ -383,6 +387,7 @@ class Session(Trainer):
                     raise error
                 if relaunch:
                     relaunch = False
+                    self._launch_buffers(group)
                     reduction.relaunch(group, self._watch)
                 self.faults.at(k, "grad", group.spec.rank)
                 results = reduction.wait(group, self._watch)
@@ -432,18 +437,28 @@ class Session(Trainer):
         self._await_lease()
         return False
 
-    def _take_buffers(self, group: ManagedGroup) -> None:
-        """Every rank takes rank 0's buffers as its forward left them (what DDP's
-        ``broadcast_buffers`` gives the next forward): one all-gather of every buffer as
-        float64, which holds each value of the narrower dtypes exactly (integers up to
-        2**53)."""
+    def _launch_buffers(self, group: ManagedGroup) -> None:
+        """Start the all-gather of every buffer as the forward left it, as float64 (which
+        holds each value of the narrower dtypes exactly, integers up to 2**53): launched at the
+        step's first hook, before its buckets, so it costs no round trip of its own."""
+        self._buffer_work = None
         if not self._buffers:
             return
         flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self._buffers])
-        mine = group.allgather(flat, watch=self._watch)[0]
+        out = [torch.empty_like(flat) for _ in range(group.spec.world_size)]
+        self._buffer_work = (group.launch(lambda pg: pg.allgather([out], [flat])), out)
+
+    def _take_buffers(self, group: ManagedGroup) -> None:
+        """Every rank takes rank 0's buffers as its forward left them: what DDP's
+        ``broadcast_buffers`` gives the next forward."""
+        if self._buffer_work is None:
+            return
+        work, parts = self._buffer_work
+        group.complete(work, watch=self._watch)
+        self._buffer_work = None
         offset = 0
         for b in self._buffers:
-            b.detach().copy_(mine[offset:offset + b.numel()].view_as(b))
+            b.detach().copy_(parts[0][offset:offset + b.numel()].view_as(b))
             offset += b.numel()
 
     def _close_step(self, k: int, results: list[torch.Tensor]) -> None:
