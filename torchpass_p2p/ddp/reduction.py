@@ -15,7 +15,8 @@ Exact mode sums in rank order (:mod:`torchpass_p2p.collective.reduce`): a bucket
 all-to-all of shards, each rank summing its shard, then an all-gather of the sums. The element
 sum ``((g0 + g1) + g2) + ...`` does not depend on how elements are grouped into buckets, so the
 result is bitwise the same as one reduction of the whole gradient. Native mode uses the
-backend's all-reduce (same step, not bitwise).
+backend's all-reduce (same step, not bitwise) from 1 MiB on; below, its ring's round trips cost
+more than an all-gather's, so small buckets are gathered in both modes.
 
 Operations are launched from one thread (the autograd thread) in one order: a sharded bucket's
 all-gather is launched just before the next bucket's first operation, never from a completion
@@ -194,10 +195,11 @@ class StepReduction:
             src[-VOTE_SLOTS:] = torch.tensor([1.0 if self.vote() else 0.0,
                                               float(self.step % STEP_MODULUS)])
         n = group.spec.world_size
-        if not self.exact:
+        small = n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES
+        if not self.exact and not small:
             buf = src.clone()
             self._works.append((b, "sum", group.launch(lambda pg: pg.allreduce([buf])), buf))
-        elif n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES:
+        elif small:  # native mode too: one all-gather has less latency than gloo's ring
             out = [torch.empty_like(src) for _ in range(n)]
             self._works.append((b, "gather", group.launch(lambda pg: pg.allgather([out], [src])),
                                 out))
