@@ -4,7 +4,8 @@
 place in the configuration, and a start offset a spare is given once. :class:`DataLoader` is
 torch's, counting the batches it hands the training loop; with a :class:`DistributedSampler`
 it also seeds every sample's fetch: before ``dataset[i]`` of epoch ``e``, the worker's torch,
-``random`` and numpy generators are seeded from ``(seed, e, i)``, so a random transform draws
+``random`` and numpy generators are seeded from ``(seed, e, i)`` (:func:`splitmix64` of the
+epoch's base seed plus ``i``), so a random transform draws
 the same in every process whichever worker fetches the sample (a worker's generator otherwise
 depends on the batches it fetched before, which a replacement that starts mid-epoch never
 fetched).
@@ -81,23 +82,40 @@ class DistributedSampler(tud.distributed.DistributedSampler):
                 "seed": self.seed, "drop_last": self.drop_last}
 
 
+MASK64 = (1 << 64) - 1
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's output function of ``x`` (Steele, Lea and Flood, "Fast splittable
+    pseudorandom number generators", OOPSLA 2014): distinct 64-bit inputs give well-mixed,
+    distinct outputs; a 63-bit seed for the sample after the epoch's base. Cheap enough for every
+    sample a loader fetches, where a digest per sample (``step_seed``) is not."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
 class _SeededSamples(tud.Dataset):  # type: ignore[type-arg]
     """``dataset[(epoch, i)]`` is ``dataset[i]`` fetched with every generator seeded from
     ``(seed, epoch, i)`` (module docstring). Other attributes are the dataset's."""
 
     def __init__(self, dataset: Any, seed: int) -> None:
         self.dataset, self.seed = dataset, seed
+        self._epoch, self._base = -1, 0
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: Any) -> Any:
         epoch, index = key
-        seed_globals(step_seed(self.seed ^ SAMPLE_SALT, epoch, index))
+        if epoch != self._epoch:
+            self._epoch, self._base = epoch, step_seed(self.seed ^ SAMPLE_SALT, epoch, 0)
+        seed_globals(splitmix64(self._base + index))
         return self.dataset[index]
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("dataset", "seed"):
+        if name in ("dataset", "seed", "_epoch", "_base"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
