@@ -244,6 +244,8 @@ def main() -> int:
     ap.add_argument("--job", choices=("ddp", "char_lm"), default="ddp",
                     help="the adopted DDP script (default) or the character-level LM")
     ap.add_argument("--epochs", type=int, default=3, help="epochs of the DDP script")
+    ap.add_argument("--device", default="cpu",
+                    help="the DDP script's device: cpu, or cuda (every process shares it)")
     ap.add_argument("--steps", type=int, default=120, help="training steps of char_lm")
     ap.add_argument("--nproc", type=int, default=4, help="ranks")
     ap.add_argument("--spares", type=int, default=2, help="hot spares (one per fault)")
@@ -268,7 +270,8 @@ def main() -> int:
             if args.job == "ddp":
                 where = work / ("faults" if spec else "clean")
                 runs.append(launch(where, DDP_SCRIPT, (
-                    "--epochs", str(args.epochs), "--snapshot", str(where / "snapshot.pt")),
+                    "--epochs", str(args.epochs), "--snapshot", str(where / "snapshot.pt"),
+                    "--device", args.device),
                     nproc=args.nproc, spares=args.spares, faults=spec, settings=settings))
             else:
                 runs.append(run_job(work / ("faults" if spec else "clean"), nproc=args.nproc,

@@ -56,7 +56,7 @@ class Trainer:
         self.model = DDP(self.model)
 
     def load_snapshot(self):
-        snapshot = torch.load(self.snapshot_path)
+        snapshot = torch.load(self.snapshot_path, map_location="cpu")
         self.model.load_state_dict(snapshot["model"])
         self.optimizer.load_state_dict(snapshot["optimizer"])
         self.scheduler.load_state_dict(snapshot["scheduler"])
@@ -73,8 +73,10 @@ class Trainer:
         print(f"epoch {epoch}: snapshot saved at {self.snapshot_path}")
 
     def run_batch(self, source, targets):
+        device = next(self.model.parameters()).device
+        source, targets = source.to(device), targets.to(device)
         self.optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = F.cross_entropy(self.model(source), targets)
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
@@ -106,15 +108,16 @@ def main():
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--snapshot", default="")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (every process shares it)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     init_process_group(backend="gloo")
     torch.manual_seed(0)
     dataset = NoisyBlobs(args.samples)
-    model = build_model(hidden=args.hidden)
+    model = build_model(hidden=args.hidden).to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = torch.amp.GradScaler(torch.device(args.device).type)
     loader = DataLoader(dataset, batch_size=args.batch_size, num_workers=2,
                         sampler=DistributedSampler(dataset, shuffle=True))
     trainer = Trainer(model, loader, optimizer, scheduler, scaler, args.save_every,
