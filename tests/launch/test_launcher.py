@@ -498,6 +498,55 @@ def test_the_agreement_stopping_the_job_stops_the_launch(tmp_path: Path) -> None
     assert "exit code 1: a member stopped the job: the agreement left a rank" in log, log
 
 
+A_MEMBER_STOPS_ALONE = '''
+import asyncio, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+rank = env.get("RANK")
+if rank == "2":
+    time.sleep(0.5)
+    sys.exit(5)  # EXIT_STOPPED by this member alone: its script described another job
+
+
+async def main():
+    async def status(request):
+        role = "spare" if rank is None else "rank"
+        return web.json_response({"role": role, "config_id": 0, "fenced": False,
+                                  "members": []})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    await asyncio.sleep(60 if rank is None else 3.5)  # the ranks train on past the grace
+
+asyncio.run(main())
+'''
+
+
+def test_a_member_stopping_alone_leaves_the_job_running(tmp_path: Path) -> None:
+    # A member refused at its join (torchpass_p2p.JobMismatch) exits 5 while the others, with
+    # a spare in its place, train on. Before, the launcher stopped them all after the grace.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", A_MEMBER_STOPS_ALONE)
+    launcher = start_launcher(["--nproc", "3", "--spares", "1", "--grace", "1",
+                               str(script), str(out)])
+    code, log = finish(launcher, timeout_s=15)
+    assert code == 0, log
+    assert re.search(r"rank 2 \([0-9a-f]{16}\) stopped the job; waiting up to 1.0 s for the "
+                     r"rest", log), log
+    assert re.search(r"rank \d \([0-9a-f]{16}\) still holds a rank in configuration 0: the "
+                     r"job goes on", log), log
+    assert "grace period over" not in log, log
+    assert len(re.findall(r"rank [01] \([0-9a-f]{16}\) exited with 0", log)) == 2, log
+    assert "exit code 0: job complete" in log, log
+
+
 A_MAJORITY_DIES = '''
 import asyncio, json, time
 from aiohttp import web

@@ -12,7 +12,10 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    replaced by a new spare joining through the live members; a member that exits
    ``EXIT_DRAINED`` handed its rank over on purpose and is neither reported nor replaced; nor is
    one that exits ``EXIT_STOPPED`` (the job cannot go on: the agreement stopped it, or a
-   spare gave up without a majority).
+   spare gave up without a majority). The rest get the grace period to exit too; at its end,
+   a job in which an agent still holds a rank and reaches a majority goes on (a member whose
+   script describes another job than the others' stops alone:
+   :class:`torchpass_p2p.JobMismatch`).
    :func:`.outcome.decide` says when the job is over. After a failure the launcher also asks
    the agents every :data:`QUORUM_CHECK_S` whether a majority of their configuration is still
    alive (:func:`.roles.majority_lost`); when it is not, no configuration can be decided again
@@ -400,6 +403,7 @@ class _Supervisor:
         loop = asyncio.get_running_loop()
         finish_at: float | None = None
         check_at: float | None = None  # next look for a lost majority, after a failure
+        stop_grace = False  # finish_at is the grace after an EXIT_STOPPED
         while True:
             try:
                 async with asyncio.timeout_at(_earliest(finish_at, check_at)):
@@ -413,6 +417,12 @@ class _Supervisor:
                     log.warning("%s: the job cannot go on; stopping the remaining processes",
                                 self.gave_up)
                 else:
+                    if stop_grace and (training := await self._training()) is not None:
+                        # A member stopped alone (its script described another job than
+                        # the others': refused at its join); the others train on.
+                        log.info("%s: the job goes on", training)
+                        finish_at, stop_grace = None, False
+                        continue
                     log.info("grace period over; stopping the remaining processes")
                 await self._stop(signal.SIGTERM)
                 return
@@ -431,6 +441,7 @@ class _Supervisor:
                 log.info("%s stopped the job; waiting up to %.1f s for the rest",
                          event.child.spec.name, self.options.grace_s)
                 finish_at = loop.time() + self.options.grace_s
+                stop_grace = True
             if is_failure(event.returncode) and not event.child.signalled:
                 self._report(event)
                 if finish_at is None:
@@ -491,6 +502,17 @@ class _Supervisor:
                 return None
             labels.append(label)
         return "idle: " + ", ".join(f"{n} {label}" for label, n in sorted(Counter(labels).items()))
+
+    async def _training(self) -> str | None:
+        """Which running child's agent still holds a rank and reaches a majority (a job the
+        agreement stopped has none left once its grace is over), or None."""
+        asked = [c for c in self._running() if not c.stopped]
+        views = await ask_status(self.session, [("127.0.0.1", c.spec.status_port)
+                                                for c in asked])
+        for c, view in zip(asked, views, strict=True):
+            if view is not None and view.role == "rank" and not view.fenced:
+                return f"{c.spec.name} still holds a rank in configuration {view.config_id}"
+        return None
 
     async def _majority_lost(self) -> str | None:
         """Why no configuration can be decided again (:func:`.roles.majority_lost`), or None.
