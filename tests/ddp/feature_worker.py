@@ -1,0 +1,134 @@
+"""A small DDP training script adopted by torchpass_p2p, with one flag per feature a real
+script uses (``tests/ddp/test_features.py`` runs it under the launcher, 3 ranks + 1 spare):
+
+* ``--accum N``: gradient accumulation, ``N`` micro-batches per optimizer step, all but the
+  last under ``model.no_sync()``;
+* ``--groups``: an optimizer with two parameter groups (other lr and weight decay);
+* ``--unused``: a submodule that forward never uses (``find_unused_parameters=True``);
+* ``--compile BACKEND``: ``torch.compile(DDP(model), backend=BACKEND)``;
+* ``--dcp DIR``: at the end of each epoch every rank saves the model and optimizer with
+  ``torch.distributed.checkpoint`` (no process group: ``no_dist=True``) to
+  ``DIR/epoch{E}/rank{R}``;
+* ``--odd-epochs N``: the process started as rank 2 (``RANK=2`` in its environment at start)
+  runs ``N`` epochs instead of ``--epochs``: another job, refused at its join.
+
+Otherwise an ordinary script: a Dataset of noisy blobs (fresh noise at each fetch), a
+DataLoader with a shuffled DistributedSampler, AdamW, a StepLR scheduler, dropout, clipping
+and epochs. It writes nothing for the test: each member's ``finished`` event carries the
+fingerprint of the whole tracked state (model, optimizer, scheduler, data position).
+"""
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from torchpass_p2p import (
+    DataLoader,
+    DistributedSampler,
+    destroy_process_group,
+    epochs,
+    init_process_group,
+    track,
+)
+from torchpass_p2p import DistributedDataParallel as DDP
+
+DIM, HIDDEN, CLASSES = 8, 16, 4
+
+
+class Blobs(Dataset):
+    """``size`` samples ``(x [DIM], label)`` around fixed centres, with fresh noise per fetch."""
+
+    def __init__(self, size):
+        g = torch.Generator().manual_seed(0)
+        self.centres = torch.randn(CLASSES, DIM, generator=g)
+        self.labels = torch.randint(0, CLASSES, (size,), generator=g)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, i):
+        label = self.labels[i]
+        return self.centres[label] + 0.5 * torch.randn(DIM), label
+
+
+class Net(torch.nn.Module):
+    def __init__(self, unused):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(),
+                                        torch.nn.Dropout(0.1))
+        self.head = torch.nn.Linear(HIDDEN, CLASSES)
+        self.spare_head = torch.nn.Linear(HIDDEN, CLASSES) if unused else None
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=240)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--accum", type=int, default=1)
+    ap.add_argument("--groups", action="store_true")
+    ap.add_argument("--unused", action="store_true")
+    ap.add_argument("--compile", default="")
+    ap.add_argument("--dcp", default="")
+    ap.add_argument("--odd-epochs", type=int)
+    args = ap.parse_args()
+    stop = args.epochs
+    if args.odd_epochs is not None and os.environ.get("RANK") == "2":
+        stop = args.odd_epochs
+    torch.set_num_threads(1)
+    init_process_group(backend="gloo")
+    torch.manual_seed(0)
+    dataset = Blobs(args.samples)
+    net = Net(args.unused)
+    if args.groups:
+        optimizer = torch.optim.AdamW([
+            {"params": net.body.parameters(), "lr": 3e-2, "weight_decay": 0.0},
+            {"params": net.head.parameters(), "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
+        ], lr=1e-3)
+    else:
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    loader = DataLoader(dataset, batch_size=args.batch_size,
+                        sampler=DistributedSampler(dataset, shuffle=True))
+    model = DDP(net, find_unused_parameters=args.unused)
+    if args.compile:
+        model = torch.compile(model, backend=args.compile)
+    track(optimizer, scheduler)
+
+    for epoch in epochs(0, stop):
+        rank = int(os.environ["RANK"])
+        loader.sampler.set_epoch(epoch)
+        losses = []
+        for i, (x, y) in enumerate(loader):
+            last = (i + 1) % args.accum == 0
+            if last:
+                loss = F.cross_entropy(model(x), y) / args.accum
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            else:
+                with model.no_sync():
+                    loss = F.cross_entropy(model(x), y) / args.accum
+                    loss.backward()
+            losses.append(loss.item())
+        scheduler.step()
+        print(f"rank {rank} epoch {epoch}: {len(losses)} batches, "
+              f"mean loss {sum(losses) / len(losses):.4f}", flush=True)
+        if args.dcp:
+            import torch.distributed.checkpoint as dcp
+
+            state = {"model": net.state_dict(), "optimizer": optimizer.state_dict()}
+            dcp.save(state, checkpoint_id=os.path.join(args.dcp, f"epoch{epoch}", f"rank{rank}"),
+                     no_dist=True)
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""What a real DDP script does, each feature on its own, under the launcher with 3 ranks and a
+spare (``tests/ddp/feature_worker.py``): gradient accumulation with ``no_sync()``, optimizer
+parameter groups, an unused parameter (``find_unused_parameters=True``), a ``torch.compile``d
+DDP model (inductor) and the script's own ``torch.distributed.checkpoint`` saves.
+
+For each feature: a fault-free run, and a run in which rank 1 is SIGKILLed in the middle of
+step ``KILL_AT`` (epoch 1, its peers inside the gradient reduction). Must hold: both exit 0;
+every member of the faulty run finishes at the last step with the fault-free run's state
+fingerprint (model, optimizer, scheduler, data position); no member commits a step twice and
+together the ranks commit every step; the spare took rank 1 at that step, at the batch rank 1
+took there in the fault-free run. With DCP, every checkpoint the script saved (each rank, each
+epoch; the spare's for rank 1 in epoch 1) is bitwise the fault-free run's.
+
+And the job agreement: a process whose script describes another job (the one started as rank
+2 runs 3 epochs, the others 2) is refused at its join with exit code 5 and one line naming the
+difference; the spare takes its rank and the job ends with the fault-free state.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from examples.main_job import Run, launch
+from torchpass_p2p.launch.outcome import EXIT_STOPPED
+
+WORKER = Path(__file__).with_name("feature_worker.py")
+STEPS = 20  # two epochs of 10 optimizer steps
+KILL_AT = 13
+FAULTS = f"kill@{KILL_AT}:grad:rank=1"
+FEATURES: dict[str, tuple[str, ...]] = {
+    # 2 micro-batches per step: 480 samples, 3 ranks, batches of 8 -> 20 batches an epoch
+    "accumulation": ("--accum", "2", "--samples", "480"),
+    "param_groups": ("--groups",),
+    "unused_parameter": ("--unused",),
+    "compile": ("--compile", "inductor"),
+    "dcp": ("--dcp",),  # followed by the run's checkpoint folder
+}
+RUN_TIMEOUT_S = 90.0
+
+
+def worker_args(feature: str, work: Path) -> tuple[str, ...]:
+    args = FEATURES[feature]
+    return (*args, str(work / "dcp")) if feature == "dcp" else args
+
+
+def run(work: Path, feature: str, faults: str = "", more: tuple[str, ...] = ()) -> Run:
+    return launch(work, WORKER, (*worker_args(feature, work), *more), nproc=3, spares=1,
+                  faults=faults, timeout_s=RUN_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Run, Path]]:
+    """``clean(feature)``: the fault-free run of ``feature`` and its folder, launched on first
+    use and shared by the module's tests."""
+    runs: dict[str, tuple[Run, Path]] = {}
+
+    def get(feature: str) -> tuple[Run, Path]:
+        if feature not in runs:
+            work = tmp_path_factory.mktemp(f"clean-{feature}")
+            result = run(work, feature)
+            assert result.code == 0, result.diagnosis()
+            finished = events(result, "finished")
+            assert len(finished) == 3 and {r["step"] for r in finished} == {STEPS}
+            assert len({r["fingerprint"] for r in finished}) == 1
+            runs[feature] = result, work
+        return runs[feature]
+
+    return get
+
+
+def events(result: Run, name: str) -> list[dict[str, Any]]:
+    return [r for r in result.events if r["event"] == name]
+
+
+def fingerprint(result: Run) -> str:
+    [reference] = {r["fingerprint"] for r in events(result, "finished")}
+    return str(reference)
+
+
+def assert_each_step_committed_once(result: Run) -> None:
+    """Each member commits its steps in order, once each; together they commit every step."""
+    by_member: dict[str, list[int]] = {}
+    for r in events(result, "step"):
+        by_member.setdefault(r["member"], []).append(r["step"])
+    assert all(steps == sorted(set(steps)) for steps in by_member.values()), by_member
+    assert set().union(*map(set, by_member.values())) == set(range(STEPS))
+
+
+def first_steps_of_spares(result: Run) -> list[dict[str, Any]]:
+    spares = {r["member"] for r in events(result, "spare_waiting")}
+    first: dict[str, dict[str, Any]] = {}
+    for r in events(result, "step_started"):
+        if r["member"] in spares:
+            first.setdefault(r["member"], r)
+    return list(first.values())
+
+
+def assert_took_over_where_it_stood(free: Run, faulty: Run, batches_a_step: int) -> None:
+    """The spare took rank 1 at the killed step, or at the next one when the killed rank's
+    vote went out with its last bucket before it died (the others committed the step without
+    it), at the epoch and data position rank 1 had there in the fault-free run: epoch 1,
+    ``batches_a_step`` batches for each step of that epoch before it."""
+    [first] = first_steps_of_spares(faulty)
+    assert first["rank"] == 1 and first["step"] in (KILL_AT, KILL_AT + 1), first
+    [expected] = [e for e in events(free, "step_started")
+                  if (e["rank"], e["step"]) == (1, first["step"])]
+    assert (first["epoch"], first["positions"]) == (expected["epoch"], expected["positions"])
+    assert first["positions"] == [[1, batches_a_step * (first["step"] - STEPS // 2)]]
+
+
+def checkpoints(root: Path) -> dict[str, dict[str, Any]]:
+    """Every DCP checkpoint under ``root`` (``epoch{E}/rank{R}``), loaded and flattened."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = {}
+    for folder in sorted(p.parent for p in root.glob("*/*/.metadata")):
+        saved = folder / "as-torch-save.pt"
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_to_torch_save(folder, saved)
+        out[str(folder.relative_to(root))] = flat(torch.load(saved))
+    return out
+
+
+def flat(obj: Any, path: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        return {k: v for key, value in obj.items() for k, v in flat(value, f"{path}/{key}").items()}
+    if isinstance(obj, list | tuple):
+        return {k: v for i, value in enumerate(obj) for k, v in flat(value, f"{path}/{i}").items()}
+    return {path: obj}
+
+
+def bitwise_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.reshape(-1).view(torch.uint8),
+                                b.reshape(-1).view(torch.uint8)))
+    return bool(a == b)
+
+
+def assert_same_checkpoints(mine: Path, theirs: Path) -> None:
+    got, expected = checkpoints(mine), checkpoints(theirs)
+    assert sorted(got) == [f"epoch{e}/rank{r}" for e in range(2) for r in range(3)]
+    assert got.keys() == expected.keys()
+    for name, state in got.items():
+        reference = expected[name]
+        assert state.keys() == reference.keys() and len(state) > 20, name
+        assert [k for k in state if not bitwise_equal(state[k], reference[k])] == [], name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("feature", list(FEATURES))
+def test_a_killed_rank_is_replaced_exactly(
+        feature: str, tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
+    (free, free_work), faulty = clean(feature), run(tmp_path, feature, FAULTS)
+    assert faulty.code == 0, faulty.diagnosis()
+    finished = events(faulty, "finished")
+    assert len(finished) == 3 and {r["step"] for r in finished} == {STEPS}, faulty.diagnosis()
+    assert {r["fingerprint"] for r in finished} == {fingerprint(free)}
+    assert_each_step_committed_once(faulty)
+    assert {(r["kind"], r["step"], r["rank"]) for r in events(faulty, "fault")} == {
+        ("kill", KILL_AT, 1)}
+    killed = {r["member"] for r in events(faulty, "fault")}
+    assert not killed & {r["member"] for r in finished}
+    # a step is one optimizer step: with accumulation, two batches
+    assert_took_over_where_it_stood(free, faulty, 2 if feature == "accumulation" else 1)
+    if feature == "compile":
+        # the session's code runs eagerly inside the compiled forward: dynamo recompiled it
+        # at every step (its step seeds) until it gave up on the frame
+        for result in (free, faulty):
+            assert "recompile_limit" not in result.output, result.diagnosis()
+    if feature == "dcp":
+        assert_same_checkpoints(tmp_path / "dcp", free_work / "dcp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_member_running_another_job_is_refused_and_replaced(
+        tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
+    free, free_work = clean("dcp")
+    result = run(tmp_path, "dcp", more=("--odd-epochs", "3"))
+    assert result.code == 0, result.diagnosis()
+
+    # The process started as rank 2 is refused at its join, before any step: one line says
+    # what differs, and it exits with 5 (not respawned: it would run the same script again).
+    [refused] = events(result, "exit")
+    member = refused["member"]
+    assert (refused["code"], refused["step"]) == (EXIT_STOPPED, 0)
+    assert f"started rank 2 ({member})" in result.output
+    said = [line for line in result.output.splitlines() if "differs from the others'" in line]
+    assert said == [f"torchpass_p2p: member {member}: configuration 0: this member's job "
+                    f"differs from the others': epochs 3 vs 2; exit code {EXIT_STOPPED}"]
+    assert f"rank 2 ({member}) exited with {EXIT_STOPPED}" in result.output
+    assert not [r for r in events(result, "step") if r["member"] == member]
+
+    # The spare took rank 2 at step 0; the job ends as without the refused process.
+    [first] = first_steps_of_spares(result)
+    assert (first["rank"], first["step"]) == (2, 0)
+    finished = events(result, "finished")
+    assert len(finished) == 3 and member not in {r["member"] for r in finished}
+    assert {r["fingerprint"] for r in finished} == {fingerprint(free)}
+    assert_each_step_committed_once(result)
+    assert_same_checkpoints(tmp_path / "dcp", free_work / "dcp")
