@@ -98,8 +98,9 @@ def test_a_killed_and_a_stopped_rank_are_replaced_exactly(
     for r in events(faulty, "step_started"):
         if r["member"] in spares:
             first.setdefault(r["member"], r)
-    # Rank 1 died inside step 40's reduction: nobody committed 40. Rank 2 stopped after its
-    # vote went out with the last bucket, so the others may have committed 75 without it.
+    # Rank 1 died inside step 40's reduction: nobody committed 40. Rank 2 stopped at its
+    # commit point, before its vote; the others cannot have committed 75 without it, unless
+    # it woke and voted before the change removed it.
     [(rank_1, step_1), (rank_2, step_2)] = sorted((r["rank"], r["step"]) for r in first.values())
     assert (rank_1, step_1, rank_2) == (1, 40, 2) and step_2 in (75, 76)
     for r in first.values():

@@ -4,8 +4,7 @@ gloo groups of three ranks built in threads of one process.
 Must hold: the result does not depend on the order or grouping in which DDP hands over the
 gradients (each rank fills in another order, as a spare's first-iteration bucket and rebuilt
 buckets do); it is bitwise the rank-order mean of the whole flat gradient, through gathered and
-sharded buckets alike; reducing the kept inputs again on another group gives the same bits;
-the vote's slots say whether every rank voted to commit the same step.
+sharded buckets alike; reducing the kept inputs again on another group gives the same bits.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ import torch.distributed as dist
 
 from torchpass_p2p.collective import GroupSpec, ManagedGroup
 from torchpass_p2p.collective.reduce import divide, sum_in_rank_order
-from torchpass_p2p.ddp.reduction import VOTE_SLOTS, Layout, StepReduction
+from torchpass_p2p.ddp.reduction import Layout, StepReduction
 
 N = 3
 # 1 MiB of float32 in one parameter: its bucket is summed in shards.
@@ -76,19 +75,19 @@ def layout() -> Layout:
 def test_the_layout_is_a_function_of_the_parameters() -> None:
     a, b = layout(), layout()
     assert a == b
-    assert len(a.sizes) >= 4 and a.vote_bucket == len(a.sizes) - 1
+    assert len(a.sizes) >= 4
     # Reverse order: the last parameter starts the first bucket.
     assert a.where[len(SHAPES) - 1] == (0, 0, 11)
-    assert sum(a.sizes) == sum(torch.Size(s).numel() for s in SHAPES) + VOTE_SLOTS
+    assert sum(a.sizes) == sum(torch.Size(s).numel() for s in SHAPES)
 
 
 def test_any_filling_order_gives_the_flat_rank_order_mean_bitwise() -> None:
     every = groups(1)
     orders = [list(range(len(SHAPES))), list(reversed(range(len(SHAPES)))), [2, 0, 5, 1, 4, 3]]
 
-    def step(rank: int) -> tuple[list[torch.Tensor], tuple[bool, bool]]:
+    def step(rank: int) -> list[torch.Tensor]:
         reduction = StepReduction(layout(), exact=True)
-        reduction.reset(7)
+        reduction.reset()
         grads = gradients(rank)
         for i in orders[rank]:
             reduction.fill(i, grads[i])
@@ -98,13 +97,12 @@ def test_any_filling_order_gives_the_flat_rank_order_mean_bitwise() -> None:
         out = [torch.empty(s) for s in SHAPES]
         for i, g in enumerate(out):
             reduction.copy_out(results, i, g)
-        return out, reduction.votes(results, N)
+        return out
 
     outs = on_every_rank(step)
     flat = [torch.cat([g.reshape(-1) for g in gradients(r)]) for r in range(N)]
     expected = divide(sum_in_rank_order(flat), N)
-    for out, votes in outs:
-        assert votes == (True, True)
+    for out in outs:
         got = torch.cat([g.reshape(-1) for g in out])
         assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
 
@@ -114,7 +112,7 @@ def test_the_kept_inputs_reduce_again_on_another_group_to_the_same_bits() -> Non
 
     def step(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         reduction = StepReduction(layout(), exact=True)
-        reduction.reset(3)
+        reduction.reset()
         for i, g in enumerate(gradients(rank)):
             reduction.fill(i, g)
         reduction.launch_ready(first[rank], None)
@@ -127,31 +125,16 @@ def test_the_kept_inputs_reduce_again_on_another_group_to_the_same_bits() -> Non
                    for a, b in zip(before, after, strict=True))
 
 
-def test_one_fenced_rank_vetoes_and_a_rank_at_another_step_is_seen() -> None:
-    every = groups(4)
-
-    def step(rank: int) -> tuple[bool, bool]:
-        reduction = StepReduction(layout(), exact=True, vote=lambda: rank != 2)
-        reduction.reset(5 if rank != 1 else 6)
-        for i, g in enumerate(gradients(rank)):
-            reduction.fill(i, g)
-        reduction.launch_ready(every[rank], None)
-        return reduction.votes(reduction.wait(every[rank], None), N)
-
-    assert on_every_rank(step) == [(False, False)] * N
-
-
 def test_native_mode_averages_with_the_backends_all_reduce() -> None:
     every = groups(5)
 
     def step(rank: int) -> list[torch.Tensor]:
         reduction = StepReduction(layout(), exact=False)
-        reduction.reset(0)
+        reduction.reset()
         for i, g in enumerate(gradients(rank)):
             reduction.fill(i, g)
         reduction.launch_ready(every[rank], None)
         results = reduction.wait(every[rank], None)
-        assert reduction.votes(results, N) == (True, True)
         out = [torch.empty(s) for s in SHAPES]
         for i, g in enumerate(out):
             reduction.copy_out(results, i, g)

@@ -69,7 +69,7 @@ class DistributedDataParallel(TorchDDP):
                                  "between ranks cannot move to a spare; every rank takes rank "
                                  "0's buffers after each step, as DDP's default does")
         session = current()
-        # The session takes rank 0's buffers after each step (Session._take_buffers); DDP's own
+        # The session takes rank 0's buffers after each step (with the commit vote); DDP's own
         # per-forward broadcast would cost a collective on the local group for nothing.
         kwargs["forward_sync_buffers"] = False
         kwargs["process_group"] = _local_group()

@@ -25,7 +25,7 @@ callback, whose thread and timing differ between ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,14 +35,7 @@ from torchpass_p2p.collective import ManagedGroup
 from torchpass_p2p.collective.group import SHARDED_MIN_BYTES, Watch
 from torchpass_p2p.collective.reduce import divide, from_shards, sum_in_rank_order, to_shards
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "VOTE_SLOTS", "Layout", "StepReduction"]
-
-VOTE_SLOTS = 2
-"""The vote's elements: ``1.0`` (commit) or ``0.0`` (this member is fenced), and the step
-modulo :data:`STEP_MODULUS`; after the mean, ``1.0`` and the step: every rank voted to commit the
-same step."""
-STEP_MODULUS = 1 << 16
-"""Keeps the step's sum exact in float32 (below 2**24) for up to 256 ranks."""
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Layout", "StepReduction"]
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -57,24 +50,18 @@ class Layout:
     Parameters are taken in reverse registration order (gradients of the last layers are ready
     first), a bucket closes at its cap or where the dtype or device changes.
 
-    The commit vote rides with the last bucket (:data:`VOTE_SLOTS` elements after its
-    gradients) when that bucket's dtype holds the vote's sums exactly (float32 or float64);
-    else it is a collective of its own.
-
     Attributes:
-        sizes: elements per bucket (the vote's slots included).
+        sizes: elements per bucket.
         dtypes: each bucket's dtype.
         devices: each bucket's device.
         where: ``{parameter index: (bucket, offset in elements, numel)}``, indices into
             ``params`` as given to :meth:`of`.
-        vote_bucket: the bucket whose last :data:`VOTE_SLOTS` elements carry the vote, or None.
     """
 
     sizes: tuple[int, ...]
     dtypes: tuple[torch.dtype, ...]
     devices: tuple[torch.device, ...]
     where: dict[int, tuple[int, int, int]]
-    vote_bucket: int | None = None
 
     @classmethod
     def of(cls, params: Sequence[torch.nn.Parameter], *,
@@ -104,11 +91,7 @@ class Layout:
             where[i] = (len(sizes) - 1, sizes[-1], p.numel())
             sizes[-1] += p.numel()
             used += p.numel() * p.element_size()
-        vote = None
-        if dtypes[-1] in (torch.float32, torch.float64):
-            vote = len(sizes) - 1
-            sizes[-1] += VOTE_SLOTS
-        return cls(tuple(sizes), tuple(dtypes), tuple(devices), where, vote)
+        return cls(tuple(sizes), tuple(dtypes), tuple(devices), where)
 
     def describe(self) -> list[Any]:
         """Plain data every member must agree on: ``[[numel, dtype], ...]`` per bucket."""
@@ -127,13 +110,9 @@ class StepReduction:
         exact: rank-order sums (True) or the backend's all-reduce.
     """
 
-    def __init__(self, layout: Layout, *, exact: bool,
-                 vote: Callable[[], bool] = lambda: True) -> None:
+    def __init__(self, layout: Layout, *, exact: bool) -> None:
         self.layout = layout
         self.exact = exact
-        self.vote = vote
-        """True to commit: asked as the vote's bucket is launched, as late as it can be."""
-        self.step = 0
         self.send = [torch.empty(n, dtype=d, device=v) for n, d, v in
                      zip(layout.sizes, layout.dtypes, layout.devices, strict=True)]
         self._missing = list(layout.sizes)
@@ -145,13 +124,9 @@ class StepReduction:
 
     # ------------------------------------------------------------------ filling
 
-    def reset(self, step: int) -> None:
-        """Step ``step`` begins: every bucket empty again (inputs are overwritten as they are
-        filled)."""
-        self.step = step
+    def reset(self) -> None:
+        """A new step: every bucket empty again (inputs are overwritten as they are filled)."""
         self._missing = list(self.layout.sizes)
-        if self.layout.vote_bucket is not None:
-            self._missing[self.layout.vote_bucket] -= VOTE_SLOTS
         self._group = None
         self._launched = 0
         self._works = []
@@ -191,9 +166,6 @@ class StepReduction:
     def _launch(self, group: ManagedGroup, b: int) -> None:
         self._flush_sharded(group, self._watch)
         src = self.send[b]
-        if b == self.layout.vote_bucket:
-            src[-VOTE_SLOTS:] = torch.tensor([1.0 if self.vote() else 0.0,
-                                              float(self.step % STEP_MODULUS)])
         n = group.spec.world_size
         small = n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES
         if not self.exact and not small:
@@ -242,15 +214,6 @@ class StepReduction:
         results = self._results
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
-
-    def votes(self, results: list[torch.Tensor], world_size: int) -> tuple[bool, bool]:
-        """``(every rank voted to commit, every rank is at this step)`` from the vote's slots
-        of ``results``. Raises ``ValueError`` when the layout has no vote bucket."""
-        if self.layout.vote_bucket is None:
-            raise ValueError("the vote is a collective of its own in this layout")
-        commit, step = results[self.layout.vote_bucket][-VOTE_SLOTS:].tolist()
-        same = world_size * STEP_MODULUS >= 1 << 24 or step == self.step % STEP_MODULUS
-        return commit == 1.0, same
 
     def copy_out(self, results: list[torch.Tensor], index: int, grad: torch.Tensor) -> None:
         """Write parameter ``index``'s averaged gradient from ``results`` into ``grad``."""

@@ -126,7 +126,6 @@ class Session(Trainer):
         self._buckets: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor,
                                   list[torch.Tensor], list[int]]] = []
         self._step_error: BaseException | None = None
-        self._buffer_work: tuple[Any, list[torch.Tensor]] | None = None
         self._pending: Any = None
         self._deferred_check: tuple[ManagedGroup, str, int] | None = None
         self._entering: Any = None
@@ -178,8 +177,7 @@ class Session(Trainer):
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.ddp = ddp
         self.layout = Layout.of(params)
-        self.reduction = StepReduction(self.layout, exact=self.exact,
-                                       vote=lambda: not self.agent.fenced)
+        self.reduction = StepReduction(self.layout, exact=self.exact)
         self._index = {id(p): i for i, p in enumerate(params)}
         self._buffers = list(ddp.module.buffers())
         self.objects["model"] = ddp.module
@@ -321,7 +319,7 @@ class Session(Trainer):
         seed_step(self.seed, rank, k)
         self._at_start = [b.detach().clone() for b in self._buffers]
         assert self.reduction is not None
-        self.reduction.reset(k)
+        self.reduction.reset()
         self._buckets = []
         self._step_error = None
 
@@ -356,12 +354,9 @@ class Session(Trainer):
         for i, g in zip(indices, grads, strict=True):
             reduction.fill(i, g)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        first = not self._buckets
         self._buckets.append((future, bucket.buffer(), grads, indices))
         if self._step_error is None and self.group is not None:
             try:
-                if first:  # the forward is over: the buffers are final
-                    self._launch_buffers(self.group)
                 reduction.launch_ready(self.group, self._watch)
             except (CollectiveError, Superseded, RuntimeError) as exc:
                 self._step_error = exc
@@ -387,14 +382,12 @@ class Session(Trainer):
                     raise error
                 if relaunch:
                     relaunch = False
-                    self._launch_buffers(group)
                     reduction.relaunch(group, self._watch)
                 self.faults.at(k, "grad", group.spec.rank)
                 results = reduction.wait(group, self._watch)
-                self._take_buffers(group)
                 self._reduced = (k, results[0])
                 self.faults.at(k, "commit", group.spec.rank)
-                if not self._vote(group, k, results):
+                if not self._vote(group, k):
                     relaunch = True
                     continue
                 if not self.agent.report_commit(k, self._ranks):
@@ -412,54 +405,33 @@ class Session(Trainer):
                     self._close_step(k, results)
                     return
 
-    def _vote(self, group: ManagedGroup, k: int, results: list[torch.Tensor]) -> bool:
-        """The commit vote: True when every rank votes to commit step ``k``; after a veto (a
-        fenced member) this waits for the lease and the step is reduced again. The vote rides
-        with the last bucket (:class:`~.reduction.Layout`), else it is a small all-gather after
-        the reduction. Raises :class:`JobMismatch` when the ranks are at different steps."""
-        reduction = self.reduction
-        assert reduction is not None
-        if reduction.layout.vote_bucket is not None:
-            commit, same = reduction.votes(results, group.spec.world_size)
-        else:
-            vote = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k)],
-                                dtype=torch.float64)
-            votes = group.allgather(vote, watch=self._watch)
-            commit = all(v[0].item() == 1.0 for v in votes)
-            same = {int(v[1].item()) for v in votes} == {k}
-        if not same:
+    def _vote(self, group: ManagedGroup, k: int) -> bool:
+        """The commit vote, after the whole reduction: True when every rank votes to commit
+        step ``k``. It is sent only once this rank holds the whole averaged gradient, so a rank
+        that sees every vote knows every rank holds it (the commit rule's roll forward needs
+        that). After a veto (a fenced member) this waits for the lease and the step is reduced
+        again. The vote carries the module's buffers as the forward left them, as float64
+        (exact for the narrower dtypes, integers up to 2**53): every rank takes rank 0's, what
+        DDP's ``broadcast_buffers`` gives the next forward. Raises :class:`JobMismatch` when the
+        ranks are at different steps."""
+        head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k)], dtype=torch.float64)
+        mine = torch.cat([head, *(b.detach().reshape(-1).to(torch.float64)
+                                  for b in self._buffers)])
+        votes = group.allgather(mine, watch=self._watch)
+        if {int(v[1].item()) for v in votes} != {k}:
             group.abandon()
             raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "
                               f"{k}: not the same job")
-        if commit:
-            return True
-        self.log("commit_vetoed", step=k, config_id=group.config_id, fenced=self.agent.fenced)
-        self._await_lease()
-        return False
-
-    def _launch_buffers(self, group: ManagedGroup) -> None:
-        """Start the all-gather of every buffer as the forward left it, as float64 (which
-        holds each value of the narrower dtypes exactly, integers up to 2**53): launched at the
-        step's first hook, before its buckets, so it costs no round trip of its own."""
-        self._buffer_work = None
-        if not self._buffers:
-            return
-        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self._buffers])
-        out = [torch.empty_like(flat) for _ in range(group.spec.world_size)]
-        self._buffer_work = (group.launch(lambda pg: pg.allgather([out], [flat])), out)
-
-    def _take_buffers(self, group: ManagedGroup) -> None:
-        """Every rank takes rank 0's buffers as its forward left them: what DDP's
-        ``broadcast_buffers`` gives the next forward."""
-        if self._buffer_work is None:
-            return
-        work, parts = self._buffer_work
-        group.complete(work, watch=self._watch)
-        self._buffer_work = None
-        offset = 0
+        if not all(v[0].item() == 1.0 for v in votes):
+            self.log("commit_vetoed", step=k, config_id=group.config_id,
+                     fenced=self.agent.fenced)
+            self._await_lease()
+            return False
+        offset = len(head)
         for b in self._buffers:
-            b.detach().copy_(parts[0][offset:offset + b.numel()].view_as(b))
+            b.detach().copy_(votes[0][offset:offset + b.numel()].view_as(b))
             offset += b.numel()
+        return True
 
     def _close_step(self, k: int, results: list[torch.Tensor]) -> None:
         """Step ``k`` is committed (or rolled forward): hand DDP the averaged gradients."""
@@ -530,11 +502,10 @@ class Session(Trainer):
     def _enter_configuration(self, configuration: Any, *, group_id: int, resume: int,
                              fetch_from: tuple[int, ...] | None, plan: Any = None) -> None:
         if fetch_from is not None and self._open:
-            # A survivor inside a step whose reduction it lacks while another member committed
-            # that step (the vote rides with the last bucket, so one rank can see every vote
-            # while another misses a bucket): it cannot reach the resume step without the
-            # state, and the script would run the rest of the step on it. It leaves; a spare
-            # takes its rank from the members that hold the state. Rare, and never wrong.
+            # A survivor inside a step would need the state of a later one: the vote follows
+            # the whole reduction, so a step committed anywhere has its averaged gradient on
+            # every rank, and this cannot happen. If it did, the script would run the rest of
+            # its step on the fetched state: the member leaves, a spare takes its rank.
             raise Removed(f"step {self.step} was committed by others while this member lacks "
                           "its reduction: leaving so a spare takes the rank")
         super()._enter_configuration(configuration, group_id=group_id, resume=resume,
