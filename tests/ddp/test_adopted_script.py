@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from examples.main_job import REPO, Run, launch
+from tests.ddp.states import bitwise_equal, events, flat
 
 SCRIPT = REPO / "examples" / "torchpass_ddp.py"
 EPOCHS = 3
@@ -39,24 +40,10 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[Run, Path]:
     return run(tmp_path_factory.mktemp("clean"))
 
 
-def events(result: Run, name: str) -> list[dict[str, Any]]:
-    return [r for r in result.events if r["event"] == name]
 
 
-def flat(obj: Any, path: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        return {k: v for key, value in obj.items() for k, v in flat(value, f"{path}/{key}").items()}
-    if isinstance(obj, list | tuple):
-        return {k: v for i, value in enumerate(obj) for k, v in flat(value, f"{path}/{i}").items()}
-    return {path: obj}
 
 
-def bitwise_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8),
-                                b.reshape(-1).view(torch.uint8)))
-    return bool(a == b)
 
 
 @pytest.mark.slow

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from examples.main_job import Run, launch
+from tests.ddp.states import bitwise_equal, events, flat
 from torchpass_p2p.launch.outcome import EXIT_STOPPED
 
 WORKER = Path(__file__).with_name("feature_worker.py")
@@ -74,8 +75,6 @@ def clean(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], tuple[Run
     return get
 
 
-def events(result: Run, name: str) -> list[dict[str, Any]]:
-    return [r for r in result.events if r["event"] == name]
 
 
 def fingerprint(result: Run) -> str:
@@ -128,20 +127,8 @@ def checkpoints(root: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def flat(obj: Any, path: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        return {k: v for key, value in obj.items() for k, v in flat(value, f"{path}/{key}").items()}
-    if isinstance(obj, list | tuple):
-        return {k: v for i, value in enumerate(obj) for k, v in flat(value, f"{path}/{i}").items()}
-    return {path: obj}
 
 
-def bitwise_equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.reshape(-1).view(torch.uint8),
-                                b.reshape(-1).view(torch.uint8)))
-    return bool(a == b)
 
 
 def assert_same_checkpoints(mine: Path, theirs: Path) -> None:
