@@ -93,7 +93,7 @@ from .plan import (
     nodes_configuration,
 )
 from .ports import Reservation, reserve_ports
-from .roles import IDLE_ROLES, ask_status, majority_lost, vacant_without_spare
+from .roles import IDLE_ROLES, ROLE_TIMEOUT_S, ask_status, majority_lost, vacant_without_spare
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_RESPAWNS", "LaunchError", "LaunchOptions", "launch"]
 
@@ -507,8 +507,11 @@ class _Supervisor:
         """Which running child's agent still holds a rank and reaches a majority (a job the
         agreement stopped has none left once its grace is over), or None."""
         asked = [c for c in self._running() if not c.stopped]
+        # The grace, not ROLE_TIMEOUT_S, bounds the answer: a member busy in a step on a loaded
+        # host answers late, and a page left unanswered must not end a job that goes on.
         views = await ask_status(self.session, [("127.0.0.1", c.spec.status_port)
-                                                for c in asked])
+                                                for c in asked],
+                                 timeout_s=max(ROLE_TIMEOUT_S, self.options.grace_s))
         for c, view in zip(asked, views, strict=True):
             if view is not None and view.role == "rank" and not view.fenced:
                 return f"{c.spec.name} still holds a rank in configuration {view.config_id}"
