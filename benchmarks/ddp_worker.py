@@ -6,7 +6,8 @@ torchpass_p2p; it times its own steps.
 ``--api torchpass`` imports the same names from torchpass_p2p, loops over ``epochs(0, 1)`` and
 calls ``track(optimizer)`` (run it under ``torchpass-p2p launch``), with ``exact=False`` when
 ``--native`` is given. Everything else is the same code: the model (:data:`SIZES`), the data, the
-batch size, AdamW, gradient clipping, ``loss.item()`` every step, gloo, one thread per rank.
+batch size, AdamW, gradient clipping, ``loss.item()`` every step, gloo, one thread per rank, on
+``--device`` (``cuda``: every rank on the one visible GPU, gloo reducing its CUDA tensors).
 
 The epoch holds exactly ``--warmup + --steps`` batches per rank. Rank 0 reads
 ``time.perf_counter()`` before the first batch and after every ``optimizer.step()``; a step's
@@ -109,7 +110,8 @@ def train(args: argparse.Namespace) -> int:
     shape = SIZES[args.size]
     batches = args.warmup + args.steps
     dataset = NoisyBlobs(batches * args.batch_size * world, shape["dim"])
-    model = build_model(**shape)
+    device = torch.device(args.device)
+    model = build_model(**shape).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     loader = api["DataLoader"](dataset, batch_size=args.batch_size, num_workers=args.workers,
                                sampler=api["DistributedSampler"](dataset, shuffle=True))
@@ -121,6 +123,7 @@ def train(args: argparse.Namespace) -> int:
     for epoch in api["epochs"](0, 1):
         loader.sampler.set_epoch(epoch)
         for source, targets in loader:
+            source, targets = source.to(device), targets.to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(ddp(source), targets)
             loss.backward()
@@ -137,7 +140,7 @@ def train(args: argparse.Namespace) -> int:
         out = Path(args.out)
         tmp = out.with_suffix(".tmp")
         tmp.write_text(json.dumps({
-            "api": args.api, "native": args.native, "size": args.size,
+            "api": args.api, "native": args.native, "size": args.size, "device": args.device,
             "parameters": sum(p.numel() for p in model.parameters()), "world_size": world,
             "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps,
             "step_s": steps[args.warmup:],
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps before them")
     ap.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (every rank shares it)")
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     args = ap.parse_args(argv)
     if args.native and args.api != "torchpass":

@@ -107,15 +107,16 @@ def _env() -> dict[str, str]:
            if not k.startswith(("TORCHPASS_", "TORCHELASTIC_")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                "MASTER_PORT")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["OMP_NUM_THREADS"] = "1"
     return env
 
 
-def command(method: str, size: str, steps: int, warmup: int, out: Path) -> list[str]:
-    """The command line of one run of ``method`` (:data:`METHODS`)."""
+def command(method: str, size: str, steps: int, warmup: int, out: Path,
+            device: str = "cpu") -> list[str]:
+    """The command line of one run of ``method`` (:data:`METHODS`) on ``device``."""
     worker = [str(WORKER), "--size", size, "--steps", str(steps), "--warmup", str(warmup),
-              "--batch-size", str(BATCH_SIZE), "--out", str(out)]
+              "--batch-size", str(BATCH_SIZE), "--device", device, "--out", str(out)]
     if method == "torch":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", str(NPROC), *worker, "--api", "torch"]
@@ -124,7 +125,8 @@ def command(method: str, size: str, steps: int, warmup: int, out: Path) -> list[
             "--spares", str(SPARES), "--grace", "3", *worker, "--api", "torchpass", *native]
 
 
-def run_once(work: Path, method: str, size: str, steps: int, warmup: int) -> Run:
+def run_once(work: Path, method: str, size: str, steps: int, warmup: int,
+             device: str = "cpu") -> Run:
     """Launch one run in ``work`` and read rank 0's step times.
 
     Raises:
@@ -132,7 +134,7 @@ def run_once(work: Path, method: str, size: str, steps: int, warmup: int) -> Run
     """
     work.mkdir(parents=True, exist_ok=True)
     out, log_path = work / "result.json", work / "output.log"
-    cmd = command(method, size, steps, warmup, out)
+    cmd = command(method, size, steps, warmup, out, device)
     t0 = time.monotonic()
     with open(log_path, "wb") as log:
         # Its own session: on a timeout the launcher and every rank it started are signalled.
@@ -276,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                          + ", ".join(f"{k} {v}" for k, v in DEFAULT_WARMUP.items()) + ")")
     ap.add_argument("--sizes", default=",".join(SIZES),
                     help="comma-separated model sizes: " + ", ".join(SIZES))
+    ap.add_argument("--device", default="cpu",
+                    help="the ranks' device: cpu, or cuda (all 4 ranks share the one GPU)")
     ap.add_argument("--keep", help="directory to keep every run's output and result in")
     args = ap.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
@@ -298,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 for method in order(i):
                     say(f"round {i + 1}/{args.rounds}: {size} {method}")
                     run = run_once(work / f"round-{i}" / size / method, method, size,
-                                   steps[size], warmup[size])
+                                   steps[size], warmup[size], args.device)
                     say(f"  median step {run.median_step_s * 1e3:.2f} ms "
                         f"(CPU {run.median_cpu_step_s * 1e3:.2f} ms), wall {run.wall_s:.1f} s")
                     runs[-1].append(run)
@@ -312,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     result["targets"] = {f"step_ratio_{m}": f"<= {t:.2f}" for m, t in TARGETS.items()}
     result["job"] = {
         "script": "benchmarks/ddp_worker.py", "ranks": NPROC, "spares": SPARES,
-        "backend": "gloo", "threads_per_rank": 1, "batch_size": BATCH_SIZE,
+        "backend": "gloo", "device": args.device, "threads_per_rank": 1, "batch_size": BATCH_SIZE,
         "sizes": {s: {"parameters": parameters(s), "steps": steps[s], "warmup": warmup[s],
                       **SIZES[s]}
                   for s in sizes}}

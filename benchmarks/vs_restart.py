@@ -95,7 +95,7 @@ def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("TORCHPASS_", "TORCHELASTIC_")) and k not in (
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

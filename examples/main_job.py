@@ -103,7 +103,7 @@ def launch(work: Path, script: Path, script_args: tuple[str, ...], *, nproc: int
     (work / "logs").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("TORCHPASS_") and k not in ("RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env["TORCHPASS_LOG_DIR"] = str(work / "logs")
     if faults:
         env["TORCHPASS_FAULTS"] = faults

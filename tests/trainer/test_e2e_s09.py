@@ -74,7 +74,7 @@ def clean(clean_run: Callable[[int], Run]) -> Run:
 def _environ() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("TORCHPASS_") and k not in ("RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
