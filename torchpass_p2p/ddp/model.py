@@ -11,6 +11,7 @@ this member trains in.
 from __future__ import annotations
 
 import datetime
+import inspect
 from typing import Any
 
 import torch
@@ -70,8 +71,9 @@ class DistributedDataParallel(TorchDDP):
                                  "0's buffers after each step, as DDP's default does")
         session = current()
         # The session takes rank 0's buffers after each step (with the commit vote); DDP's own
-        # per-forward broadcast would cost a collective on the local group for nothing.
-        kwargs["forward_sync_buffers"] = False
+        # per-forward broadcast would cost a collective on the local group for nothing. Torch
+        # before 2.12 has no forward_sync_buffers: there broadcast_buffers=False is the switch.
+        kwargs[_NO_FORWARD_SYNC] = False
         kwargs["process_group"] = _local_group()
         super().__init__(module, *args, **kwargs)
         # unannotated: DDP checks a hook's annotations against its own types
@@ -82,6 +84,12 @@ class DistributedDataParallel(TorchDDP):
         if torch.is_grad_enabled() and self.training:
             _step_starting()
         return super().forward(*inputs, **kwargs)
+
+
+_NO_FORWARD_SYNC = ("forward_sync_buffers"
+                    if "forward_sync_buffers" in inspect.signature(
+                        TorchDDP.__init__).parameters
+                    else "broadcast_buffers")
 
 
 @torch.compiler.disable

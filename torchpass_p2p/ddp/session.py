@@ -415,7 +415,9 @@ class Session(Trainer):
         DDP's ``broadcast_buffers`` gives the next forward. Raises :class:`JobMismatch` when the
         ranks are at different steps."""
         head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k)], dtype=torch.float64)
-        mine = torch.cat([head, *(b.detach().reshape(-1).to(torch.float64)
+        # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say);
+        # the group moves it to its own device, and copy_ brings rank 0's back.
+        mine = torch.cat([head, *(b.detach().reshape(-1).to("cpu", torch.float64)
                                   for b in self._buffers)])
         votes = group.allgather(mine, watch=self._watch)
         if {int(v[1].item()) for v in votes} != {k}:
