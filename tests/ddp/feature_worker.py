@@ -77,12 +77,13 @@ def main():
     ap.add_argument("--compile", default="")
     ap.add_argument("--dcp", default="")
     ap.add_argument("--odd-epochs", type=int)
+    ap.add_argument("--state-transport", default="auto")
     args = ap.parse_args()
     stop = args.epochs
     if args.odd_epochs is not None and os.environ.get("RANK") == "2":
         stop = args.odd_epochs
     torch.set_num_threads(1)
-    init_process_group(backend="gloo")
+    init_process_group(backend="gloo", state_transport=args.state_transport)
     torch.manual_seed(0)
     dataset = Blobs(args.samples)
     net = Net(args.unused)

@@ -195,3 +195,43 @@ def test_a_member_running_another_job_is_refused_and_replaced(
     assert {r["fingerprint"] for r in finished} == {fingerprint(free)}
     assert_each_step_committed_once(result)
     assert_same_checkpoints(tmp_path / "dcp", free_work / "dcp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("point", ["grad", "commit"])
+def test_a_transient_collective_failure_regroups_the_same_ranks(
+        point: str, tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
+    """Rank 1's collective fails at step ``KILL_AT`` with no process dying (inside the
+    reduction, or between it and the vote): nobody is suspected, so no configuration change
+    comes; the three ranks form their group again in configuration 0 and go on. The spare
+    never takes a rank and the job ends with the fault-free state."""
+    free, _ = clean("param_groups")
+    result = run(tmp_path, "param_groups", f"reset@{KILL_AT}:{point}:rank=1")
+    assert result.code == 0, result.diagnosis()
+    finished = events(result, "finished")
+    assert len(finished) == 3 and {r["fingerprint"] for r in finished} == {fingerprint(free)}
+    assert_each_step_committed_once(result)
+    assert first_steps_of_spares(result) == []
+    assert {r["config_id"] for r in events(result, "step_started")} == {0}
+    done = events(result, "regroup_done")
+    assert {r["member"] for r in done} == {r["member"] for r in finished}, result.diagnosis()
+    assert {(r["config_id"], r["step"]) for r in done} == {(0, KILL_AT)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_spare_receives_its_state_over_the_process_group(
+        tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
+    """``init_process_group(state_transport="pg")``: the spare that takes the killed rank
+    receives the state point-to-point over the new configuration's group (the path NCCL's
+    RDMA takes on GPUs), not from the agents' transfer service."""
+    free, _ = clean("param_groups")
+    result = run(tmp_path, "param_groups", FAULTS, more=("--state-transport", "pg"))
+    assert result.code == 0, result.diagnosis()
+    finished = events(result, "finished")
+    assert len(finished) == 3 and {r["fingerprint"] for r in finished} == {fingerprint(free)}
+    assert_each_step_committed_once(result)
+    fetched = events(result, "state_fetched")
+    assert fetched and all(r["over_group"] for r in fetched), fetched
+    assert_took_over_where_it_stood(free, result, 1)

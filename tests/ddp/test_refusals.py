@@ -83,6 +83,12 @@ def test_an_unknown_backend_is_refused_naming_the_known_ones(no_session: None,
     assert str(caught.value) == f"backend {backend!r}: 'gloo' or 'nccl'"
 
 
+def test_an_unknown_state_transport_is_refused_naming_the_known_ones(no_session: None) -> None:
+    with pytest.raises(ValueError) as caught:
+        torchpass_p2p.init_process_group("gloo", state_transport="rdma")
+    assert str(caught.value) == "state_transport 'rdma': 'auto', 'tcp' or 'pg'"
+
+
 # ------------------------------------------------------------------ DistributedDataParallel
 
 @pytest.mark.parametrize(("name", "value", "instead"), [

@@ -32,7 +32,8 @@ REFUSED = ("init_method", "store", "rank", "world_size")
 
 
 def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
-                       exact: bool = True, **kwargs: Any) -> None:
+                       exact: bool = True, state_transport: str = "auto",
+                       **kwargs: Any) -> None:
     """Start this process's agent and take its place in the job. A rank returns at once; a
     spare returns only once it holds a rank (``RANK`` and ``WORLD_SIZE`` are set then, as
     torchrun sets them). Its state arrives at the epochs loop (:func:`epochs`).
@@ -43,12 +44,17 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
             ``TORCHPASS_SEED``, else 0).
         exact: average gradients by rank-order sums, bitwise equal to a fault-free run
             (default), or by the backend's all-reduce (faster; same step, not bitwise).
+        state_transport: how a spare receives its rank's state: ``"tcp"`` (the agents'
+            transfer service, from every surviving holder), ``"pg"`` (point-to-point over the
+            new configuration's process group: NCCL's RDMA path on GPUs) or ``"auto"`` (pg
+            over NCCL, else tcp).
         kwargs: torch's other arguments; ``timeout``, ``group_name``, ``pg_options`` and
             ``device_id`` are accepted and unused.
 
     Raises:
         ValueError: ``init_method``, ``store``, ``rank`` or ``world_size`` given (the
-            launcher and the agreement decide them), or an unknown backend.
+            launcher and the agreement decide them), an unknown backend or
+            state_transport.
         RuntimeError: called twice.
     """
     for name in REFUSED:
@@ -58,6 +64,8 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
     backend = backend or "gloo"
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: 'gloo' or 'nccl'")
+    if state_transport not in ("auto", "tcp", "pg"):
+        raise ValueError(f"state_transport {state_transport!r}: 'auto', 'tcp' or 'pg'")
     try:
         current()
     except RuntimeError:
@@ -71,7 +79,8 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
         seed = int(os.environ.get("TORCHPASS_SEED", "0"))
     log_dir = os.environ.get("TORCHPASS_LOG_DIR")
     log_path = None if not log_dir else os.path.join(log_dir, f"{agent.member_id:016x}.jsonl")
-    session = Session(agent, seed=seed, exact=exact, backend=backend, log_path=log_path)
+    session = Session(agent, seed=seed, exact=exact, backend=backend, log_path=log_path,
+                      state_transport=state_transport)
     install(session)
     session._set_env()
     _skip_teardown_of_stuck_groups()

@@ -127,6 +127,13 @@ class StepReduction:
     def reset(self) -> None:
         """A new step: every bucket empty again (inputs are overwritten as they are filled)."""
         self._missing = list(self.layout.sizes)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop every launched operation and result, keeping the inputs (the group they ran
+        on is being given up). A gloo group's connections close only when its last reference
+        goes, and an operation holds one: kept, it would leave the peers waiting on this
+        member in their next collective instead of failing at once."""
         self._group = None
         self._launched = 0
         self._works = []
@@ -150,10 +157,8 @@ class StepReduction:
         waited for here). Raises what :meth:`ManagedGroup.complete` raises."""
         self._watch = watch
         if self._group is not group:
+            self.forget()
             self._group = group
-            self._launched = 0
-            self._works = []
-            self._results = [None] * len(self.layout.sizes)
         while self._launched < len(self.send) and self._missing[self._launched] == 0:
             self._launch(group, self._launched)
             self._launched += 1

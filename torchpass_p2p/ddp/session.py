@@ -103,12 +103,16 @@ class Session(Trainer):
         exact: rank-order sums (bitwise equal to a fault-free run) or the backend's own.
         backend: ``"gloo"`` or ``"nccl"``.
         log_path: the JSON-lines timeline, or None.
+        state_transport: ``"tcp"``, ``"pg"`` or ``"auto"``, as for
+            :class:`~torchpass_p2p.trainer.Trainer`.
     """
 
     def __init__(self, agent: Any, *, seed: int, exact: bool, backend: str,
-                 log_path: str | os.PathLike[str] | None) -> None:
+                 log_path: str | os.PathLike[str] | None,
+                 state_transport: str = "auto") -> None:
         super().__init__(torch.nn.Module(), None, agent=agent,  # type: ignore[arg-type]
-                         seed=seed, backend=backend, log_path=log_path)
+                         seed=seed, backend=backend, log_path=log_path,
+                         state_transport=state_transport)
         self.objects = {}
         self.exact = exact
         self.ddp: Any = None
@@ -457,6 +461,8 @@ class Session(Trainer):
         when the step is rolled forward (its held result is applied by the script; the next
         configuration is entered at the next step's start), False when it is to be reduced
         again on ``self.group``."""
+        assert self.reduction is not None
+        self.reduction.forget()  # before the group is given up (StepReduction.forget)
         post = [b.detach().clone() for b in self._buffers]
         for b, start in zip(self._buffers, self._at_start, strict=True):
             b.detach().copy_(start)
