@@ -30,7 +30,7 @@ from torchpass_p2p.agent.pulse import PulseTracker
 from torchpass_p2p.core import Configuration, Member, MemberId, Params
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.membership import Transitions
-from torchpass_p2p.core.messages import Joiner, Message, Topology
+from torchpass_p2p.core.messages import Ack, Join, Joiner, Message, Topology
 from torchpass_p2p.core.plan import Policy
 from torchpass_p2p.core.seal import Keyring
 from torchpass_p2p.core.sizes import encoded_size
@@ -106,6 +106,11 @@ class Cluster:
         """Joiners: the config_id of the configuration each was handed when it started."""
         self.exits_reported: set[MemberId] = set()
         """Crashed members whose exit a launcher reported (:meth:`report_exited`)."""
+        self.send_delays: dict[MemberId, tuple[float, bool]] = {}
+        """member -> (seconds, acks only): every datagram it sends now (with acks only, every
+        ``Ack`` and pulse answer) leaves that much later (:meth:`delay_sends`)."""
+        self.lost_joins: dict[MemberId, int] = {}
+        """joiner -> how many of its next ``Join`` datagrams the network loses."""
         self.params = params or Params()
         self.rng = random.Random(seed)
         ids = sorted({self.rng.getrandbits(64) for _ in range(members)})
@@ -177,10 +182,22 @@ class Cluster:
         if frozen:
             sm.frozen_until = max(sm.frozen_until, self.now + duration_s)
 
-    def spawn_joiner(self, via: SimMember, *, host: str = "") -> SimMember:
+    def delay_sends(self, sm: SimMember, delay_s: float, *, acks_only: bool = False) -> None:
+        """From now on every datagram ``sm`` sends arrives ``delay_s`` seconds later than the
+        link alone would deliver it (an egress queue or a slow send path); with ``acks_only``
+        only its acks (``Ack``, direct or relayed, and pulse answers). ``delay_s = 0`` ends
+        the delay. Datagrams already in flight keep their arrival time."""
+        if delay_s > 0:
+            self.send_delays[sm.id] = (delay_s, acks_only)
+        else:
+            self.send_delays.pop(sm.id, None)
+
+    def spawn_joiner(self, via: SimMember, *, host: str = "", lost_joins: int = 0) -> SimMember:
         """Start a new process now that asks to join as a spare. Like a real one, it fetched
         the configuration ``via`` holds (the runtime serves it over HTTP) and sends its Join to
-        that member's peers. Its member id is fresh, never one used before."""
+        that member's peers. Its member id is fresh, never one used before. The network loses
+        its first ``lost_joins`` Join datagrams (a join attempt that fails); it re-sends one
+        every ``join_retry_s``."""
         mid = self.rng.getrandbits(64)
         while mid in self.by_id:  # pragma: no cover - 64-bit collisions
             mid = self.rng.getrandbits(64)
@@ -191,6 +208,8 @@ class Cluster:
                       seeds=seeds, transitions=self._transitions,
                       rng=random.Random(self.rng.getrandbits(64)), now=self.now)
         self.started_in[mid] = config.config_id
+        if lost_joins > 0:
+            self.lost_joins[mid] = lost_joins
         sm = self._add(core)
         self._arm(sm)
         return sm
@@ -313,11 +332,12 @@ class Cluster:
         sm.pulse_at = math.inf
         pings, silent = tracker.poll(now)
         src = sm.core.id
+        late = self._send_delay(src, False)
         for member, _address, nonce in pings:
             ping_delay, _ = self.network.arrivals(src, member)
             target = self.by_id.get(member)
             if ping_delay >= 0 and target is not None:
-                self._ping_arrives(target, sm, nonce, now + ping_delay)
+                self._ping_arrives(target, sm, nonce, now + ping_delay + late)
         for member in silent:
             sm.core.report_silent(now, member)
         if silent:
@@ -334,9 +354,11 @@ class Cluster:
             if responder.frozen_until > now:  # queued in the socket: answered on SIGCONT
                 self.engine.call_at(responder.frozen_until, answer)
                 return
-            pong_delay, _ = self.network.arrivals(responder.core.id, prober.core.id)
+            src = responder.core.id
+            pong_delay, _ = self.network.arrivals(src, prober.core.id)
             if pong_delay >= 0:
-                self._pong_arrives(prober, responder.core.id, nonce, now + pong_delay)
+                late = self._send_delay(src, True)
+                self._pong_arrives(prober, src, nonce, now + pong_delay + late)
         self.engine.call_at(at, answer)
 
     def _pong_arrives(self, prober: SimMember, member: MemberId, nonce: bytes,
@@ -352,6 +374,13 @@ class Cluster:
             tracker.answered(now, nonce, member)
         self.engine.call_at(at, read)
 
+    def _send_delay(self, src: MemberId, is_ack: bool) -> float:
+        """Seconds added to a datagram ``src`` sends now (:meth:`delay_sends`)."""
+        rule = self.send_delays.get(src) if self.send_delays else None
+        if rule is None or (rule[1] and not is_ack):
+            return 0.0
+        return rule[0]
+
     def _transmit(self, sm: SimMember, out: list[tuple[MemberId, Message]]) -> None:
         engine = self.engine
         now = engine.now
@@ -359,6 +388,9 @@ class Cluster:
         by_id = self.by_id
         count_sizes = self._count_sizes
         src = sm.core.id
+        # Fault rules, looked up once per batch: on a fault-free run both dicts are empty.
+        delay_rule = self.send_delays.get(src) if self.send_delays else None
+        joins_lost = self.lost_joins.get(src, 0) if self.lost_joins else 0
         for dst, message in out:
             target = by_id.get(dst)
             if target is None:
@@ -372,15 +404,37 @@ class Cluster:
                 size = encoded_size(message) + SEAL_OVERHEAD_BYTES if count_sizes else 0
             sm.sent_packets += 1
             sm.sent_bytes += size
+            if joins_lost and type(message) is Join:
+                joins_lost -= 1
+                self._lose_join(src, joins_lost)
+                continue
             first, second = net.arrivals(src, dst)
             if first >= 0:
+                sent = now
+                if delay_rule is not None and (not delay_rule[1] or type(message) is Ack):
+                    sent += delay_rule[0]
                 target.recv_packets += 1
                 target.recv_bytes += size
-                engine.push(now + first, DELIVER, target, src, data)
+                engine.push(sent + first, DELIVER, target, src, data)
                 if second >= 0:
                     target.recv_packets += 1
                     target.recv_bytes += size
-                    engine.push(now + second, DELIVER, target, src, data)
+                    engine.push(sent + second, DELIVER, target, src, data)
+                    if net.link.duplicate_copies > 1:
+                        for extra in net.extra_copies():
+                            target.recv_packets += 1
+                            target.recv_bytes += size
+                            engine.push(sent + extra, DELIVER, target, src, data)
+
+    def _lose_join(self, joiner: MemberId, left: int) -> None:
+        """One ``Join`` of ``joiner`` lost on purpose (:meth:`spawn_joiner`'s ``lost_joins``):
+        it was sent (and counted as sent), and the network dropped it."""
+        self.network.dropped += 1
+        self.counters["joins_lost"] += 1
+        if left:
+            self.lost_joins[joiner] = left
+        else:
+            del self.lost_joins[joiner]
 
 
 def _counter_nonces() -> Callable[[], bytes]:

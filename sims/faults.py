@@ -16,7 +16,12 @@ busy               pauses of ``chunk_s`` taking ``duty`` of the time (a thread h
 gray               heavy random loss on that member's datagrams only
 one_way            it can send but not receive (``deaf``) or receive but not send (``mute``)
 clog               all its links drop everything for ``duration_s``
-partition          every link between two sides is cut until ``heal_at``
+delay              everything it sends (or only its acks) arrives ``delay_s`` late, for
+                   ``duration_s`` (an egress queue, a slow send path)
+restart            a crash, then a new process under a new member id ``after_s`` later that
+                   joins as a spare; its first ``lost_joins`` Join datagrams are lost
+partition          every link between two sides is cut until ``heal_at``; the members it names
+                   as expected removed are faults from the cut on
 host_failure       every member of one host crashes at once (correlated failure)
 arrivals           crashes drawn as a Poisson process from a per-GPU-hour failure rate
 =================  ============================================================================
@@ -27,6 +32,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Sequence
+
+from torchpass_p2p.core import MemberId
 
 from .cluster import Cluster, SimMember
 from .recorder import DetectionRecorder
@@ -40,11 +47,55 @@ class FaultInjector:
         self.recorder = recorder
         self.rng = random.Random(cluster.rng.getrandbits(64))
         self.log: list[tuple[float, str, int]] = []
+        self._delay_window: dict[MemberId, int] = {}  # member -> its latest delay's number
 
     def _note(self, kind: str, sm: SimMember, expected_removal: bool) -> None:
         self.log.append((self.cluster.now, kind, sm.index))
         if expected_removal and self.recorder is not None:
             self.recorder.fault(sm)
+
+    def delay(self, sm: SimMember, at: float, duration_s: float, delay_s: float, *,
+              acks_only: bool = False, expected_removal: bool = False) -> None:
+        """From ``at`` to ``at + duration_s``, every datagram ``sm`` sends (with ``acks_only``,
+        every ack: ``Ack`` and pulse answers) arrives ``delay_s`` seconds later than the link
+        alone would deliver it (:meth:`Cluster.delay_sends`)."""
+        cluster = self.cluster
+
+        def start() -> None:
+            self._note("delay_acks" if acks_only else "delay", sm, expected_removal)
+            cluster.delay_sends(sm, delay_s, acks_only=acks_only)
+            window = self._delay_window[sm.id] = self._delay_window.get(sm.id, 0) + 1
+
+            def end() -> None:
+                if self._delay_window[sm.id] == window:  # else a later window took over
+                    cluster.delay_sends(sm, 0.0)
+            cluster.at(at + duration_s, end)
+        cluster.at(at, start)
+
+    def restart(self, sm: SimMember, at: float, after_s: float, *,
+                lost_joins: int = 0) -> None:
+        """Crash ``sm`` at ``at`` (an expected removal) and start a new process ``after_s``
+        seconds later, under a new member id, that asks to join as a spare
+        (:meth:`Cluster.spawn_joiner`, through the first member by index that is neither
+        crashed, removed, left nor joining). The network loses its first ``lost_joins`` Join
+        datagrams. The recorder learns the pair, so the run reports when the new process was
+        admitted. With no live member left to ask, no process starts (logged as
+        ``restart_skipped``)."""
+        self.crash(sm, at)
+        cluster = self.cluster
+
+        def start() -> None:
+            via = next((m for m in cluster.members if not (
+                m.crashed or m.core.removed or m.core.left or m.core.joining is not None)),
+                None)
+            if via is None:
+                self.log.append((cluster.now, "restart_skipped", sm.index))
+                return
+            new = cluster.spawn_joiner(via, lost_joins=lost_joins)
+            self.log.append((cluster.now, "restart", new.index))
+            if self.recorder is not None:
+                self.recorder.restarted(new, at)
+        cluster.at(at + after_s, start)
 
     def crash(self, sm: SimMember, at: float) -> None:
         def fire() -> None:
@@ -117,13 +168,30 @@ class FaultInjector:
         self.cluster.at(at + duration_s, lambda: net.clogged.discard(sm.id))
 
     def partition(self, side_a: Sequence[SimMember], side_b: Sequence[SimMember], at: float,
-                  heal_at: float | None = None) -> None:
+                  heal_at: float | None = None,
+                  expected_removed: Sequence[SimMember] = ()) -> None:
+        """Cut every link between ``side_a`` and ``side_b`` at ``at``, until ``heal_at``.
+        ``expected_removed`` members are faults from ``at`` on: their removal is a detection,
+        not a false removal, and their own verdicts about others, reached while cut off, are
+        not false removals either (:meth:`DetectionRecorder.fault` with ``cut_off``).
+
+        Raises:
+            ValueError: a member of ``expected_removed`` is on neither side.
+        """
         net = self.cluster.network
         a = [sm.id for sm in side_a]
         b = [sm.id for sm in side_b]
+        outside = [sm.index for sm in expected_removed if sm.id not in a and sm.id not in b]
+        if outside:
+            raise ValueError(f"members {outside} are expected removed by a partition that "
+                             f"leaves them on neither side")
 
         def cut() -> None:
             self.log.append((self.cluster.now, "partition", len(a)))
+            for sm in expected_removed:
+                self.log.append((self.cluster.now, "partition_removal", sm.index))
+                if self.recorder is not None:
+                    self.recorder.fault(sm, cut_off=True)
             net.partition(a, b)
         self.cluster.at(at, cut)
         if heal_at is not None:

@@ -293,7 +293,11 @@ class InvariantChecker:
         The members compared are the live ones (not crashed, removed or left) that the network
         reaches (not deaf, mute, clogged or on a cut link), minus ``exclude`` and the recorder's
         faulty members. Each must hold the same view digest as the others, and every crashed,
-        deaf, mute or clogged member must be dead or gone in its view.
+        deaf, mute or clogged member must be dead or gone in its view. Members that hold
+        different configurations (one decided a change, another not yet) are reported as an
+        [agree] finding naming both configuration ids; a member outside one holder's
+        configuration reads "not in its configuration" there. Never raises on what the members
+        hold: every disagreement is a finding.
         """
         start = self.count
         net = self.cluster.network
@@ -329,13 +333,16 @@ class InvariantChecker:
         if not differ:
             return
         members = self.cluster.members
+        ref_config = reference.core.configuration.config_id
         for sm in differ[:5]:
             diffs = []
+            config = sm.core.configuration.config_id
+            if config != ref_config:
+                diffs.append(f"configuration {config} vs {ref_config}")
             for other in members:
-                mine, theirs = sm.core.state_of(other.id), reference.core.state_of(other.id)
+                mine, theirs = _entry(sm, other.id), _entry(reference, other.id)
                 if _norm(mine) != _norm(theirs):
-                    diffs.append(f"{self._name(other.id)}: {mine[0].name}@{mine[1]} vs "
-                                 f"{theirs[0].name}@{theirs[1]}")
+                    diffs.append(f"{self._name(other.id)}: {_text(mine)} vs {_text(theirs)}")
             self._fail("agree", f"t={self.cluster.now:.3f} {self._name(sm.id)} and "
                                 f"{self._name(reference.id)} hold different views: "
                                 + ("; ".join(diffs[:5]) or "digest only"))
@@ -343,7 +350,24 @@ class InvariantChecker:
             self._fail("agree", f"... and {len(differ) - 5} more members disagree")
 
 
-def _norm(entry: tuple[MemberState, int]) -> tuple[int, int]:
+def _entry(holder: SimMember, member: MemberId) -> tuple[MemberState, int] | None:
+    """(state, incarnation) of ``member`` in ``holder``'s view, or None when ``member`` is not
+    in the holder's configuration. Live members may hold different configurations when the
+    check runs (one decided, another not yet), and ``Member.state_of`` raises ``KeyError`` for
+    a member outside its own: asking it would crash the check instead of reporting."""
+    core = holder.core
+    if member not in core.configuration:
+        return None
+    return core.state_of(member)
+
+
+def _norm(entry: tuple[MemberState, int] | None) -> tuple[int, int] | None:
     """SUSPECT is transient and local: it agrees with ALIVE (as the view digest has it)."""
+    if entry is None:
+        return None
     state, inc = entry
     return (_ALIVE if state == MemberState.SUSPECT else int(state), inc)
+
+
+def _text(entry: tuple[MemberState, int] | None) -> str:
+    return "not in its configuration" if entry is None else f"{entry[0].name}@{entry[1]}"

@@ -108,8 +108,13 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         * ``decisions`` = configuration changes decided; ``fast_path_fraction`` = those whose
           first decision anywhere came from the fast round (None without decisions);
           ``safety_violations`` = violations of sims/safety.py's rules.
-    Accuracy: ``false_removals`` = distinct members convicted (by anyone, ever) that were not a
-    fault; ``suspicions``/``refutations`` = counts of those events over all members.
+    Accuracy: ``false_removals`` = distinct members convicted (by anyone but a member a
+    partition cut off and named expected removed, ever) or removed by a decision that were not
+    a fault; ``suspicions``/``refutations`` = counts of those events over all members.
+    Restarts (``restart`` faults): ``restarts`` = new processes started; ``rejoined`` = those a
+    decided configuration admitted by the end (their own ``Joined``); ``rejoin_s`` = from the
+    crash each replaces until it was admitted, ``rejoin_p50_s``/``_p99_s`` over the restarts
+    (None: never).
     Cost (members live at the end, from ``warmup_s`` to ``virtual_s``):
         ``bytes_per_member_per_s`` = bytes they sent / (live members x measured seconds);
         ``recv_bytes_per_member_per_s``, ``packets_per_member_per_s`` and
@@ -136,6 +141,8 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         decided.append(rec.all_decided_s(held))
         known = rec.dead_known
         pairs.extend(known[m] - rec.at if m in known else None for m in live)
+    rejoin = [recorder.joined[m] - at if m in recorder.joined else None
+              for m, at in recorder.restarts.items()]
     measured_s = virtual_s - warmup_s
     base = sampler.baseline or [(0, 0, 0, 0)] * len(cluster.members)
     totals = [0, 0, 0, 0]
@@ -176,6 +183,10 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         "fast_path_fraction": _r(safety.fast_path_fraction()),
         "safety_violations": safety.count,
         "false_removals": len(recorder.false_removals),
+        "restarts": len(recorder.restarts),
+        "rejoined": sum(1 for m in recorder.restarts if m in recorder.joined),
+        "rejoin_p50_s": _r(nearest_rank(rejoin, 50)),
+        "rejoin_p99_s": _r(nearest_rank(rejoin, 99)),
         "suspicions": recorder.suspicions,
         "refutations": recorder.refutations,
         "live_members": len(live),
@@ -201,6 +212,7 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
             "decided_all_s": [_r(x) for x in decided],
             "detect_member_s": sorted(_r(x) for x in pairs if x is not None),
             "detect_member_never": sum(1 for x in pairs if x is None),
+            "rejoin_s": [_r(x) for x in rejoin],
         }
     return result
 

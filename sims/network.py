@@ -1,9 +1,9 @@
 """The virtual network: latency, loss, duplication, reordering, partitions and clogging.
 
 A :class:`Network` decides, for one datagram from ``src`` to ``dst`` sent at ``now``, at which
-times it arrives: none (lost, partitioned, clogged), once, or twice (duplicated). Reordering falls
-out of per-datagram latency jitter. All randomness comes from the ``random.Random`` it is given,
-so a seed fixes every delivery.
+times it arrives: none (lost, partitioned, clogged), once, or 1 + ``duplicate_copies`` times
+(duplicated). Reordering falls out of per-datagram latency jitter. All randomness comes from the
+``random.Random`` it is given, so a seed fixes every delivery.
 """
 
 from __future__ import annotations
@@ -21,13 +21,20 @@ class LinkModel:
     """Latency and loss of a link, in seconds and probabilities.
 
     Latency is ``base_latency_s`` plus an exponential jitter with mean ``jitter_s``; jitter larger
-    than the gap between two datagrams reorders them.
+    than the gap between two datagrams reorders them. A datagram that is not lost is duplicated
+    with probability ``duplicate``: it then arrives ``duplicate_copies`` extra times, each copy
+    with its own latency draw (a switch or a retransmitting NIC may repeat a frame more than
+    once).
     """
 
     base_latency_s: float = 0.0005
     jitter_s: float = 0.0002
     loss: float = 0.0
     duplicate: float = 0.0
+    duplicate_copies: int = 1
+    """Extra arrivals of a duplicated datagram (>= 1). Copies past the first come from
+    :meth:`Network.extra_copies`, drawn only when this is above 1, so runs with the default
+    draw exactly what they drew before it existed (same seed, same trace)."""
     bandwidth_bytes_per_s: float = 12.5e9
     """Bulk-transfer bandwidth (100 Gb/s), used by the job model for state transfers."""
 
@@ -63,7 +70,9 @@ class Network:
         first, second = self.arrivals(src, dst)
         if first < 0:
             return ()
-        return (first,) if second < 0 else (first, second)
+        if second < 0:
+            return (first,)
+        return (first, second, *self.extra_copies())
 
     def arrivals(self, src: MemberId, dst: MemberId) -> tuple[float, float]:
         """:meth:`delays` as a fixed pair, -1.0 standing for no arrival: (-1, -1) lost,
@@ -88,6 +97,18 @@ class Network:
         if link.duplicate and draw() < link.duplicate:
             return first, link.base_latency_s + -math.log(1.0 - draw()) / rate
         return first, -1.0
+
+    def extra_copies(self) -> list[float]:
+        """Delays of the copies of a duplicated datagram past the one :meth:`arrivals` gives
+        (``duplicate_copies - 1`` of them; none by default). Call right after
+        :meth:`arrivals` returned a second arrival."""
+        link = self.link
+        if link.duplicate_copies <= 1:
+            return []
+        rate = 1 / link.jitter_s
+        draw = self._random
+        return [link.base_latency_s + -math.log(1.0 - draw()) / rate
+                for _ in range(link.duplicate_copies - 1)]
 
     def _blocked(self, src: MemberId, dst: MemberId) -> bool:
         if not (self.cut or self.deaf or self.mute or self.clogged):

@@ -4,7 +4,10 @@ A :class:`DetectionRecorder` listens to every member's events. For each injected
 when the first alert, the first suspicion and the first conviction happened, when each live
 member learned that the faulty member is dead, and when each held a decided configuration without
 it. A conviction of a member that was never faulted, or a decision removing one that did not
-leave, is a false removal.
+leave, is a false removal, except a conviction reached by a member that a partition cut off and
+that is expected removed itself (its side sees the rest as crashed; the rest decides).
+For each restarted process it keeps when the crash it replaces happened and when it was
+admitted (its own ``Joined``).
 """
 
 from __future__ import annotations
@@ -64,14 +67,29 @@ class DetectionRecorder:
         self.cluster = cluster
         self.faults: dict[MemberId, FaultRecord] = {}
         self.false_removals: dict[MemberId, float] = {}
+        self.cut_off: set[MemberId] = set()
+        """Faults whose own verdicts are not false removals (:meth:`fault` with ``cut_off``)."""
+        self.restarts: dict[MemberId, float] = {}
+        """New process -> when the member it replaces crashed (:meth:`restarted`)."""
+        self.joined: dict[MemberId, float] = {}
+        """New process -> when a decided configuration admitted it (its ``Joined``)."""
         self.suspicions = 0
         self.refutations = 0
         cluster.listeners.append(self._on_event)
 
-    def fault(self, sm: SimMember) -> None:
+    def fault(self, sm: SimMember, *, cut_off: bool = False) -> None:
         """Mark ``sm`` as faulty from now on (call right before crashing it). A member already
-        marked keeps its first fault time: a second fault on a dead member changes nothing."""
+        marked keeps its first fault time: a second fault on a dead member changes nothing.
+        ``cut_off``: ``sm`` stays up but a partition isolates it, so the members it convicts
+        from now on (everyone it cannot reach) are not counted as false removals."""
         self.faults.setdefault(sm.id, FaultRecord(sm.id, self.cluster.now))
+        if cut_off:
+            self.cut_off.add(sm.id)
+
+    def restarted(self, new: SimMember, crashed_at: float) -> None:
+        """``new`` is the process started to replace a member that crashed at ``crashed_at``
+        (virtual seconds); its admission time goes into ``joined``."""
+        self.restarts[new.id] = crashed_at
 
     def _on_event(self, sm: SimMember, event: ev.Event) -> None:
         if isinstance(event, ev.AlertRaised):
@@ -86,13 +104,16 @@ class DetectionRecorder:
         elif isinstance(event, ev.MemberDead):
             rec = self.faults.get(event.member)
             if rec is None:
-                self.false_removals.setdefault(event.member, event.at)
+                if sm.id not in self.cut_off:
+                    self.false_removals.setdefault(event.member, event.at)
                 return
             if rec.first_dead is None:
                 rec.first_dead = event.at
             rec.dead_known.setdefault(sm.id, event.at)
         elif isinstance(event, ev.SelfRefuted):
             self.refutations += 1
+        elif isinstance(event, ev.Joined):
+            self.joined.setdefault(sm.id, event.at)
         elif isinstance(event, ev.ConfigurationDecided):
             config = event.configuration
             for member, rec in self.faults.items():

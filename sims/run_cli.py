@@ -42,6 +42,10 @@ _TABLE: tuple[tuple[str, str], ...] = (
     ("fast_path_fraction", ""),
     ("safety_violations", ""),
     ("false_removals", "members"),
+    ("restarts", "processes"),
+    ("rejoined", "processes"),
+    ("rejoin_p50_s", "s"),
+    ("rejoin_p99_s", "s"),
     ("suspicions", ""),
     ("refutations", ""),
     ("live_members", ""),
@@ -63,8 +67,9 @@ def format_table(result: dict[str, Any]) -> str:
     for key, unit in _TABLE:
         value = result.get(key)
         if value is None:
-            text = ("never" if key.startswith(("detect_", "decided_")) and result.get("faults")
-                    else "-")
+            never = ((key.startswith(("detect_", "decided_")) and result.get("faults"))
+                     or (key.startswith("rejoin_") and result.get("restarts")))
+            text = "never" if never else "-"
             unit = ""
         elif isinstance(value, float):
             text = f"{value:,.3f}" if abs(value) < 1e6 else f"{value:,.0f}"

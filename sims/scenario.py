@@ -19,7 +19,8 @@ A scenario file looks like this (every key but ``members`` and ``virtual_s`` has
     base_latency_s = 0.0005
     jitter_s = 0.0002
     loss = 0.01
-    duplicate = 0.0
+    duplicate = 0.0               # probability that a datagram arrives more than once
+    duplicate_copies = 1          # extra arrivals of a duplicated datagram (needs duplicate > 0)
 
     [params.probe]                # overrides of core Params, same tables as configs/*.toml
     probe_interval_s = 1.0
@@ -71,7 +72,7 @@ _TOP_KEYS = ("name", "description", "members", "spares", "virtual_s", "seed", "w
              "count_bytes", "sealed", "gpus_per_host", "check_convergence", "pulse", "link",
              "params",
              "faults")
-_LINK_KEYS = ("base_latency_s", "jitter_s", "loss", "duplicate")
+_LINK_KEYS = ("base_latency_s", "jitter_s", "loss", "duplicate", "duplicate_copies")
 _LINK_DEFAULTS = LinkModel()
 _EXAMPLES = 3
 """Violation messages copied into the result: enough to start debugging, short on stdout."""
@@ -162,7 +163,13 @@ def scenario_from_mapping(data: Mapping[str, Any], *, source: str = "<mapping>",
                     maximum=1.0),
         duplicate=number(link_table, "duplicate", source, prefix="link.", default=0.0,
                          minimum=0.0, maximum=1.0),
+        duplicate_copies=integer(link_table, "duplicate_copies", source, prefix="link.",
+                                 default=1, minimum=1),
     )
+    if link.duplicate_copies > 1 and link.duplicate == 0:
+        raise ScenarioError(f"key 'link.duplicate_copies' in {source}: copies of duplicated "
+                            f"datagrams need link.duplicate > 0 (the probability of a "
+                            f"duplicate), which is 0")
     params_table = data.get("params", {})
     if not isinstance(params_table, Mapping):
         raise ScenarioError(f"'params' must be a table of tables in {source}")
@@ -173,7 +180,10 @@ def scenario_from_mapping(data: Mapping[str, Any], *, source: str = "<mapping>",
     raw_faults = data.get("faults", [])
     if not isinstance(raw_faults, list):
         raise ScenarioError(f"'faults' must be an array of tables ([[faults]]) in {source}")
-    faults = tuple(parse_fault(i, raw, source, virtual_s) for i, raw in enumerate(raw_faults))
+    gpus_per_host = integer(data, "gpus_per_host", source, default=8, minimum=1)
+    faults = tuple(parse_fault(i, raw, source, virtual_s, members=members, spares=spares,
+                               gpus_per_host=gpus_per_host)
+                   for i, raw in enumerate(raw_faults))
     return Scenario(
         name=string(data, "name", source, default=default_name),
         description=string(data, "description", source, default=""),
@@ -184,7 +194,7 @@ def scenario_from_mapping(data: Mapping[str, Any], *, source: str = "<mapping>",
         warmup_s=warmup_s,
         count_bytes=boolean(data, "count_bytes", source, default=True),
         sealed=boolean(data, "sealed", source, default=False),
-        gpus_per_host=integer(data, "gpus_per_host", source, default=8, minimum=1),
+        gpus_per_host=gpus_per_host,
         check_convergence=boolean(data, "check_convergence", source, default=False),
         pulse=boolean(data, "pulse", source, default=False),
         link=link,

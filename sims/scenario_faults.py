@@ -13,8 +13,12 @@ pause         member, at, duration_s, repeat_every_s?, count?
 stop          member, at, duration_s, expected_removal? (true), repeat_every_s?, count?
 clog          member, at, duration_s, repeat_every_s?, count?
 gray          member, at, loss, expected_removal? (false), repeat_every_s?, count?
+delay         member, at, duration_s, delay_s, messages? ("all" | "acks"; "all"),
+              expected_removal? (false), repeat_every_s?, count?
+restart       member, at, after_s (seconds or [min, max]), lost_joins? (0),
+              repeat_every_s?, count?
 busy          member, start, until, chunk_s ([min, max]), duty
-partition     side_a, side_b? ("rest"), at, heal_at?
+partition     side_a, side_b? ("rest"), at, heal_at?, expected_removed? (a selector)
 host_failure  host (index or "random"), at, gpus_per_host? (the scenario's)
 arrivals      rate_per_gpu_hour, start, until
 ============  ==========================================================================
@@ -23,8 +27,28 @@ arrivals      rate_per_gpu_hour, start, until
 the member selector is resolved again for each copy, so ``member = "random"`` with ``count = 10``
 gives ten independent crashes of ten different members (percentiles over one run).
 
+``delay``: from ``at`` for ``duration_s``, every datagram the member sends arrives ``delay_s``
+seconds later than the link alone would deliver it; with ``messages = "acks"`` only its acks
+(``Ack``, direct or relayed for an indirect probe, and pulse answers).
+
+``restart``: each selected member crashes at ``at`` (an expected removal), and ``after_s``
+seconds later a new process under a new member id asks to join as a spare. ``after_s = [min,
+max]`` draws each member's delay uniformly (seeded), so ``member = "random:31"`` with
+``after_s = [0.0, 2.0]`` restarts 31 members within 2 s. ``lost_joins = N`` is a join fault:
+the network loses the new process's first N Join datagrams (it re-sends one every
+``join_retry_s``). The run reports ``restarts``, ``rejoined`` and ``rejoin_p50_s``/``_p99_s``.
+
+``partition`` with ``expected_removed``: those members (on either side) are faults from ``at``
+on, so their removal counts as a detection, not a false removal, and the end-of-run
+convergence check leaves them out; the verdicts they reach while cut off are not false
+removals either.
+
+Link duplication (``[link] duplicate``, ``duplicate_copies``) is in :mod:`sims.scenario`.
+
 A member selector is an index into the cluster's members (sorted by id, as
-:attr:`Cluster.members`), a string, or a list of either:
+:attr:`Cluster.members`), a string, or a list of either. One that names a member, rank, spare
+or host the scenario's own ``members``/``spares``/``gpus_per_host`` do not have is an error when
+the file is read (and again at run time for ``--members``):
 
 ``"random"`` / ``"random:K"``
     one / K distinct members drawn with the run's seed, never a member an earlier fault of the
@@ -65,14 +89,19 @@ FAULT_KINDS: dict[str, tuple[str, ...]] = {
     "stop": ("member", "at", "duration_s", "expected_removal", *_REPEAT),
     "clog": ("member", "at", "duration_s", *_REPEAT),
     "gray": ("member", "at", "loss", "expected_removal", *_REPEAT),
+    "delay": ("member", "at", "duration_s", "delay_s", "messages", "expected_removal",
+              *_REPEAT),
+    "restart": ("member", "at", "after_s", "lost_joins", *_REPEAT),
     "busy": ("member", "start", "until", "chunk_s", "duty"),
-    "partition": ("side_a", "side_b", "at", "heal_at"),
+    "partition": ("side_a", "side_b", "at", "heal_at", "expected_removed"),
     "host_failure": ("host", "at", "gpus_per_host"),
     "arrivals": ("rate_per_gpu_hour", "start", "until"),
 }
 """kind -> every key its table may hold besides ``kind``."""
 
-_OPTIONAL = {"repeat_every_s", "count", "expected_removal", "side_b", "heal_at", "gpus_per_host"}
+_OPTIONAL = {"repeat_every_s", "count", "expected_removal", "side_b", "heal_at", "gpus_per_host",
+             "messages", "lost_joins", "expected_removed"}
+_SELECTOR_KEYS = ("member", "side_a", "side_b", "expected_removed")
 _SELECTOR_FORMS = ('an index, "random", "random:K", "rank:R", "spare:I", "ranks", "spares", '
                    '"host:H", "fraction:F"')
 _SELECTOR = re.compile(r"^(random(:\d+)?|rank:\d+|spare:\d+|ranks|spares|host:\d+|"
@@ -92,13 +121,21 @@ class FaultSpec:
     @property
     def removes(self) -> bool:
         """Whether each copy is expected to end in the member's removal."""
-        return self.kind in ("crash", "hang", "one_way") or (
-            self.kind == "gray" and bool(self.args.get("expected_removal", False))) or (
+        return self.kind in ("crash", "hang", "one_way", "restart") or (
+            self.kind in ("gray", "delay") and bool(self.args.get("expected_removal", False))) or (
             self.kind == "stop" and bool(self.args.get("expected_removal", True)))
 
 
-def parse_fault(index: int, raw: object, source: str, virtual_s: float) -> FaultSpec:
-    """Check one ``[[faults]]`` table's keys, types and times (``<= virtual_s``)."""
+def parse_fault(index: int, raw: object, source: str, virtual_s: float, *,
+                members: int | None = None, spares: int = 0,
+                gpus_per_host: int = 8) -> FaultSpec:
+    """Check one ``[[faults]]`` table's keys, types and times (``<= virtual_s``) and, given
+    ``members``, that every selector names a member, rank, spare and host the scenario has
+    (``spares`` of the ``members`` are spares; hosts hold ``gpus_per_host`` members).
+
+    Raises:
+        ScenarioError: naming the file and the key (``faults[i].key``).
+    """
     prefix = f"faults[{index}]."
     if not isinstance(raw, Mapping):
         raise ScenarioError(f"'faults' must be an array of tables ([[faults]]) in {source}")
@@ -121,6 +158,16 @@ def parse_fault(index: int, raw: object, source: str, virtual_s: float) -> Fault
     if ("count" in args) != ("repeat_every_s" in args):
         raise ScenarioError(f"{prefix[:-1]} in {source}: repeat_every_s and count go together")
     spec = FaultSpec(index, kind, args, f"{prefix[:-1]} in {source}")
+    if members is not None:
+        _check_bounds(spec, prefix, source, members, spares, gpus_per_host)
+    if kind == "restart":
+        after = args["after_s"]
+        latest = args["at"] + (after[1] if isinstance(after, tuple) else after) + (
+            args.get("count", 1) - 1) * args.get("repeat_every_s", 0.0)
+        if latest > virtual_s:
+            raise ScenarioError(f"key {prefix + 'after_s'!r} in {source}: a new process at "
+                                f"{latest} s starts after the end of the run ({virtual_s} s); "
+                                f"use kind = \"crash\" for a crash alone")
     count = args.get("count", 1)
     if count > 1:
         last = args["at"] + (count - 1) * args["repeat_every_s"]
@@ -137,8 +184,14 @@ def _typed(raw: Mapping[str, Any], key: str, prefix: str, source: str,
            virtual_s: float) -> Any:
     if key in ("at", "start", "until", "heal_at"):
         return number(raw, key, source, prefix=prefix, minimum=0.0, maximum=virtual_s)
-    if key in ("repeat_every_s", "duration_s"):
+    if key in ("repeat_every_s", "duration_s", "delay_s"):
         return number(raw, key, source, prefix=prefix, minimum=1e-9)
+    if key == "after_s":
+        return _seconds_or_range(raw, key, prefix, source)
+    if key == "lost_joins":
+        return integer(raw, key, source, prefix=prefix, minimum=0)
+    if key == "messages":
+        return string(raw, key, source, prefix=prefix, choices=("all", "acks"))
     if key in ("loss", "duty"):
         return number(raw, key, source, prefix=prefix, minimum=0.0, maximum=1.0)
     if key == "rate_per_gpu_hour":
@@ -178,6 +231,60 @@ def _typed(raw: Mapping[str, Any], key: str, prefix: str, source: str,
             raise ScenarioError(f"key {prefix + key!r} in {source}: {item!r} is not a member "
                                 f"selector ({forms})")
     return value
+
+
+def _seconds_or_range(raw: Mapping[str, Any], key: str, prefix: str,
+                      source: str) -> float | tuple[float, float]:
+    """Seconds (> 0), or ``[min, max]`` with 0 < min <= max to draw from."""
+    value = raw[key]
+    if not isinstance(value, list):
+        return number(raw, key, source, prefix=prefix, minimum=1e-9)
+    if (len(value) != 2 or any(isinstance(x, bool) or not isinstance(x, int | float) or x <= 0
+                               for x in value) or value[0] > value[1]):
+        raise ScenarioError(f"key {prefix + key!r} in {source}: expected seconds or [min_s, "
+                            f"max_s] with 0 < min_s <= max_s, got {value!r}")
+    return (float(value[0]), float(value[1]))
+
+
+def _check_bounds(spec: FaultSpec, prefix: str, source: str, members: int, spares: int,
+                  gpus_per_host: int) -> None:
+    """Every selector of ``spec`` names members the scenario has (indices, ranks, spares,
+    hosts, how many random ones); raises :class:`ScenarioError` naming the key."""
+    a = spec.args
+    ranks = members - spares
+    g = a.get("gpus_per_host", gpus_per_host)
+    hosts = members // g
+    host = a.get("host")
+    if isinstance(host, int) and host >= hosts:
+        raise ScenarioError(f"key {prefix + 'host'!r} in {source}: host {host} does not exist "
+                            f"({members} members fill {hosts} hosts of {g})")
+    for key in _SELECTOR_KEYS:
+        if key not in a:
+            continue
+        value = a[key]
+        for item in value if isinstance(value, list) else [value]:
+            problem = None
+            if isinstance(item, int):
+                if item >= members:
+                    problem = f"member index {item} does not exist ({members} members: 0-" \
+                              f"{members - 1})"
+            else:
+                name, _, arg = item.partition(":")
+                if name == "rank" and int(arg) >= ranks:
+                    problem = f"rank {arg} does not exist ({ranks} ranks)"
+                elif name == "spare" and int(arg) >= spares:
+                    problem = f"spare {arg} does not exist ({spares} spares)"
+                elif name == "host" and int(arg) >= members // gpus_per_host:
+                    problem = (f"host {arg} does not exist ({members} members fill "
+                               f"{members // gpus_per_host} hosts of {gpus_per_host})")
+                elif name == "random" and int(arg or 1) > members:
+                    problem = f"{item!r} asks for more than the {members} members"
+                elif name == "fraction" and round(float(arg) * members) == 0:
+                    problem = f"{item!r} of {members} members selects no member"
+                elif name in ("spares", "spare") and spares == 0:
+                    problem = "the scenario has no spares"
+            if problem is not None:
+                raise ScenarioError(f"key {prefix + key!r} in {source}: {problem}")
 
 
 class _Resolver:
@@ -274,7 +381,16 @@ def schedule_faults(scenario: Scenario, injector: FaultInjector) -> None:
                 [sm for sm in resolver.members if sm not in side_a])
             if not side_b:
                 raise ScenarioError(f"{spec.where}: side_b is empty")
-            injector.partition(side_a, side_b, a["at"], a.get("heal_at"))
+            expected: list[SimMember] = []
+            if "expected_removed" in a:
+                expected = _mark(resolver, resolver.select(spec, "expected_removed"))
+                sides = {sm.index for sm in side_a} | {sm.index for sm in side_b}
+                outside = sorted(sm.index for sm in expected if sm.index not in sides)
+                if outside:
+                    raise ScenarioError(f"{spec.where}: expected_removed names members "
+                                        f"{outside}, on neither side of the partition")
+            injector.partition(side_a, side_b, a["at"], a.get("heal_at"),
+                               expected_removed=expected)
         elif kind == "host_failure":
             g = a.get("gpus_per_host", scenario.gpus_per_host)
             host = resolver.random_host(spec, g) if a["host"] == "random" else a["host"]
@@ -289,7 +405,13 @@ def schedule_faults(scenario: Scenario, injector: FaultInjector) -> None:
             for copy in range(a.get("count", 1)):
                 at = a["at"] + copy * a.get("repeat_every_s", 0.0)
                 for sm in _mark(resolver, resolver.select(spec, "member")):
-                    _inject(injector, kind, sm, at, a)
+                    if kind == "restart":
+                        after = a["after_s"]
+                        after_s = (resolver.rng.uniform(*after) if isinstance(after, tuple)
+                                   else after)
+                        injector.restart(sm, at, after_s, lost_joins=a.get("lost_joins", 0))
+                    else:
+                        _inject(injector, kind, sm, at, a)
 
 
 def _mark(resolver: _Resolver, members: list[SimMember]) -> list[SimMember]:
@@ -311,5 +433,9 @@ def _inject(injector: FaultInjector, kind: str, sm: SimMember, at: float,
         injector.stop(sm, at, a["duration_s"], expected_removal=a.get("expected_removal", True))
     elif kind == "clog":
         injector.clog(sm, at, a["duration_s"])
+    elif kind == "delay":
+        injector.delay(sm, at, a["duration_s"], a["delay_s"],
+                       acks_only=a.get("messages", "all") == "acks",
+                       expected_removal=a.get("expected_removal", False))
     else:
         injector.gray(sm, at, a["loss"], expected_removal=a.get("expected_removal", False))

@@ -13,6 +13,7 @@ from sims.faults import FaultInjector
 from sims.invariants import InvariantChecker
 from sims.network import LinkModel
 from sims.recorder import DetectionRecorder
+from sims.scenario import run_scenario, scenario_from_mapping
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.messages import Cut
 from torchpass_p2p.core.plan import Policy, next_configuration
@@ -323,3 +324,39 @@ def test_partition_that_heals_converges() -> None:
     cluster.run(60.0)
     assert checker.violations == []
     assert checker.check_end() == []
+
+
+def _first_decision_s(seed: int, victim: int, crash_at: float) -> float:
+    """When the first member decides a configuration in a bare 10-member cluster (2 spares,
+    no loss) where member ``victim`` crashes at ``crash_at``: the same trace a scenario with
+    those settings runs (the injector and the selector draw from ``cluster.rng`` only after
+    every member's and the network's generator were seeded)."""
+    cluster = Cluster(10, spares=2, seed=seed)
+    decided: list[float] = []
+    cluster.listeners.append(
+        lambda sm, e: decided.append(e.at) if type(e) is ev.ConfigurationDecided else None)
+    cluster.at(crash_at, lambda: cluster.crash(cluster.members[victim]))
+    while not decided:
+        cluster.run(cluster.now + 1.0)
+    return min(decided)
+
+
+@pytest.mark.parametrize("seed", range(1, 21))
+def test_check_end_reports_members_in_different_configurations(seed: int) -> None:
+    """Issue 32 item 6: a plain crash stopped just after the first decision, with
+    check_convergence, raised KeyError (a member in configuration 1 was asked about the crashed
+    member it no longer holds). Now the disagreement is a finding."""
+    at = _first_decision_s(seed, 3, 2.0)
+    data = {"name": "first_decision", "members": 10, "spares": 2, "seed": seed,
+            "virtual_s": at, "count_bytes": False, "check_convergence": True,
+            "faults": [{"kind": "crash", "member": 3, "at": 2.0}]}
+    result = run_scenario(scenario_from_mapping(data))
+    found = result["invariant_examples"]
+    assert result["decisions"] == 1
+    assert {v[1:v.index("]")] for v in found} <= {"agree", "complete"}, found
+    outside = ("configuration 1 vs 0; #3: not in its configuration vs",
+               "configuration 0 vs 1; #3: DEAD@0 vs not in its configuration")
+    assert any(v.startswith("[agree]") and any(text in v for text in outside)
+               for v in found), found
+    settled = run_scenario(scenario_from_mapping(dict(data, virtual_s=at + 10.0)))
+    assert settled["invariant_violations"] == 0, settled["invariant_examples"]

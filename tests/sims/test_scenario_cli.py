@@ -96,11 +96,15 @@ def test_every_fault_kind_runs() -> None:
         {"kind": "host_failure", "host": "random", "at": 4.0, "gpus_per_host": 4},
         {"kind": "partition", "side_a": "fraction:0.25", "at": 5.0, "heal_at": 6.0},
         {"kind": "arrivals", "rate_per_gpu_hour": 60.0, "start": 1.0, "until": 7.0},
+        {"kind": "delay", "member": "random", "at": 2.0, "duration_s": 1.0, "delay_s": 0.3,
+         "messages": "acks"},
+        {"kind": "restart", "member": "random", "at": 2.0, "after_s": 1.0, "lost_joins": 1},
     ]
     scenario = scenario_from_mapping(dict(SMALL, virtual_s=8.0, faults=faults))
     result = run_scenario(scenario, series=True)
     kinds = {kind for _, kind, _ in result["series"]["faults"]}
-    assert {"crash", "hang", "one_way_deaf", "pause", "clog", "gray", "partition"} <= kinds
+    assert {"crash", "hang", "one_way_deaf", "pause", "clog", "gray", "partition", "delay_acks",
+            "restart"} <= kinds
     # crash + hang + one-way + the host's 4 + the arrivals (a Poisson draw, seeded).
     assert result["faults"] >= 7
 
@@ -136,11 +140,16 @@ def test_bad_scenarios_name_the_key(patch: dict, message: str) -> None:
     assert "t.toml" in str(info.value)
 
 
-def test_selector_out_of_range_fails_at_run_time() -> None:
+def test_selector_out_of_range_fails_when_read_and_at_run_time() -> None:
+    with pytest.raises(ScenarioError, match="'faults\\[0\\].member' in t.toml: member index 40 "
+                                            "does not exist \\(32 members: 0-31\\)"):
+        scenario_from_mapping(dict(SMALL, faults=[{"kind": "crash", "member": 40, "at": 5.0}]),
+                              source="t.toml")
+    # Within the file's 32 members, beyond the 16 of a --members override.
     scenario = scenario_from_mapping(
-        dict(SMALL, faults=[{"kind": "crash", "member": 40, "at": 5.0}]))
-    with pytest.raises(ScenarioError, match="member index 40 is out of range"):
-        run_scenario(scenario)
+        dict(SMALL, faults=[{"kind": "crash", "member": 20, "at": 5.0}]))
+    with pytest.raises(ScenarioError, match="member index 20 is out of range"):
+        run_scenario(scenario, members=16)
 
 
 def test_every_shipped_scenario_loads() -> None:
