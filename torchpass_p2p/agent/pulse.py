@@ -33,7 +33,7 @@ log = logging.getLogger("torchpass_p2p.agent")
 
 PULSE_INTERVAL_S = 0.1
 """Seconds between two pings to one subject. An observer watches at most K = 10 subjects (Rapid
-section 4.1), so at most 100 pings of 37 bytes and their 45-byte pongs a second."""
+section 4.1), so at most 100 pings and their pongs (45 bytes each) a second."""
 PULSE_TIMEOUT_S = 0.1
 """A ping unanswered this long is a miss. The responder is a native thread: it answers within a
 scheduling delay plus the round trip (well under 1 ms on loopback and LAN), however busy the
@@ -251,10 +251,12 @@ class PulseProber(asyncio.DatagramProtocol):
         while True:
             pings, silent = tracker.poll(self._clock())
             transport = self._transport
-            for _member, address, nonce in pings:
+            for member, address, nonce in pings:
                 if transport is not None:
                     try:
-                        transport.sendto(encode_ping(self._kid, self._secret, nonce), address)
+                        # Addressed to ``member``: no other responder answers it (pulse_wire).
+                        transport.sendto(encode_ping(self._kid, self._secret, nonce, member),
+                                         address)
                     except OSError:  # a missing route shows as misses, which is the point
                         tracker.counters["send_errors"] += 1
             for member in silent:
