@@ -230,6 +230,12 @@ class TransferServer:
 
     def _evict(self) -> None:
         """Drop the handshake ``pick_evicted`` names (counted ``evicted_unproven``)."""
+        # A task that ended has counted its own reason; its callback that unlists it may not
+        # have run yet. Evicting it would count that connection twice.
+        for task in [t for t in self._handshaking if t.done()]:
+            del self._handshaking[task]
+        if len(self._handshaking) <= self.max_handshaking:
+            return
         victim, why = pick_evicted({t: (p.source, p.since)
                                     for t, p in self._handshaking.items()})
         conn = self._handshaking.pop(victim).conn
