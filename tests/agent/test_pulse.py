@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import sys
 import time
 from dataclasses import replace
 
@@ -181,6 +182,29 @@ async def test_pongs_under_another_key_are_not_a_sign_of_life():
     finally:
         await prober.close()
         other.close()
+
+
+async def test_datagrams_lost_in_the_probers_full_buffer_are_counted():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("SO_MEMINFO is Linux's")
+    prober = PulseProber(99, 7, SECRETS, print, clock=time.monotonic)
+    sent = 200
+    await prober.start("127.0.0.1")
+    try:
+        assert prober._socket is not None
+        prober._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the minimum
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _ in range(sent):  # this loop cannot read meanwhile: most are dropped
+                s.sendto(b"\x00", prober._socket.getsockname())
+        async with asyncio.timeout(10.0):
+            while (c := prober.counters()).get("pongs_invalid", 0) \
+                    + c.get("kernel_dropped", 0) < sent:
+                await asyncio.sleep(0.005)
+        assert c["kernel_dropped"] > 0
+        assert c["pongs_invalid"] + c["kernel_dropped"] == sent  # each once
+    finally:
+        await prober.close()
+    assert prober.counters()["kernel_dropped"] == c["kernel_dropped"]  # kept past the close
 
 
 class Tap(asyncio.DatagramProtocol):

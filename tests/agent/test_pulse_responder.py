@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import os
 import select
 import signal
@@ -210,10 +211,12 @@ def test_pong_round_trip(kid: int, n: bytes, member: int) -> None:
 
 CHILD_MEMBER = 5
 CHILD = """
-import ctypes, signal, sys
+import ctypes, json, signal, socket, sys
 from torchpass_p2p.agent.pulse_wire import PulseResponder
 mode, kid, secret, member = sys.argv[1:]
 r = PulseResponder.start("127.0.0.1", int(member), {int(kid): bytes.fromhex(secret)})
+if mode == "counts":  # the smallest receive buffer: a few datagrams fill it
+    r._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
 print(r.port, flush=True)
 if mode == "hold":
     sys.stdin.readline()
@@ -221,6 +224,9 @@ if mode == "hold":
     ctypes.PyDLL(None).usleep(2_000_000)  # PyDLL: the GIL stays held for the whole call
     print("after", r.counts()["answered"], flush=True)
     sys.stdin.readline()
+elif mode == "counts":
+    for _ in sys.stdin:
+        print(json.dumps(r.counts()), flush=True)
 else:
     signal.pause()
 """
@@ -300,6 +306,36 @@ def test_a_stopped_process_does_not_answer(client: socket.socket) -> None:
         assert not _pong_for(client, port, nonce(2), 0.5)
         os.kill(child.pid, signal.SIGCONT)
         assert _pong_for(client, port, nonce(3), DEADLINE_S)
+    finally:
+        reap(child)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, SO_MEMINFO")
+def test_datagrams_lost_while_the_process_is_stopped_count_as_kernel_dropped(
+        client: socket.socket) -> None:
+    child, port = spawn("counts")
+    sent = 200
+    try:
+        assert child.stdin is not None and child.stdout is not None
+
+        def counts() -> dict[str, int]:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            return json.loads(child.stdout.readline())
+
+        os.kill(child.pid, signal.SIGSTOP)
+        until(lambda: _state(child.pid) == "T")
+        for _ in range(sent):  # nothing reads: a few fit the buffer, the kernel drops the rest
+            client.sendto(b"\x00", ("127.0.0.1", port))
+        os.kill(child.pid, signal.SIGCONT)
+        end = time.monotonic() + DEADLINE_S
+        while (now := counts())["malformed"] + now.get("kernel_dropped", 0) < sent:
+            assert time.monotonic() < end, now
+            time.sleep(0.01)
+        assert now["kernel_dropped"] > 0 and now["malformed"] > 0
+        assert now["malformed"] + now["kernel_dropped"] == sent  # each datagram once
+        assert now == {**ZERO, "malformed": now["malformed"],
+                       "kernel_dropped": now["kernel_dropped"]}
     finally:
         reap(child)
 

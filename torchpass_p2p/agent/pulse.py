@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId
+from torchpass_p2p.kernel_drops import socket_drops
 
 from .pulse_wire import decode_pong, encode_ping, ping_nonce
 
@@ -218,13 +220,24 @@ class PulseProber(asyncio.DatagramProtocol):
         sequence = itertools.count(1)
         self.tracker = tracker or PulseTracker(lambda: ping_nonce(prober, next(sequence)))
         self._transport: asyncio.DatagramTransport | None = None
+        self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
     async def start(self, host: str) -> None:
         """Bind a UDP socket on ``host`` (any port) and start pinging. Raises OSError."""
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(lambda: self, local_addr=(host, 0))
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_DGRAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:  # bound here, not by create_datagram_endpoint: its socket is ours to ask
+            sock.bind(address)
+            sock.setblocking(False)
+            transport, _ = await loop.create_datagram_endpoint(lambda: self, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._socket = sock
         self._transport = transport  # type: ignore[assignment]
         self._task = loop.create_task(self._run(), name="pulse-prober")
 
@@ -234,7 +247,16 @@ class PulseProber(asyncio.DatagramProtocol):
         self._wake.set()
 
     def counters(self) -> dict[str, int]:
+        """The tracker's counters, with ``kernel_dropped``: datagrams (pongs, or anything
+        else) lost in this socket's full receive buffer (:mod:`torchpass_p2p.kernel_drops`)."""
+        self._read_kernel_drops()
         return dict(self.tracker.counters)
+
+    def _read_kernel_drops(self) -> None:
+        if self._transport is not None and self._socket is not None:
+            dropped = socket_drops(self._socket)
+            if dropped:  # the kernel's total since the socket was made
+                self.tracker.counters["kernel_dropped"] = dropped
 
     async def close(self) -> None:
         """Stop pinging and close the socket. Idempotent."""
@@ -243,6 +265,7 @@ class PulseProber(asyncio.DatagramProtocol):
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._transport is not None:
+            self._read_kernel_drops()  # the last figure: the socket goes with the transport
             self._transport.close()
             self._transport = None
 

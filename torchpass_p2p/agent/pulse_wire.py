@@ -43,6 +43,8 @@ import warnings
 from collections.abc import Mapping
 from types import TracebackType
 
+from torchpass_p2p.kernel_drops import socket_drops
+
 try:
     from . import _pulse
 except ImportError:  # not built: scripts/build-native
@@ -185,11 +187,16 @@ class PulseResponder:
     def counts(self) -> dict[str, int]:
         """Datagrams by outcome since start: ``answered``, ``malformed`` (wrong length or
         magic), ``unknown_key``, ``misdirected`` (a ping for another member), ``bad_tag``,
-        ``replayed``, ``send_errors``, ``receive_errors``. After :meth:`close`, the final
-        counts."""
+        ``replayed``, ``send_errors``, ``receive_errors``; and ``kernel_dropped`` once the kernel
+        dropped any (lost in a full receive buffer before the thread read them:
+        :mod:`torchpass_p2p.kernel_drops`). After :meth:`close`, the final counts."""
         if self._responder is None:
             return dict(self._final)
-        return self._responder.counts()
+        counts = self._responder.counts()
+        dropped = socket_drops(self._sock)
+        if dropped:
+            counts["kernel_dropped"] = dropped
+        return counts
 
     @property
     def closed(self) -> bool:
@@ -199,10 +206,10 @@ class PulseResponder:
     def close(self) -> None:
         """Stop the thread (waits for it, typically well under 1 ms), then close the socket.
         Idempotent."""
-        responder, self._responder = self._responder, None
-        if responder is not None:
-            responder.stop()
-            self._final = responder.counts()
+        if self._responder is not None:
+            self._responder.stop()  # no datagram is read after this: the counts are final
+            self._final = self.counts()
+            self._responder = None
             self._sock.close()
 
     def __enter__(self) -> PulseResponder:
