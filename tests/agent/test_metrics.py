@@ -143,6 +143,7 @@ def test_every_synced_family() -> None:
     m.sync_counters("http_rejected", {"bad_token": 4})
     m.sync_counters("pulse", {"pings": 30, "responder_answered": 29})
     m.sync_counters("rejected_datagrams", {"replay": 9})
+    m.sync_counters("transfer_refused", {"bad_frame": 3, "kernel_dropped": 40})
     assert value(m, "torchpass_rejected_frames_total", reason="too_large") == 2
     assert value(m, "torchpass_bytes_total", direction="sent") == 1000
     assert value(m, "torchpass_bytes_total", direction="received") == 2500
@@ -152,8 +153,11 @@ def test_every_synced_family() -> None:
     assert value(m, "torchpass_http_rejected_total", reason="bad_token") == 4
     assert value(m, "torchpass_rejected_datagrams_total", reason="replay") == 9
     assert value(m, "torchpass_pulse_total", kind="responder_answered") == 29
+    assert value(m, "torchpass_transfer_refused_total", reason="bad_frame") == 3
+    assert value(m, "torchpass_transfer_refused_total", reason="kernel_dropped") == 40
     assert set(SYNCED) == {"rejected_datagrams", "rejected_frames", "bytes", "datagrams",
-                           "events", "health_faults", "http_rejected", "pulse"}
+                           "events", "health_faults", "http_rejected", "pulse",
+                           "transfer_refused"}
     with pytest.raises(KeyError):
         m.sync_counters("nonsense", {"a": 1})
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
+import sys
 import time
 from dataclasses import replace
 
@@ -13,6 +15,7 @@ import pytest
 from tests.agent.cluster import LocalCluster
 from torchpass_p2p.agent import pulse_wire
 from torchpass_p2p.agent.pulse import PulseProber, PulseTracker
+from torchpass_p2p.agent.pulse_wire import decode_ping, decode_pong, encode_ping, ping_nonce
 from torchpass_p2p.agent.settings import SettingsError, load_settings
 from torchpass_p2p.core.params import Params
 
@@ -179,6 +182,100 @@ async def test_pongs_under_another_key_are_not_a_sign_of_life():
     finally:
         await prober.close()
         other.close()
+
+
+async def test_datagrams_lost_in_the_probers_full_buffer_are_counted():
+    if not sys.platform.startswith("linux"):
+        pytest.skip("SO_MEMINFO is Linux's")
+    prober = PulseProber(99, 7, SECRETS, print, clock=time.monotonic)
+    sent = 200
+    await prober.start("127.0.0.1")
+    try:
+        assert prober._socket is not None
+        prober._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)  # the minimum
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _ in range(sent):  # this loop cannot read meanwhile: most are dropped
+                s.sendto(b"\x00", prober._socket.getsockname())
+        async with asyncio.timeout(10.0):
+            while (c := prober.counters()).get("pongs_invalid", 0) \
+                    + c.get("kernel_dropped", 0) < sent:
+                await asyncio.sleep(0.005)
+        assert c["kernel_dropped"] > 0
+        assert c["pongs_invalid"] + c["kernel_dropped"] == sent  # each once
+    finally:
+        await prober.close()
+    assert prober.counters()["kernel_dropped"] == c["kernel_dropped"]  # kept past the close
+
+
+class Tap(asyncio.DatagramProtocol):
+    """A wiretap on the path to one responder: forwards the prober's pings to it and its pongs
+    back, and keeps a copy of every ping."""
+
+    def __init__(self, responder: tuple[str, int]) -> None:
+        self.responder = responder
+        self.prober: tuple[str, int] | None = None
+        self.captured: list[bytes] = []
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        assert self.transport is not None
+        if addr == self.responder:
+            if self.prober is not None:
+                self.transport.sendto(data, self.prober)
+            return
+        self.prober = addr
+        self.captured.append(data)
+        self.transport.sendto(data, self.responder)
+
+
+@needs_native
+async def test_a_captured_ping_relayed_to_other_responders_gets_no_answer():
+    loop = asyncio.get_running_loop()
+    silent: list[int] = []
+    prober = PulseProber(99, 7, SECRETS, silent.append, clock=time.monotonic)
+    target, *others = (pulse_wire.PulseResponder.start("127.0.0.1", m, SECRETS)
+                       for m in (11, 12, 13))
+    tap = Tap(("127.0.0.1", target.port))
+    tap_transport, _ = await loop.create_datagram_endpoint(lambda: tap,
+                                                           local_addr=("127.0.0.1", 0))
+    attacker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        await prober.start("127.0.0.1")
+        prober.watch({11: tap_transport.get_extra_info("sockname")})
+        async with asyncio.timeout(10.0):  # member 11 answered 20 pings through the tap
+            while prober.counters().get("pongs", 0) < 20:
+                await asyncio.sleep(0.02)
+        captured = list(tap.captured)
+        # Live pings, valid under the key, each for member 11.
+        assert len(captured) >= 20
+        assert [decode_ping(p, SECRETS)[0] for p in captured] == [11] * len(captured)
+        for ping in captured:  # relayed, by whoever saw them, to the other responders
+            for other in others:
+                attacker.sendto(ping, ("127.0.0.1", other.port))
+        for other, member in zip(others, (12, 13), strict=True):
+            # A ping of the attacker's own for each (it holds the key here): its pong is the
+            # first datagram back, so none of the relayed ones was answered.
+            attacker.sendto(encode_ping(7, SECRETS[7], ping_nonce(500, 1), member),
+                            ("127.0.0.1", other.port))
+            attacker.settimeout(10.0)
+            reply = attacker.recv(1024)
+            assert decode_pong(reply, SECRETS) == (ping_nonce(500, 1), member)
+            async with asyncio.timeout(10.0):  # the count follows the send by a moment
+                while other.counts()["answered"] < 1:
+                    await asyncio.sleep(0.001)
+            assert other.counts() == {
+                "answered": 1, "malformed": 0, "unknown_key": 0, "misdirected": len(captured),
+                "bad_tag": 0, "replayed": 0, "send_errors": 0, "receive_errors": 0}
+        assert silent == [] and target.counts()["misdirected"] == 0
+    finally:
+        attacker.close()
+        tap_transport.close()
+        await prober.close()
+        for r in (target, *others):
+            r.close()
 
 
 # ------------------------------------------------------------------ in the agent

@@ -8,6 +8,9 @@ responder reads its socket in order), not by waiting, except where the process i
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import os
 import select
 import signal
@@ -23,9 +26,11 @@ from hypothesis import strategies as st
 
 from torchpass_p2p.agent import pulse_wire
 from torchpass_p2p.agent.pulse_wire import (
+    PING_BYTES,
     PONG_BYTES,
     PulseResponder,
     PulseUnavailable,
+    decode_ping,
     decode_pong,
     encode_ping,
     encode_pong,
@@ -45,8 +50,8 @@ KID = 7
 SECRET = bytes(range(32))
 MEMBER = 0x0123_4567_89AB_CDEF
 DEADLINE_S = 10.0  # a timeout for what takes milliseconds, generous for a loaded CI machine
-ZERO = {"answered": 0, "malformed": 0, "unknown_key": 0, "bad_tag": 0, "replayed": 0,
-        "send_errors": 0, "receive_errors": 0}
+ZERO = {"answered": 0, "malformed": 0, "unknown_key": 0, "misdirected": 0, "bad_tag": 0,
+        "replayed": 0, "send_errors": 0, "receive_errors": 0}
 
 
 def nonce(i: int) -> bytes:
@@ -89,7 +94,7 @@ def client() -> Iterator[socket.socket]:
 
 def test_valid_ping_gets_the_pong_python_computes(responder: PulseResponder,
                                                   client: socket.socket) -> None:
-    client.sendto(encode_ping(KID, SECRET, nonce(1)), ("127.0.0.1", responder.port))
+    client.sendto(encode_ping(KID, SECRET, nonce(1), MEMBER), ("127.0.0.1", responder.port))
     pong = recv(client)
     assert pong == encode_pong(KID, SECRET, nonce(1), MEMBER)
     assert decode_pong(pong, {KID: SECRET}) == (nonce(1), MEMBER)
@@ -100,19 +105,20 @@ def test_a_replayed_ping_is_dropped_and_a_newer_one_answered(responder: PulseRes
                                                               client: socket.socket) -> None:
     address = ("127.0.0.1", responder.port)
     first, older, newer = ping_nonce(7, 5), ping_nonce(7, 3), ping_nonce(7, 6)
-    client.sendto(encode_ping(KID, SECRET, first), address)
+    client.sendto(encode_ping(KID, SECRET, first, MEMBER), address)
     assert decode_pong(recv(client), {KID: SECRET}) == (first, MEMBER)
     for replay in (first, older, first):  # the same ping again, then an older one
-        client.sendto(encode_ping(KID, SECRET, replay), address)
-    client.sendto(encode_ping(KID, SECRET, ping_nonce(8, 1)), address)  # another prober
+        client.sendto(encode_ping(KID, SECRET, replay, MEMBER), address)
+    client.sendto(encode_ping(KID, SECRET, ping_nonce(8, 1), MEMBER), address)  # another prober
     # A forgery with a far sequence fails its tag and must not move prober 7's last one.
-    client.sendto(encode_ping(KID, bytes(32), ping_nonce(7, 1000)), address)
-    client.sendto(encode_ping(KID, SECRET, newer), address)
+    client.sendto(encode_ping(KID, bytes(32), ping_nonce(7, 1000), MEMBER), address)
+    client.sendto(encode_ping(KID, SECRET, newer, MEMBER), address)
     replies = [decode_pong(recv(client), {KID: SECRET}) for _ in range(2)]
     assert replies == [(ping_nonce(8, 1), MEMBER), (newer, MEMBER)]
     assert counts_after(responder, 3) == {**ZERO, "answered": 3, "replayed": 3, "bad_tag": 1}
-    client.sendto(encode_ping(KID, SECRET, ping_nonce(9, 0)), address)  # sequences start at 1
-    client.sendto(encode_ping(KID, SECRET, ping_nonce(9, 1)), address)
+    # Sequences start at 1.
+    client.sendto(encode_ping(KID, SECRET, ping_nonce(9, 0), MEMBER), address)
+    client.sendto(encode_ping(KID, SECRET, ping_nonce(9, 1), MEMBER), address)
     assert decode_pong(recv(client), {KID: SECRET}) == (ping_nonce(9, 1), MEMBER)
     assert counts_after(responder, 4) == {**ZERO, "answered": 4, "replayed": 4, "bad_tag": 1}
 
@@ -123,7 +129,7 @@ def test_ipv6() -> None:
     except OSError:
         pytest.skip("no IPv6 loopback")
     with r, socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as c:
-        c.sendto(encode_ping(0, SECRET, nonce(2)), ("::1", r.port))
+        c.sendto(encode_ping(0, SECRET, nonce(2), 2**64 - 1), ("::1", r.port))
         assert recv(c) == encode_pong(0, SECRET, nonce(2), 2**64 - 1)
 
 
@@ -131,7 +137,13 @@ def _flip(data: bytes, index: int) -> bytes:
     return data[:index] + bytes([data[index] ^ 0x01]) + data[index + 1:]
 
 
-GOOD = encode_ping(KID, SECRET, nonce(9))
+def _v1_ping(kid: int, secret: bytes, n: bytes) -> bytes:
+    """A version 1 ping (37 bytes, no target), as a responder before version 2 answered."""
+    head = b"TPp1" + bytes([kid]) + n
+    return head + hmac.new(secret, head, hashlib.sha256).digest()[:16]
+
+
+GOOD = encode_ping(KID, SECRET, nonce(9), MEMBER)
 BAD = {
     "short": (GOOD[:-1], "malformed"),
     "long": (GOOD + b"\0", "malformed"),
@@ -140,10 +152,13 @@ BAD = {
     "empty": (b"", "malformed"),
     # 64 KiB of garbage: 65,507 bytes, the most one IPv4 UDP datagram carries.
     "64 KiB garbage": (bytes([0xA5]) * 65_507, "malformed"),
-    "unknown key id": (encode_ping(KID + 1, SECRET, nonce(9)), "unknown_key"),
-    "tag bit": (_flip(GOOD, 36), "bad_tag"),
-    "nonce bit": (_flip(GOOD, 5), "bad_tag"),
-    "other secret": (encode_ping(KID, bytes(32), nonce(9)), "bad_tag"),
+    "version 1 ping": (_v1_ping(KID, SECRET, nonce(9)), "malformed"),
+    "unknown key id": (encode_ping(KID + 1, SECRET, nonce(9), MEMBER), "unknown_key"),
+    "another member's": (encode_ping(KID, SECRET, nonce(9), MEMBER + 1), "misdirected"),
+    "target bit": (_flip(GOOD, 12), "misdirected"),
+    "tag bit": (_flip(GOOD, 44), "bad_tag"),
+    "nonce bit": (_flip(GOOD, 13), "bad_tag"),
+    "other secret": (encode_ping(KID, bytes(32), nonce(9), MEMBER), "bad_tag"),
 }
 
 
@@ -153,7 +168,7 @@ def test_bad_datagram_gets_no_reply_and_its_counter(name: str, responder: PulseR
     datagram, counter = BAD[name]
     address = ("127.0.0.1", responder.port)
     client.sendto(datagram, address)
-    client.sendto(encode_ping(KID, SECRET, nonce(10)), address)
+    client.sendto(encode_ping(KID, SECRET, nonce(10), MEMBER), address)
     # The first reply is the good ping's: the bad datagram, read before it, got none.
     assert recv(client) == encode_pong(KID, SECRET, nonce(10), MEMBER)
     assert counts_after(responder, 1) == {**ZERO, "answered": 1, counter: 1}
@@ -163,7 +178,7 @@ def test_two_keys_each_answered_under_its_own_id(client: socket.socket) -> None:
     secrets = {1: b"a" * 32, 200: b"b" * 32}
     with PulseResponder.start("127.0.0.1", 42, secrets) as r:
         for i, (kid, secret) in enumerate(secrets.items(), start=1):
-            client.sendto(encode_ping(kid, secret, nonce(i)), ("127.0.0.1", r.port))
+            client.sendto(encode_ping(kid, secret, nonce(i), 42), ("127.0.0.1", r.port))
             assert recv(client) == encode_pong(kid, secret, nonce(i), 42)
         assert counts_after(r, 2) == {**ZERO, "answered": 2}
 
@@ -194,24 +209,31 @@ def test_pong_round_trip(kid: int, n: bytes, member: int) -> None:
     assert decode_pong(encode_pong(kid, SECRET, n, member), {kid: SECRET}) == (n, member)
 
 
+CHILD_MEMBER = 5
 CHILD = """
-import ctypes, signal, sys
+import ctypes, json, signal, socket, sys
 from torchpass_p2p.agent.pulse_wire import PulseResponder
-r = PulseResponder.start("127.0.0.1", 5, {int(sys.argv[2]): bytes.fromhex(sys.argv[3])})
+mode, kid, secret, member = sys.argv[1:]
+r = PulseResponder.start("127.0.0.1", int(member), {int(kid): bytes.fromhex(secret)})
+if mode == "counts":  # the smallest receive buffer: a few datagrams fill it
+    r._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1)
 print(r.port, flush=True)
-if sys.argv[1] == "hold":
+if mode == "hold":
     sys.stdin.readline()
     print("before", r.counts()["answered"], flush=True)
     ctypes.PyDLL(None).usleep(2_000_000)  # PyDLL: the GIL stays held for the whole call
     print("after", r.counts()["answered"], flush=True)
     sys.stdin.readline()
+elif mode == "counts":
+    for _ in sys.stdin:
+        print(json.dumps(r.counts()), flush=True)
 else:
     signal.pause()
 """
 
 
 def spawn(mode: str) -> tuple[subprocess.Popen[str], int]:
-    argv = [sys.executable, "-c", CHILD, mode, str(KID), SECRET.hex()]
+    argv = [sys.executable, "-c", CHILD, mode, str(KID), SECRET.hex(), str(CHILD_MEMBER)]
     child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert child.stdout is not None
     return child, int(child.stdout.readline())
@@ -241,7 +263,8 @@ def test_answers_while_the_gil_is_held(client: socket.socket) -> None:
             now = time.monotonic()
             assert now < end, "no 'after' line"
             if now >= next_ping:
-                client.sendto(encode_ping(KID, SECRET, nonce(i)), ("127.0.0.1", port))
+                client.sendto(encode_ping(KID, SECRET, nonce(i), CHILD_MEMBER),
+                              ("127.0.0.1", port))
                 i, next_ping = i + 1, now + 0.05
             ready, _, _ = select.select([child.stdout, client], [], [], next_ping - now)
             if child.stdout in ready:
@@ -266,9 +289,9 @@ def _pong_for(client: socket.socket, port: int, n: bytes, window_s: float) -> bo
     """Ping with nonce ``n`` every 50 ms for up to ``window_s``; True once its pong arrives."""
     end = time.monotonic() + window_s
     while time.monotonic() < end:
-        client.sendto(encode_ping(KID, SECRET, n), ("127.0.0.1", port))
+        client.sendto(encode_ping(KID, SECRET, n, CHILD_MEMBER), ("127.0.0.1", port))
         reply = recv(client, 0.05)
-        if reply is not None and decode_pong(reply, {KID: SECRET}) == (n, 5):
+        if reply is not None and decode_pong(reply, {KID: SECRET}) == (n, CHILD_MEMBER):
             return True
     return False
 
@@ -287,15 +310,45 @@ def test_a_stopped_process_does_not_answer(client: socket.socket) -> None:
         reap(child)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc, SO_MEMINFO")
+def test_datagrams_lost_while_the_process_is_stopped_count_as_kernel_dropped(
+        client: socket.socket) -> None:
+    child, port = spawn("counts")
+    sent = 200
+    try:
+        assert child.stdin is not None and child.stdout is not None
+
+        def counts() -> dict[str, int]:
+            child.stdin.write("\n")
+            child.stdin.flush()
+            return json.loads(child.stdout.readline())
+
+        os.kill(child.pid, signal.SIGSTOP)
+        until(lambda: _state(child.pid) == "T")
+        for _ in range(sent):  # nothing reads: a few fit the buffer, the kernel drops the rest
+            client.sendto(b"\x00", ("127.0.0.1", port))
+        os.kill(child.pid, signal.SIGCONT)
+        end = time.monotonic() + DEADLINE_S
+        while (now := counts())["malformed"] + now.get("kernel_dropped", 0) < sent:
+            assert time.monotonic() < end, now
+            time.sleep(0.01)
+        assert now["kernel_dropped"] > 0 and now["malformed"] > 0
+        assert now["malformed"] + now["kernel_dropped"] == sent  # each datagram once
+        assert now == {**ZERO, "malformed": now["malformed"],
+                       "kernel_dropped": now["kernel_dropped"]}
+    finally:
+        reap(child)
+
+
 def test_close_twice_then_the_port_is_free(client: socket.socket) -> None:
     r = PulseResponder.start("127.0.0.1", MEMBER, {KID: SECRET})
-    client.sendto(encode_ping(KID, SECRET, nonce(1)), ("127.0.0.1", r.port))
+    client.sendto(encode_ping(KID, SECRET, nonce(1), MEMBER), ("127.0.0.1", r.port))
     assert recv(client) is not None
     counts = counts_after(r, 1)
     r.close()
     r.close()
     assert r.closed and r.counts() == counts
-    client.sendto(encode_ping(KID, SECRET, nonce(2)), ("127.0.0.1", r.port))
+    client.sendto(encode_ping(KID, SECRET, nonce(2), MEMBER), ("127.0.0.1", r.port))
     assert recv(client, 0.2) is None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.bind(("127.0.0.1", r.port))  # nothing holds it any more
@@ -363,3 +416,17 @@ def test_responder_rejects_a_non_udp_descriptor(kind: str) -> None:
     finally:
         os.close(read)
         os.close(write)
+
+
+@given(st.binary(max_size=2 * PING_BYTES))
+def test_decode_ping_never_raises(data: bytes) -> None:
+    assert decode_ping(data, {KID: SECRET, 0: bytes(32)}) is None
+
+
+@given(st.integers(0, 255), st.binary(min_size=16, max_size=16), st.integers(0, 2**64 - 1))
+def test_ping_round_trip_and_a_pong_is_never_a_ping(kid: int, n: bytes, target: int) -> None:
+    ping = encode_ping(kid, SECRET, n, target)
+    assert len(ping) == PING_BYTES == PONG_BYTES  # a pong is no bigger than its ping
+    assert decode_ping(ping, {kid: SECRET}) == (target, n)
+    assert decode_pong(ping, {kid: SECRET}) is None
+    assert decode_ping(encode_pong(kid, SECRET, n, target), {kid: SECRET}) is None

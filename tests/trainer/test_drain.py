@@ -10,6 +10,7 @@ crashing.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from pathlib import Path
@@ -72,6 +73,7 @@ class ScriptedAgent:
         self.withheld: set[int] = set()  # announced port 0: they serve no state
         self.lookups: list[tuple[int, float]] = []
         self.arrives_in_lookup: list[Change] = []
+        self.counter_sources: dict[str, Any] = {}
 
     @property
     def config_id(self) -> int:
@@ -93,6 +95,9 @@ class ScriptedAgent:
     def register_service(self, name: str, config_id: int, port: int) -> None:
         self.services.append((name, config_id))
         self.ports.append(port)
+
+    def add_counter_source(self, name: str, read: Any) -> None:
+        self.counter_sources[name] = read
 
     def lookup_service(self, member: int, name: str, config_id: int, *,
                        timeout_s: float = 30.0) -> tuple[str, int]:
@@ -471,3 +476,16 @@ def test_promoted_spares_without_the_state_stop_the_job_instead_of_waiting_for_e
     assert [a for a in announced if a[0][0] == "transfer"] == [(("transfer", 2), 0)]
     [stopped] = events(tmp_path, "job_stopped")
     assert (stopped["config_id"], stopped["reason"]) == (2, "no member holds the state")
+
+
+def test_the_state_services_refusals_show_with_the_agents_counts(trainer: Trainer) -> None:
+    read = trainer.agent.counter_sources["transfer_refused"]  # registered by the trainer
+    trainer.service.start()
+    with socket.create_connection(("127.0.0.1", trainer.service.port)) as s:
+        s.sendall(b"\x00\x00\x00\x03abc")  # not msgpack: refused
+        s.settimeout(10.0)
+        assert s.recv(1) == b""  # closed by the server
+    end = time.monotonic() + 10.0
+    while read() != {"bad_frame": 1}:
+        assert time.monotonic() < end, read()
+        time.sleep(0.01)

@@ -153,3 +153,31 @@ async def test_a_flood_from_another_address_evicts_only_its_own_handshakes(snap,
         for c in held:
             c.close()
         await server.close()
+
+
+async def test_a_flood_of_bad_hellos_counts_each_connection_once(keys):
+    """Connections end as fast as they arrive: one whose task has ended (counted) but not yet
+    left the handshake slots must not be evicted and counted again."""
+    server = TransferServer(keys, lambda: CONFIG, max_handshaking=1)
+    await server.start()
+    flood = 400
+
+    def send_all() -> list[socket.socket]:
+        held = []
+        for _ in range(flood):
+            s = socket.create_connection(server.address)
+            s.sendall(b"\x00\x00\x00\x03abc")  # not msgpack: bad_frame
+            held.append(s)
+        return held
+
+    held = await asyncio.to_thread(send_all)
+    try:
+        async with asyncio.timeout(30):
+            while server.stats["connections"] < flood or server._conns:
+                await asyncio.sleep(0.01)
+        assert set(server.refused) <= {"bad_frame", "evicted_unproven"}
+        assert server.refused.total() == flood
+    finally:
+        for s in held:
+            s.close()
+        await server.close()

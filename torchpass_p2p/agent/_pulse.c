@@ -6,10 +6,14 @@
  * busy, and stops answering only when the process is stopped (SIGSTOP, cgroup freeze), dead or
  * cut off. The wire format is documented, and mirrored, in pulse_wire.py.
  *
- * ping, 37 bytes: "TPp1" | key id (1) | nonce (16) | HMAC-SHA256(key, first 21 bytes)[:16]
- *                 nonce = prober's member id (8, big-endian) | sequence (8, big-endian)
- * pong, 45 bytes: "TPq1" | key id (1) | nonce (16) | member (8, big-endian)
+ * ping, 45 bytes: "TPp2" | key id (1) | target member (8, big-endian) | nonce (16)
  *                 | HMAC-SHA256(key, first 29 bytes)[:16]
+ *                 nonce = prober's member id (8, big-endian) | sequence (8, big-endian)
+ * pong, 45 bytes: "TPq2" | key id (1) | nonce (16) | member (8, big-endian)
+ *                 | HMAC-SHA256(key, first 29 bytes)[:16]
+ *
+ * A ping names the member it is for, under its tag: a responder answers only its own, so a
+ * ping captured on the way to one member and relayed to others is answered by none of them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,8 +39,9 @@
 #define MAGIC_BYTES 4
 #define NONCE_BYTES 16
 #define TAG_BYTES 16
-#define PING_BYTES (MAGIC_BYTES + 1 + NONCE_BYTES + TAG_BYTES)     /* 37 */
-#define PONG_BYTES (MAGIC_BYTES + 1 + NONCE_BYTES + 8 + TAG_BYTES) /* 45 */
+#define MEMBER_BYTES 8
+#define PING_BYTES (MAGIC_BYTES + 1 + MEMBER_BYTES + NONCE_BYTES + TAG_BYTES) /* 45 */
+#define PONG_BYTES (MAGIC_BYTES + 1 + NONCE_BYTES + MEMBER_BYTES + TAG_BYTES) /* 45 */
 /* Datagrams read per poll wake-up: under a flood, stop() is still seen after at most this many. */
 #define BATCH 64
 /* Probers whose last sequence is remembered (a member has at most K = 10 observers; a slot is
@@ -44,13 +49,15 @@
 #define PROBERS 256
 #define PROBES 8
 
-static const unsigned char PING_MAGIC[MAGIC_BYTES] = {'T', 'P', 'p', '1'};
-static const unsigned char PONG_MAGIC[MAGIC_BYTES] = {'T', 'P', 'q', '1'};
+/* Version 2 (the ping names its target); version 1's 37-byte pings are dropped as malformed,
+ * and a version 1 prober drops version 2 pongs: the two never half-understand each other. */
+static const unsigned char PING_MAGIC[MAGIC_BYTES] = {'T', 'P', 'p', '2'};
+static const unsigned char PONG_MAGIC[MAGIC_BYTES] = {'T', 'P', 'q', '2'};
 
-enum { ANSWERED, MALFORMED, UNKNOWN_KEY, BAD_TAG, REPLAYED, SEND_ERRORS, RECEIVE_ERRORS,
-       NCOUNTS };
+enum { ANSWERED, MALFORMED, UNKNOWN_KEY, MISDIRECTED, BAD_TAG, REPLAYED, SEND_ERRORS,
+       RECEIVE_ERRORS, NCOUNTS };
 static const char *const COUNT_NAMES[NCOUNTS] = {
-    "answered", "malformed", "unknown_key", "bad_tag", "replayed", "send_errors",
+    "answered", "malformed", "unknown_key", "misdirected", "bad_tag", "replayed", "send_errors",
     "receive_errors",
 };
 
@@ -185,7 +192,14 @@ static void answer(Responder *self, const unsigned char *ping, ssize_t n,
         return;
     }
     const unsigned char *key = self->keys[kid];
-    const unsigned char *nonce = ping + MAGIC_BYTES + 1;
+    /* Another member's ping (relayed, or sent to a stale address) is never answered: checked
+     * before the tag, like the sequence, so dropping it costs a compare, not an HMAC. A
+     * forged target gains nothing: the tag covers it. */
+    if (be64(ping + MAGIC_BYTES + 1) != self->member) {
+        bump(self, MISDIRECTED);
+        return;
+    }
+    const unsigned char *nonce = ping + MAGIC_BYTES + 1 + MEMBER_BYTES;
     if (!fresh(self, nonce)) {
         bump(self, REPLAYED);
         return;
@@ -198,8 +212,9 @@ static void answer(Responder *self, const unsigned char *ping, ssize_t n,
     }
     remember(self, nonce);
     memcpy(pong, PONG_MAGIC, MAGIC_BYTES);
-    memcpy(pong + MAGIC_BYTES, ping + MAGIC_BYTES, 1 + NONCE_BYTES);
-    for (int i = 0; i < 8; i++)
+    pong[MAGIC_BYTES] = (unsigned char)kid;
+    memcpy(pong + MAGIC_BYTES + 1, nonce, NONCE_BYTES);
+    for (int i = 0; i < MEMBER_BYTES; i++)
         pong[MAGIC_BYTES + 1 + NONCE_BYTES + i] = (unsigned char)(self->member >> (56 - 8 * i));
     if (!tag16(key, pong, PONG_BYTES - TAG_BYTES, pong + PONG_BYTES - TAG_BYTES)) {
         bump(self, SEND_ERRORS);
@@ -448,7 +463,7 @@ static PyMethodDef Responder_methods[] = {
      "stop()\n--\n\nWake and join the thread, zero the keys. Idempotent. Does not close fd."},
     {"counts", (PyCFunction)Responder_counts, METH_NOARGS,
      "counts()\n--\n\nDatagram counts by outcome (dict[str, int]): answered, malformed,\n"
-     "unknown_key, bad_tag, send_errors, receive_errors."},
+     "unknown_key, misdirected, bad_tag, replayed, send_errors, receive_errors."},
     {NULL, NULL, 0, NULL},
 };
 

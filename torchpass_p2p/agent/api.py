@@ -15,14 +15,14 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from os import PathLike
 from typing import Any
 
 from torchpass_p2p.core.configuration import Address, Configuration
 
 from .lifeline import die_with_launcher
-from .runtime import AgentRuntime, Change, Phase
+from .runtime import COUNTER_SOURCES, AgentRuntime, Change, Phase
 from .settings import AgentSettings, load_settings
 from .sockets import INHERITED_VARIABLES
 
@@ -211,6 +211,20 @@ class Agent:
         served there" (see :meth:`~.runtime.AgentRuntime.register_service`)."""
         runtime = self._live()
         self._post(runtime.register_service, name, config_id, port)
+
+    def add_counter_source(self, name: str, read: Callable[[], Mapping[str, int]]) -> None:
+        """Show the counts ``read()`` returns (reason -> total) in the agent's ``/status`` and
+        ``/metrics`` under ``name`` (see :meth:`~.runtime.AgentRuntime.add_counter_source`);
+        ``read`` is called on the agent's thread, so it must be safe from there.
+
+        Raises:
+            KeyError: ``name`` is not one of :data:`~.runtime.COUNTER_SOURCES`.
+        """
+        if name not in COUNTER_SOURCES:  # raised here, to the caller, not on the agent's loop
+            raise KeyError(f"no counter source named {name!r}; known: "
+                           f"{', '.join(COUNTER_SOURCES)}")
+        runtime = self._live()
+        self._post(runtime.add_counter_source, name, read)
 
     def lookup_service(self, member: int, name: str, config_id: int, *,
                        timeout_s: float = 30.0) -> Address:

@@ -30,6 +30,7 @@ metric                                    type       labels     set by
 ``torchpass_health_faults_total``         counter    kind       ``sync_counters("health_faults")``
 ``torchpass_http_rejected_total``         counter    reason     ``sync_counters("http_rejected")``
 ``torchpass_pulse_total``                 counter    kind       ``sync_counters("pulse")``
+``torchpass_transfer_refused_total``      counter    reason     ``sync_counters`` (a source)
 ========================================  =========  =========  ==============================
 
 ``direction`` is ``sent`` or ``received``. Counters also expose prometheus_client's
@@ -94,9 +95,13 @@ _SYNCED: dict[str, tuple[str, str, str]] = {
     "pulse": ("torchpass_pulse", "kind",
               "Pulses: this member's pings, pongs, misses and withheld silences, and its "
               "responder's answers and drops (responder_*), by kind"),
+    "transfer_refused": (
+        "torchpass_transfer_refused", "reason",
+        "State-transfer server connections refused or dropped, by reason"),
 }
 SYNCED = tuple(_SYNCED)
 """Names accepted by :meth:`AgentMetrics.sync_counters`."""
+
 
 
 class AgentMetrics:

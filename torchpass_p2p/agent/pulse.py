@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import socket
 from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId
+from torchpass_p2p.kernel_drops import socket_drops
 
 from .pulse_wire import decode_pong, encode_ping, ping_nonce
 
@@ -33,7 +35,7 @@ log = logging.getLogger("torchpass_p2p.agent")
 
 PULSE_INTERVAL_S = 0.1
 """Seconds between two pings to one subject. An observer watches at most K = 10 subjects (Rapid
-section 4.1), so at most 100 pings of 37 bytes and their 45-byte pongs a second."""
+section 4.1), so at most 100 pings and their pongs (45 bytes each) a second."""
 PULSE_TIMEOUT_S = 0.1
 """A ping unanswered this long is a miss. The responder is a native thread: it answers within a
 scheduling delay plus the round trip (well under 1 ms on loopback and LAN), however busy the
@@ -218,13 +220,24 @@ class PulseProber(asyncio.DatagramProtocol):
         sequence = itertools.count(1)
         self.tracker = tracker or PulseTracker(lambda: ping_nonce(prober, next(sequence)))
         self._transport: asyncio.DatagramTransport | None = None
+        self._socket: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
 
     async def start(self, host: str) -> None:
         """Bind a UDP socket on ``host`` (any port) and start pinging. Raises OSError."""
         loop = asyncio.get_running_loop()
-        transport, _ = await loop.create_datagram_endpoint(lambda: self, local_addr=(host, 0))
+        family, kind, proto, _name, address = socket.getaddrinfo(
+            host, 0, type=socket.SOCK_DGRAM)[0]
+        sock = socket.socket(family, kind, proto)
+        try:  # bound here, not by create_datagram_endpoint: its socket is ours to ask
+            sock.bind(address)
+            sock.setblocking(False)
+            transport, _ = await loop.create_datagram_endpoint(lambda: self, sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        self._socket = sock
         self._transport = transport  # type: ignore[assignment]
         self._task = loop.create_task(self._run(), name="pulse-prober")
 
@@ -234,7 +247,16 @@ class PulseProber(asyncio.DatagramProtocol):
         self._wake.set()
 
     def counters(self) -> dict[str, int]:
+        """The tracker's counters, with ``kernel_dropped``: datagrams (pongs, or anything
+        else) lost in this socket's full receive buffer (:mod:`torchpass_p2p.kernel_drops`)."""
+        self._read_kernel_drops()
         return dict(self.tracker.counters)
+
+    def _read_kernel_drops(self) -> None:
+        if self._transport is not None and self._socket is not None:
+            dropped = socket_drops(self._socket)
+            if dropped:  # the kernel's total since the socket was made
+                self.tracker.counters["kernel_dropped"] = dropped
 
     async def close(self) -> None:
         """Stop pinging and close the socket. Idempotent."""
@@ -243,6 +265,7 @@ class PulseProber(asyncio.DatagramProtocol):
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         if self._transport is not None:
+            self._read_kernel_drops()  # the last figure: the socket goes with the transport
             self._transport.close()
             self._transport = None
 
@@ -251,10 +274,12 @@ class PulseProber(asyncio.DatagramProtocol):
         while True:
             pings, silent = tracker.poll(self._clock())
             transport = self._transport
-            for _member, address, nonce in pings:
+            for member, address, nonce in pings:
                 if transport is not None:
                     try:
-                        transport.sendto(encode_ping(self._kid, self._secret, nonce), address)
+                        # Addressed to ``member``: no other responder answers it (pulse_wire).
+                        transport.sendto(encode_ping(self._kid, self._secret, nonce, member),
+                                         address)
                     except OSError:  # a missing route shows as misses, which is the point
                         tracker.counters["send_errors"] += 1
             for member in silent:

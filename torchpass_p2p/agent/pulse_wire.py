@@ -6,20 +6,31 @@ process that is SIGSTOPped or gone. The responder (``_pulse.c``) is a pthread th
 the GIL nor touches a Python object: a process whose loop is merely blocked keeps answering; one
 that is stopped (SIGSTOP, cgroup freeze), dead or cut off does not.
 
-Wire format (fixed binary, big-endian; HMAC is HMAC-SHA256, RFC 2104, truncated to 16 bytes):
+Wire format, version 2 (fixed binary, big-endian; HMAC is HMAC-SHA256, RFC 2104, truncated to
+16 bytes):
 
-    ping, 37 bytes: b"TPp1" | key id (1) | nonce (16) | HMAC(keys[key id], bytes 0..20)[:16]
+    ping, 45 bytes: b"TPp2" | key id (1) | target member id (8, unsigned) | nonce (16)
+                    | HMAC(keys[key id], bytes 0..28)[:16]
                     nonce = prober's member id (8, unsigned) | sequence (8, unsigned, from 1)
-    pong, 45 bytes: b"TPq1" | key id (1) | the ping's nonce (16) | member id (8, unsigned)
+    pong, 45 bytes: b"TPq2" | key id (1) | the ping's nonce (16) | member id (8, unsigned)
                     | HMAC(keys[key id], bytes 0..28)[:16]
 
-The responder answers a ping only if it has exactly 37 bytes, the magic, a known key id and a
-tag that verifies (compared in constant time); it answers under the same key id and counts every
-dropped datagram by reason. Secrets are 32 bytes. A ping whose sequence is not above the last
-one its prober sent (:func:`ping_nonce`) is a replay: dropped and counted, not answered, so a
-captured ping sent again can neither reflect pongs at a spoofed address nor crowd out the
-prober's real pings. The prober matches a pong to its outstanding ping by nonce, so a replayed
-pong proves nothing.
+The responder answers a ping only if it has exactly 45 bytes, the magic, a known key id, its
+own member id as the target and a tag that verifies (compared in constant time); it answers
+under the same key id and counts every dropped datagram by reason. Secrets are 32 bytes.
+
+No reflection: a ping binds the member it is for under its tag, so one captured on its way to
+one member and relayed to others is dropped by every one of them (``misdirected``). A ping whose
+sequence is not above the last one its prober sent (:func:`ping_nonce`) is a replay: dropped and
+counted, not answered, so a captured ping sent again to its own target can neither reflect
+pongs at a spoofed address nor crowd out the prober's real pings. Both checks come before the
+tag: a flood of captured pings costs a compare or a table lookup each, never an HMAC. A pong is
+no bigger than its ping (no amplification). The prober matches a pong to its outstanding ping by
+nonce and checks the answering member, so a replayed pong proves nothing.
+
+Version 1 (b"TPp1"/b"TPq1": a 37-byte ping without its target, answered by any responder that
+had not seen its sequence) is not understood: its pings are ``malformed`` here, and a version 1
+prober drops these pongs, so mixed versions read as silence, never as a half-checked answer.
 """
 
 from __future__ import annotations
@@ -32,24 +43,27 @@ import warnings
 from collections.abc import Mapping
 from types import TracebackType
 
+from torchpass_p2p.kernel_drops import socket_drops
+
 try:
     from . import _pulse
 except ImportError:  # not built: scripts/build-native
     _pulse = None  # type: ignore[assignment]
 
 __all__ = [
-    "KEY_BYTES", "NATIVE", "NONCE_BYTES", "PING_BYTES", "PING_MAGIC", "PONG_BYTES",
-    "PONG_MAGIC", "TAG_BYTES", "PulseResponder", "PulseUnavailable", "available",
-    "decode_pong", "encode_ping", "encode_pong", "ping_nonce",
+    "KEY_BYTES", "MEMBER_BYTES", "NATIVE", "NONCE_BYTES", "PING_BYTES", "PING_MAGIC",
+    "PONG_BYTES", "PONG_MAGIC", "TAG_BYTES", "PulseResponder", "PulseUnavailable", "available",
+    "decode_ping", "decode_pong", "encode_ping", "encode_pong", "ping_nonce",
 ]
 
-PING_MAGIC = b"TPp1"
-PONG_MAGIC = b"TPq1"
+PING_MAGIC = b"TPp2"
+PONG_MAGIC = b"TPq2"
 KEY_BYTES = 32  # a full SHA-256 block's worth of entropy is more than HMAC-SHA256 can use
 NONCE_BYTES = 16
 TAG_BYTES = 16  # 128-bit tags: forging one is out of reach; the rest of the digest buys nothing
-PING_BYTES = len(PING_MAGIC) + 1 + NONCE_BYTES + TAG_BYTES  # 37
-PONG_BYTES = len(PONG_MAGIC) + 1 + NONCE_BYTES + 8 + TAG_BYTES  # 45
+MEMBER_BYTES = 8
+PING_BYTES = len(PING_MAGIC) + 1 + MEMBER_BYTES + NONCE_BYTES + TAG_BYTES  # 45
+PONG_BYTES = len(PONG_MAGIC) + 1 + NONCE_BYTES + MEMBER_BYTES + TAG_BYTES  # 45
 _MEMBER = struct.Struct(">Q")
 
 NATIVE: bool = _pulse is not None
@@ -84,12 +98,30 @@ def ping_nonce(prober: int, seq: int) -> bytes:
     return _MEMBER.pack(prober) + _MEMBER.pack(seq)
 
 
-def encode_ping(kid: int, secret: bytes, nonce: bytes) -> bytes:
-    """A 37-byte ping under key ``kid`` (0..255) with ``secret`` (32 bytes) and ``nonce``
-    (16 bytes, fresh and random per ping). Raises ValueError on a bad argument."""
+def encode_ping(kid: int, secret: bytes, nonce: bytes, target: int) -> bytes:
+    """A 45-byte ping for the responder of member ``target`` (0..2**64-1) under key ``kid``
+    (0..255) with ``secret`` (32 bytes) and ``nonce`` (16 bytes, fresh per ping:
+    :func:`ping_nonce`). Raises ValueError on a bad argument (struct.error, a ValueError, for
+    ``target``)."""
     _check(kid, secret, nonce)
-    head = PING_MAGIC + bytes([kid]) + nonce
+    head = PING_MAGIC + bytes([kid]) + _MEMBER.pack(target) + nonce
     return head + _tag(secret, head)
+
+
+def decode_ping(data: bytes, secrets: Mapping[int, bytes]) -> tuple[int, bytes] | None:
+    """``(target, nonce)`` from a ping whose tag verifies under ``secrets[key id]``; None for
+    anything else. What the native responder checks, bar the target and the sequence (tests
+    and tools read captured pings with it). Never raises on any bytes."""
+    if len(data) != PING_BYTES or data[:4] != PING_MAGIC:
+        return None
+    secret = secrets.get(data[4])
+    if secret is None:
+        return None
+    head, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
+    if not hmac.compare_digest(_tag(secret, head), tag):
+        return None
+    start = 5 + MEMBER_BYTES
+    return _MEMBER.unpack_from(data, 5)[0], bytes(data[start:start + NONCE_BYTES])
 
 
 def encode_pong(kid: int, secret: bytes, nonce: bytes, member: int) -> bytes:
@@ -154,11 +186,17 @@ class PulseResponder:
 
     def counts(self) -> dict[str, int]:
         """Datagrams by outcome since start: ``answered``, ``malformed`` (wrong length or
-        magic), ``unknown_key``, ``bad_tag``, ``replayed``, ``send_errors``,
-        ``receive_errors``. After :meth:`close`, the final counts."""
+        magic), ``unknown_key``, ``misdirected`` (a ping for another member), ``bad_tag``,
+        ``replayed``, ``send_errors``, ``receive_errors``; and ``kernel_dropped`` once the kernel
+        dropped any (lost in a full receive buffer before the thread read them:
+        :mod:`torchpass_p2p.kernel_drops`). After :meth:`close`, the final counts."""
         if self._responder is None:
             return dict(self._final)
-        return self._responder.counts()
+        counts = self._responder.counts()
+        dropped = socket_drops(self._sock)
+        if dropped:
+            counts["kernel_dropped"] = dropped
+        return counts
 
     @property
     def closed(self) -> bool:
@@ -168,10 +206,10 @@ class PulseResponder:
     def close(self) -> None:
         """Stop the thread (waits for it, typically well under 1 ms), then close the socket.
         Idempotent."""
-        responder, self._responder = self._responder, None
-        if responder is not None:
-            responder.stop()
-            self._final = responder.counts()
+        if self._responder is not None:
+            self._responder.stop()  # no datagram is read after this: the counts are final
+            self._final = self.counts()
+            self._responder = None
             self._sock.close()
 
     def __enter__(self) -> PulseResponder:

@@ -18,7 +18,7 @@ import random
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +77,13 @@ PULSE_LABEL = b"torchpass_p2p pulse v1"
 class NotServed(TransportError):
     """A member registered a service as not served for a configuration (port 0): it will not
     serve it there, so waiting for it is pointless (:meth:`AgentRuntime.register_service`)."""
+
+
+COUNTER_SOURCES = ("transfer_refused",)
+"""Counts that live outside the agent, in a part of this process that registers them
+(:meth:`AgentRuntime.add_counter_source`), each with its metric (``torchpass_<name>_total``,
+:mod:`.metrics`): ``transfer_refused``, the trainer's state-transfer server's dropped
+connections by reason (``TransferServer.refusals``)."""
 
 
 class Phase:
@@ -196,6 +203,8 @@ class AgentRuntime:
         self._pulse_watched: tuple[int, tuple[MemberId, ...]] | None = None
         self._pulse_secrets = settings.keyring.derive_secrets(PULSE_LABEL)
         """Key id -> pulse secret, for the responder and the prober alike."""
+        self._counter_sources: dict[str, Callable[[], Mapping[str, int]]] = {}
+        """Counts kept elsewhere in this process (:meth:`add_counter_source`)."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -507,6 +516,34 @@ class AgentRuntime:
         out.update({f"rejected_{k}": v for k, v in self.transport.rejected.items()})
         out.update({f"rejected_frame_{k}": v for k, v in self.transport.rejected_frames.items()})
         out.update({f"pulse_{k}": v for k, v in self._pulse_counters().items()})
+        for name, counts in self._source_counts().items():
+            out.update({f"{name}_{k}": v for k, v in counts.items()})
+        return out
+
+    def add_counter_source(self, name: str, read: Callable[[], Mapping[str, int]]) -> None:
+        """Show counts kept outside the agent, by reason, with its own: in ``/status``
+        (``counters``, as ``<name>_<reason>``) and in ``/metrics`` (the metric of ``name``, one
+        of :data:`COUNTER_SOURCES`). ``read()`` is called on this loop (each status, each
+        metrics refresh): it must be quick and safe from this thread, and return totals since
+        its source started. A second source of one name replaces the first.
+
+        Raises:
+            KeyError: ``name`` is not one of :data:`COUNTER_SOURCES`.
+        """
+        if name not in COUNTER_SOURCES:
+            raise KeyError(f"no counter source named {name!r}; known: "
+                           f"{', '.join(COUNTER_SOURCES)}")
+        self._counter_sources[name] = read
+
+    def _source_counts(self) -> dict[str, Mapping[str, int]]:
+        out: dict[str, Mapping[str, int]] = {}
+        for name, read in self._counter_sources.items():
+            try:
+                out[name] = read()
+            except Exception:  # the host's code: a failed read must not break /status
+                self._event_counts["counter_source_failed"] += 1
+                if self._event_counts["counter_source_failed"] == 1:  # logged once, then counted
+                    log.exception("counter source %r failed", name)
         return out
 
     def _pulse_counters(self) -> dict[str, int]:
@@ -541,6 +578,8 @@ class AgentRuntime:
         metrics.sync_counters("events", self._event_counts)
         metrics.sync_counters("health_faults", self._health_faults)
         metrics.sync_counters("pulse", self._pulse_counters())
+        for name, counts in self._source_counts().items():
+            metrics.sync_counters(name, counts)
 
     # ------------------------------------------------------------------ driving the core
 

@@ -22,8 +22,17 @@ within ``FIRST_FRAME_TIMEOUT_S``, and past ``MAX_UNPROVEN_CONNECTIONS`` the olde
 idle connections from a process without the key cannot take every slot from the members.
 
 Bad input is dropped and counted by reason in ``rejected`` (datagrams, the reasons of
-:mod:`torchpass_p2p.core.wire`) and ``rejected_frames`` (TCP); it never raises out of a callback
-and never reaches the core.
+:mod:`torchpass_p2p.core.wire`, and ``kernel_dropped``: those lost in a full receive buffer,
+:mod:`torchpass_p2p.kernel_drops`) and ``rejected_frames`` (TCP); it never raises out of a
+callback and never reaches the core. Each inbound connection that ends without a frame that
+opened under the key counts exactly once in ``rejected_frames``, under the first reason that
+ended it: ``evicted_unproven`` (closed to make room, whatever it held), ``first_frame_timeout``,
+``empty`` (closed before a byte), ``reset``, ``truncated`` (closed or stalled inside a frame), a
+frame's own reason (``too_large``, ``auth_failed``, ...), or ``too_many_connections``; so does a
+proven connection that ends inside a frame (``truncated``) or on a bad frame. A proven
+connection closed, reset or idle between frames dropped nothing and is not counted. Connection
+attempts the kernel dropped from the listening socket's full accept queue count as
+``kernel_dropped`` (packets, not connections).
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId, Message
 from torchpass_p2p.core.seal import HEADER_BYTES, OVERHEAD_BYTES, Keyring, Opener, OpenError, Sealer
 from torchpass_p2p.core.wire import DEFAULT_MAX_DATAGRAM_BYTES, Wire
+from torchpass_p2p.kernel_drops import socket_drops
 
 from .sockets import adopt_socket
 
@@ -133,7 +143,8 @@ class Transport:
     or an awaitable of either to hold the request until the answer exists (the handler bounds
     that wait; the connection is the requester's own, so nothing else waits behind it).
 
-    Counters: ``rejected`` (datagrams, by reason), ``rejected_frames`` (TCP, by reason),
+    Counters: ``rejected`` (datagrams, by reason), ``rejected_frames`` (TCP, by reason; module
+    docstring),
     ``traffic`` (``datagrams_sent``, ``bytes_sent``, ``datagrams_received``,
     ``bytes_received``, ``frames_sent``, ``frames_received``, ``requests_held``, ``dropped_*``).
     """
@@ -163,21 +174,42 @@ class Transport:
         self._on_message = on_message
         self._on_send_error = on_send_error
         self._on_request = on_request
-        self.rejected_frames: Counter[str] = Counter()
+        self._refused_frames: Counter[str] = Counter()
         self.traffic: Counter[str] = Counter()
         self._udp: asyncio.DatagramTransport | None = None
+        self._udp_socket: socket.socket | None = None  # for the kernel's drop count
         self._server: asyncio.Server | None = None
         self._outbound: dict[Address, asyncio.Queue[bytes]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._inbound: set[asyncio.StreamWriter] = set()
         self._serving: set[asyncio.Task[None]] = set()  # inbound handlers, part of _tasks
         self._unproven: dict[asyncio.StreamWriter, None] = {}  # oldest first
+        # Closed by an eviction, which counted them: their handler must not count them again.
+        self._evicted: set[asyncio.StreamWriter] = set()
+        self._closed = False  # close() ends every connection: that is no peer's drop
         self._sending_to: Address | None = None
         self.address: Address | None = None
 
     @property
     def rejected(self) -> Counter[str]:
-        return self._wire.rejected
+        """Datagrams dropped, by reason: the wire's, and ``kernel_dropped`` (module docstring).
+        The live counter; the kernel's figure is written into it when read."""
+        rejected = self._wire.rejected
+        if self._udp is not None and not self._udp.is_closing() and self._udp_socket is not None:
+            dropped = socket_drops(self._udp_socket)
+            if dropped:
+                rejected["kernel_dropped"] = dropped
+        return rejected
+
+    @property
+    def rejected_frames(self) -> Counter[str]:
+        """Inbound connections and frames dropped, by reason, and ``kernel_dropped`` (module
+        docstring). The live counter; the kernel's figure is written into it when read."""
+        listening = self._server.sockets if self._server is not None else ()
+        dropped = sum(socket_drops(s) or 0 for s in listening)
+        if dropped:
+            self._refused_frames["kernel_dropped"] = dropped
+        return self._refused_frames
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -204,7 +236,7 @@ class Transport:
                 self._server = await asyncio.start_server(self._serve, sock=tcp,
                                                           limit=MAX_INBOUND_FRAME + 8)
                 on_error.pop_all()
-            self._udp = udp
+            self._udp, self._udp_socket = udp, sock
             self.address = (host, actual)
             return self.address
         for _ in range(20 if port == 0 else 1):
@@ -229,13 +261,14 @@ class Transport:
                 if port != 0:
                     raise
                 continue  # the TCP port of that number is taken: draw another
-            self._udp = udp
+            self._udp, self._udp_socket = udp, sock
             self.address = (host, actual)
             return self.address
         raise OSError(f"no port free for both UDP and TCP on {host}")
 
     async def close(self) -> None:
         """Close both sockets and every connection; bounded (cancels what is left)."""
+        self._closed = True
         if self._udp is not None:
             self._udp.close()
         if self._server is not None:
@@ -387,14 +420,15 @@ class Transport:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if len(self._inbound) >= MAX_INBOUND_CONNECTIONS:
-            self.rejected_frames["too_many_connections"] += 1
+            self._refused_frames["too_many_connections"] += 1
             writer.close()
             return
         if len(self._unproven) >= MAX_UNPROVEN_CONNECTIONS:
-            self.rejected_frames["evicted_unproven"] += 1
+            self._refused_frames["evicted_unproven"] += 1
             oldest = next(iter(self._unproven))
             del self._unproven[oldest]
-            oldest.close()  # its handler then reads EOF and ends
+            self._evicted.add(oldest)
+            oldest.close()  # its handler then reads EOF and ends, counting nothing more
         self._inbound.add(writer)
         self._unproven[writer] = None
         task = asyncio.current_task()
@@ -407,24 +441,31 @@ class Transport:
         timeout_s = FIRST_FRAME_TIMEOUT_S
         try:
             while True:
-                reason = await self._serve_frame(reader, writer, (peer[0], peer[1]), timeout_s)
-                if reason is not None:
-                    if reason != "closed":
-                        self.rejected_frames[reason] += 1
+                ending = await self._serve_frame(reader, writer, (peer[0], peer[1]), timeout_s)
+                if ending is not None:
+                    endings = _UNPROVEN_ENDINGS if writer in self._unproven else _PROVEN_ENDINGS
+                    reason = endings.get(ending, ending)
+                    if reason is not None and writer not in self._evicted and not self._closed:
+                        self._refused_frames[reason] += 1
                     return
                 self._unproven.pop(writer, None)
                 timeout_s = IDLE_TIMEOUT_S
         finally:
             self._inbound.discard(writer)
             self._unproven.pop(writer, None)
+            self._evicted.discard(writer)
             writer.close()
 
     async def _serve_frame(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                            peer: Address, timeout_s: float) -> str | None:
-        """Read and handle one frame; the reason to close the connection, or None."""
+        """Read and handle one frame; why the connection ends, or None. Between frames: ``closed``
+        (end of stream), ``timeout`` (nothing for ``timeout_s``), ``reset`` (a socket error);
+        ``truncated`` for any of them inside a frame; else the frame's reason."""
+        inside = False  # a frame's length is in: ending from here on drops that frame
         try:
             async with asyncio.timeout(timeout_s):
                 header = await reader.readexactly(_LENGTH.size)
+                inside = True
                 (size,) = _LENGTH.unpack(header)
                 if size > MAX_INBOUND_FRAME:
                     return "too_large"
@@ -432,9 +473,11 @@ class Transport:
                     return "too_short"
                 data = await reader.readexactly(size)
         except asyncio.IncompleteReadError as exc:
-            return "closed" if not exc.partial else "truncated"
-        except (TimeoutError, OSError):
-            return "closed"
+            return "truncated" if inside or exc.partial else "closed"
+        except TimeoutError:
+            return "truncated" if inside else "timeout"
+        except OSError:
+            return "truncated" if inside else "reset"
         self.traffic["frames_received"] += 1
         self.traffic["bytes_received"] += _LENGTH.size + size
         channel, sealed = data[0], data[1:]
@@ -487,6 +530,15 @@ class Transport:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+_UNPROVEN_ENDINGS: dict[str, str | None] = {
+    "closed": "empty", "timeout": "first_frame_timeout", "reset": "reset"}
+"""The reason counted when a connection without an authenticated frame ends between frames:
+whatever it was, it delivered nothing."""
+_PROVEN_ENDINGS: dict[str, str | None] = {"closed": None, "timeout": None, "reset": None}
+"""A proven connection ending between frames (its peer done, gone, or idle for
+``IDLE_TIMEOUT_S``) dropped nothing: not counted."""
 
 
 class _Datagrams(asyncio.DatagramProtocol):

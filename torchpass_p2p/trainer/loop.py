@@ -238,6 +238,9 @@ class Trainer:
         self.service = StateService(TransferKeys.from_keyring(agent.settings.keyring),
                                     self._known_config_id, host=agent.address[0],
                                     on_served=self._served if self.faults.serving else None)
+        # Its refusals (bad input, floods) are drops of this member's: counted where its
+        # others are, in the agent's /metrics and /status.
+        agent.add_counter_source("transfer_refused", self.service.refusals)
         self.step = 0
         """Steps applied: the state is after this many steps; step ``self.step`` runs next."""
         self._holds_state = True

@@ -56,6 +56,11 @@ class StateService:
     def port(self) -> int:
         return self._server.port
 
+    def refusals(self) -> dict[str, int]:
+        """The server's dropped connections by reason (``TransferServer.refusals``); callable
+        from any thread (the agent reads it for ``/metrics`` and ``/status``)."""
+        return self._server.refusals()
+
     def publish(self, snapshot: Snapshot | None) -> None:
         """Serve ``snapshot`` from now on (transfers in progress finish on the old one)."""
         self._loop.call_soon_threadsafe(self._server.publish, snapshot)

@@ -25,7 +25,9 @@ Bad input never crashes the server: each refused or dropped connection is counte
 ``withdrawn``, ``snapshot_changed`` (its bytes are not those its fingerprint describes:
 ``Snapshot._scan``), ``handshake_timeout``, ``send_timeout``, ``evicted_unproven`` (a handshake
 dropped to make room: ``MAX_HANDSHAKING``, ``pick_evicted``), ``too_many_connections``, ``closed``,
-``internal_error`` (a bug, logged with its traceback)).
+``internal_error`` (a bug, logged with its traceback)), each connection once. :meth:`refusals`
+adds ``kernel_dropped`` (connection attempts lost in the listening socket's full accept queue)
+and may be read from any thread: the agent shows it in ``/metrics`` and ``/status``.
 
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
 event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
@@ -45,6 +47,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn, TypeVar
+
+from torchpass_p2p.kernel_drops import socket_drops
 
 from . import chunkmac, splice
 from . import fingerprint as fp
@@ -150,6 +154,21 @@ class TransferServer:
     def address(self) -> tuple[str, int]:
         return self.host, self.port
 
+    def refusals(self) -> dict[str, int]:
+        """``refused`` by reason (a copy), with ``kernel_dropped``: packets of connection
+        attempts the kernel dropped because the listening socket's accept queue was full
+        (:func:`torchpass_p2p.kernel_drops.socket_drops`; while listening, once any).
+
+        Safe from any thread, though ``refused`` changes on the server's loop: ``dict()`` of a
+        ``Counter`` (a dict subclass with dict's own iterator) is one merge in C, which holds
+        the GIL throughout (or, without a GIL, the dict's own lock)."""
+        out = dict(self.refused)
+        lsock = self._lsock
+        dropped = socket_drops(lsock) if lsock is not None else None
+        if dropped:
+            out["kernel_dropped"] = dropped
+        return out
+
     async def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, cancel every connection and wait at most ``timeout_s`` seconds."""
         tasks = list(self._conns)
@@ -230,6 +249,12 @@ class TransferServer:
 
     def _evict(self) -> None:
         """Drop the handshake ``pick_evicted`` names (counted ``evicted_unproven``)."""
+        # A task that ended has counted its own reason; its callback that unlists it may not
+        # have run yet. Evicting it would count that connection twice.
+        for task in [t for t in self._handshaking if t.done()]:
+            del self._handshaking[task]
+        if len(self._handshaking) <= self.max_handshaking:
+            return
         victim, why = pick_evicted({t: (p.source, p.since)
                                     for t, p in self._handshaking.items()})
         conn = self._handshaking.pop(victim).conn
