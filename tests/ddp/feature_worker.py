@@ -55,15 +55,20 @@ class Blobs(Dataset):
 
 
 class Net(torch.nn.Module):
-    def __init__(self, unused):
+    def __init__(self, unused, sometimes=False):
         super().__init__()
         self.body = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(),
                                         torch.nn.Dropout(0.1))
         self.head = torch.nn.Linear(HIDDEN, CLASSES)
         self.spare_head = torch.nn.Linear(HIDDEN, CLASSES) if unused else None
+        self.sometimes = sometimes
 
     def forward(self, x):
-        return self.head(self.body(x))
+        h = self.body(x)
+        out = self.head(h)
+        if self.sometimes and x[0, 0] > 0:  # data-dependent: some ranks use it, some not
+            out = out + self.spare_head(h)
+        return out
 
 
 def main():
@@ -74,6 +79,8 @@ def main():
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--groups", action="store_true")
     ap.add_argument("--unused", action="store_true")
+    ap.add_argument("--sometimes", action="store_true",
+                    help="with --unused: the extra head is used for some batches only")
     ap.add_argument("--compile", default="")
     ap.add_argument("--dcp", default="")
     ap.add_argument("--odd-epochs", type=int)
@@ -86,7 +93,7 @@ def main():
     init_process_group(backend="gloo", state_transport=args.state_transport)
     torch.manual_seed(0)
     dataset = Blobs(args.samples)
-    net = Net(args.unused)
+    net = Net(args.unused, args.sometimes)
     if args.groups:
         optimizer = torch.optim.AdamW([
             {"params": net.body.parameters(), "lr": 3e-2, "weight_decay": 0.0},

@@ -1,6 +1,7 @@
 """What a real DDP script does, each feature on its own, under the launcher with 3 ranks and a
 spare (``tests/ddp/feature_worker.py``): gradient accumulation with ``no_sync()``, optimizer
-parameter groups, an unused parameter (``find_unused_parameters=True``), a ``torch.compile``d
+parameter groups, an unused parameter (``find_unused_parameters=True``), one used by some ranks
+in some steps only (the others must still receive its averaged gradient), a ``torch.compile``d
 DDP model (inductor) and the script's own ``torch.distributed.checkpoint`` saves.
 
 For each feature: a fault-free run, and a run in which rank 1 is SIGKILLed in the middle of
@@ -39,6 +40,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "accumulation": ("--accum", "2", "--samples", "480"),
     "param_groups": ("--groups",),
     "unused_parameter": ("--unused",),
+    "unused_on_some_ranks": ("--unused", "--sometimes"),
     "compile": ("--compile", "inductor"),
     "dcp": ("--dcp",),  # followed by the run's checkpoint folder
 }

@@ -64,7 +64,7 @@ class Layout:
     where: dict[int, tuple[int, int, int]]
 
     @classmethod
-    def of(cls, params: Sequence[torch.nn.Parameter], *,
+    def of(cls, params: Sequence[torch.Tensor], *,
            first_bytes: int = FIRST_BUCKET_BYTES, bytes_cap: int = BUCKET_BYTES) -> Layout:
         """The layout of ``params`` (trainable parameters in registration order).
 

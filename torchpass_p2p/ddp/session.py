@@ -21,6 +21,7 @@ driven by the parts a training script already calls (``docs/training.md``):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib
 import json
@@ -122,6 +123,8 @@ class Session(Trainer):
         self.layout: Layout | None = None
         self.reduction: StepReduction | None = None
         self._index: dict[int, int] = {}
+        self._params: list[torch.nn.Parameter] = []
+        self._used: torch.Tensor | None = None  # parameters this rank used in the step
         self._buffers: list[torch.Tensor] = []
         self._at_start: list[torch.Tensor] = []
         self._open = False
@@ -180,9 +183,24 @@ class Session(Trainer):
             raise RuntimeError("one torchpass_p2p.DistributedDataParallel per process")
         params = [p for p in ddp.module.parameters() if p.requires_grad]
         self.ddp = ddp
-        self.layout = Layout.of(params)
+        self._params = params
+        entries: list[torch.Tensor] = list(params)
+        if getattr(ddp, "find_unused_parameters", False):
+            # DDP finds the unused parameters over its own process group, of this process
+            # alone: a parameter this rank did not use but another did would keep its stale
+            # gradient here and the ranks would drift apart. The flags of which ones this
+            # rank used ride, as entry 0 (the canonical layout's last place), in the step's
+            # reduction: the step's result says which were used anywhere (_close_step).
+            self._used = torch.zeros(len(params), dtype=params[0].dtype,
+                                     device=params[0].device)
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(functools.partial(_mark_used,
+                                                                       self._used, i))
+            entries.insert(0, self._used)
+        first = len(entries) - len(params)
+        self.layout = Layout.of(entries)
         self.reduction = StepReduction(self.layout, exact=self.exact)
-        self._index = {id(p): i for i, p in enumerate(params)}
+        self._index = {id(p): first + i for i, p in enumerate(params)}
         self._buffers = list(ddp.module.buffers())
         self.objects["model"] = ddp.module
 
@@ -322,6 +340,8 @@ class Session(Trainer):
         self.faults.at(k, "compute", rank)
         seed_step(self.seed, rank, k)
         self._at_start = [b.detach().clone() for b in self._buffers]
+        if self._used is not None:
+            self._used.zero_()
         assert self.reduction is not None
         self.reduction.reset()
         self._buckets = []
@@ -357,6 +377,9 @@ class Session(Trainer):
         grads = bucket.gradients()
         for i, g in zip(indices, grads, strict=True):
             reduction.fill(i, g)
+        if bucket.is_last() and self._used is not None:
+            # every parameter this rank used was accumulated before DDP's last bucket
+            reduction.fill(0, self._used)
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         self._buckets.append((future, bucket.buffer(), grads, indices))
         if self._step_error is None and self.group is not None:
@@ -448,6 +471,15 @@ class Session(Trainer):
                 reduction.copy_out(results, i, g)
             future.set_result(buffer)
         self._buckets = []
+        if self._used is not None:
+            # Used by another rank only: DDP leaves its gradient alone (it knows only this
+            # process's use); in a torch DDP job every rank gets the average, as here.
+            b, offset, n = reduction.layout.where[0]
+            elsewhere = (results[b][offset:offset + n] > 0) & (self._used == 0)
+            for i in elsewhere.nonzero().flatten().tolist():
+                p = self._params[i]
+                b, offset, n = reduction.layout.where[i + 1]
+                p.grad = results[b][offset:offset + n].view_as(p).clone()
         self.log("step", step=k, config_id=self.config_id, rank=self.rank)
         self.step = k + 1
         self._reduced = None
@@ -576,3 +608,8 @@ def _allgather_bytes(group: ManagedGroup, data: bytes,
         buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = group.allgather(buf, watch=watch)
     return [bytes(p[:int(s.item())].tolist()) for p, s in zip(parts, sizes, strict=True)]
+
+
+def _mark_used(flags: torch.Tensor, index: int, _param: torch.Tensor) -> None:
+    """Post-accumulate-grad hook: parameter ``index`` received a gradient in this step."""
+    flags[index] = 1
