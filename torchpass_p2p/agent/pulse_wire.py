@@ -112,13 +112,7 @@ def decode_ping(data: bytes, secrets: Mapping[int, bytes]) -> tuple[int, bytes] 
     """``(target, nonce)`` from a ping whose tag verifies under ``secrets[key id]``; None for
     anything else. What the native responder checks, bar the target and the sequence (tests
     and tools read captured pings with it). Never raises on any bytes."""
-    if len(data) != PING_BYTES or data[:4] != PING_MAGIC:
-        return None
-    secret = secrets.get(data[4])
-    if secret is None:
-        return None
-    head, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
-    if not hmac.compare_digest(_tag(secret, head), tag):
+    if not _verified(data, PING_BYTES, PING_MAGIC, secrets):
         return None
     start = 5 + MEMBER_BYTES
     return _MEMBER.unpack_from(data, 5)[0], bytes(data[start:start + NONCE_BYTES])
@@ -136,15 +130,20 @@ def encode_pong(kid: int, secret: bytes, nonce: bytes, member: int) -> bytes:
 def decode_pong(data: bytes, secrets: Mapping[int, bytes]) -> tuple[bytes, int] | None:
     """``(nonce, member)`` from a pong whose tag verifies under ``secrets[key id]``; None for
     anything else (wrong length or magic, unknown key id, bad tag). Never raises on any bytes."""
-    if len(data) != PONG_BYTES or data[:4] != PONG_MAGIC:
-        return None
-    secret = secrets.get(data[4])
-    if secret is None:
-        return None
-    head, tag = data[:-TAG_BYTES], data[-TAG_BYTES:]
-    if not hmac.compare_digest(_tag(secret, head), tag):
+    if not _verified(data, PONG_BYTES, PONG_MAGIC, secrets):
         return None
     return bytes(data[5:5 + NONCE_BYTES]), _MEMBER.unpack_from(data, 5 + NONCE_BYTES)[0]
+
+
+def _verified(data: bytes, size: int, magic: bytes, secrets: Mapping[int, bytes]) -> bool:
+    """``data`` is ``size`` bytes, starts with ``magic`` and its tag verifies under the secret
+    of its key id (byte 4). Never raises on any bytes."""
+    if len(data) != size or data[:4] != magic:
+        return False
+    secret = secrets.get(data[4])
+    if secret is None:
+        return False
+    return hmac.compare_digest(_tag(secret, data[:-TAG_BYTES]), data[-TAG_BYTES:])
 
 
 class PulseResponder:
