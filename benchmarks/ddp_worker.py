@@ -102,6 +102,20 @@ def _api(name: str, native: bool) -> dict[str, Any]:
             "track": tp.track}
 
 
+def _profiler(path: str, device: torch.device, warmup: int) -> Any:
+    """torch's profiler over the timed steps (a schedule that skips ``warmup``), started, or
+    None without ``path``. Each step is marked with ``step()`` at its start."""
+    if not path:
+        return None
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(
+        wait=warmup, warmup=1, active=1 << 20))
+    profiler.start()
+    return profiler
+
+
 def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     api = _api(args.api, args.native)
@@ -120,9 +134,12 @@ def train(args: argparse.Namespace) -> int:
     ends = [time.perf_counter()]
     cpu = [time.process_time()]
     loss = torch.zeros(())
+    profiler = _profiler(args.profile, device, args.warmup) if rank == 0 else None
     for epoch in api["epochs"](0, 1):
         loader.sampler.set_epoch(epoch)
         for source, targets in loader:
+            if profiler is not None:
+                profiler.step()
             source, targets = source.to(device), targets.to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(ddp(source), targets)
@@ -132,6 +149,10 @@ def train(args: argparse.Namespace) -> int:
             loss.item()
             ends.append(time.perf_counter())
             cpu.append(time.process_time())
+    if profiler is not None:
+        profiler.stop()
+        Path(args.profile).write_text(profiler.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=80, max_name_column_width=60))
     steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
     cpu_steps = [b - a for a, b in zip(cpu, cpu[1:], strict=False)]
     if len(steps) != batches:
@@ -161,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=32, help="samples per rank and step")
     ap.add_argument("--workers", type=int, default=0, help="DataLoader workers per rank")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (every rank shares it)")
+    ap.add_argument("--profile", default="",
+                    help="rank 0 writes torch's profiler table of the timed steps here "
+                         "(slows them: not for timing)")
     ap.add_argument("--out", required=True, help="JSON file rank 0 writes")
     args = ap.parse_args(argv)
     if args.native and args.api != "torchpass":
