@@ -442,24 +442,31 @@ class Session(Trainer):
         DDP's ``broadcast_buffers`` gives the next forward. Raises :class:`JobMismatch` when the
         ranks are at different steps."""
         head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k)], dtype=torch.float64)
-        # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say);
-        # the group moves it to its own device, and copy_ brings rank 0's back.
-        mine = torch.cat([head, *(b.detach().reshape(-1).to("cpu", torch.float64)
-                                  for b in self._buffers)])
-        votes = group.allgather(mine, watch=self._watch)
-        if {int(v[1].item()) for v in votes} != {k}:
+        # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say):
+        # one copy per device (each copy from a GPU waits for it), and the group moves the
+        # vote to its own device. Read back in one copy too.
+        runs = _runs_by_device(self._buffers)
+        mine = torch.cat([head, *(torch.cat([b.detach().reshape(-1).to(torch.float64)
+                                             for b in run]).to("cpu") for run in runs)])
+        votes = torch.stack(group.allgather(mine, watch=self._watch)).to("cpu")
+        if set(votes[:, 1].tolist()) != {float(k)}:
             group.abandon()
             raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "
                               f"{k}: not the same job")
-        if not all(v[0].item() == 1.0 for v in votes):
+        if not bool((votes[:, 0] == 1.0).all()):
             self.log("commit_vetoed", step=k, config_id=group.config_id,
                      fenced=self.agent.fenced)
             self._await_lease()
             return False
         offset = len(head)
-        for b in self._buffers:
-            b.detach().copy_(votes[0][offset:offset + b.numel()].view_as(b))
-            offset += b.numel()
+        for run in runs:
+            n = sum(b.numel() for b in run)
+            first = votes[0, offset:offset + n].to(run[0].device)
+            offset += n
+            at = 0
+            for b in run:
+                b.detach().copy_(first[at:at + b.numel()].view_as(b))
+                at += b.numel()
         return True
 
     def _close_step(self, k: int, results: list[torch.Tensor]) -> None:
@@ -613,3 +620,14 @@ def _allgather_bytes(group: ManagedGroup, data: bytes,
 def _mark_used(flags: torch.Tensor, index: int, _param: torch.Tensor) -> None:
     """Post-accumulate-grad hook: parameter ``index`` received a gradient in this step."""
     flags[index] = 1
+
+
+def _runs_by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of consecutive tensors on one device."""
+    runs: list[list[torch.Tensor]] = []
+    for t in tensors:
+        if runs and runs[-1][0].device == t.device:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    return runs
