@@ -3,12 +3,14 @@
 :class:`DistributedSampler` is torch's, with the rank and world size taken from this member's
 place in the configuration, and a start offset a spare is given once. :class:`DataLoader` is
 torch's, counting the batches it hands the training loop; with a :class:`DistributedSampler`
-it also seeds every sample's fetch: before ``dataset[i]`` of epoch ``e``, the worker's torch,
+it also seeds every batch's fetch: before the samples of a batch whose first index is ``i`` in
+epoch ``e`` are fetched (in order, by one worker, as torch's fetcher does), the worker's torch,
 ``random`` and numpy generators are seeded from ``(seed, e, i)`` (:func:`splitmix64` of the
-epoch's base seed plus ``i``), so a random transform draws
-the same in every process whichever worker fetches the sample (a worker's generator otherwise
-depends on the batches it fetched before, which a replacement that starts mid-epoch never
-fetched).
+epoch's base seed plus ``i``), so a random transform draws the same in every process whichever
+worker fetches the batch (a worker's generator otherwise depends on the batches it fetched
+before, which a replacement that starts mid-epoch never fetched). Without automatic batching
+(``batch_size=None``) every sample is seeded on its own. Seeding costs tens of microseconds
+(``random`` and numpy's Mersenne Twisters): once a batch, not once a sample.
 
 The position of a step boundary (``docs/training.md``): every tracked loader's ``(epoch,
 batches handed out by its current iterator)``, taken just before the step's first batch was
@@ -109,10 +111,21 @@ class _SeededSamples(tud.Dataset):  # type: ignore[type-arg]
 
     def __getitem__(self, key: Any) -> Any:
         epoch, index = key
+        self._seed(epoch, index)
+        return self.dataset[index]
+
+    def __getitems__(self, keys: list[Any]) -> Any:
+        """A batch (torch's fetcher calls this with the batch's keys, in order): seeded once,
+        from its first key."""
+        self._seed(*keys[0])
+        indices = [index for _, index in keys]
+        many = getattr(self.dataset, "__getitems__", None)
+        return many(indices) if many is not None else [self.dataset[i] for i in indices]
+
+    def _seed(self, epoch: int, index: int) -> None:
         if epoch != self._epoch:
             self._epoch, self._base = epoch, step_seed(self.seed ^ SAMPLE_SALT, epoch, 0)
         seed_globals(splitmix64(self._base + index))
-        return self.dataset[index]
 
     def __getattr__(self, name: str) -> Any:
         if name in ("dataset", "seed", "_epoch", "_base"):
