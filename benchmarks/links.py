@@ -2,14 +2,16 @@
 
 Each source gets its own network namespace joined to this one by a veth pair, and a token-bucket
 filter (``tc tbf``) on the namespace's end limits what the source can send: as if each source
-were another host with an uplink of ``gbit`` Gbit/s. Linux only, needs root and ``ip`` / ``tc``
-(iproute2); DESIGN section 13 notes that namespaces, veth and tbf work on these machines (``tc
-netem`` does not).
+were another host with an uplink of ``gbit`` Gbit/s. Several processes in one namespace share
+its link: as if every source sat behind the receiver's one incoming link of that rate. Linux
+only, needs root and ``ip`` / ``tc`` (iproute2); DESIGN section 13 notes that namespaces, veth
+and tbf work on these machines (``tc netem`` does not).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -28,6 +30,8 @@ class Link:
 
     namespace: str
     address: str
+    device: str = ""
+    """The veth end in ``namespace``, whose queue discipline is the rate limit."""
 
     def argv(self, command: list[str]) -> list[str]:
         """``command`` run inside this link's namespace."""
@@ -48,10 +52,14 @@ def _run(*args: str) -> None:
 
 
 @contextlib.contextmanager
-def source_links(count: int, gbit: float, prefix: str = "tpbench") -> Iterator[list[Link]]:
+def source_links(count: int, gbit: float, prefix: str = "tpbench", burst: str = BURST,
+                 subnet: str = SUBNET) -> Iterator[list[Link]]:
     """``count`` namespaces, each joined to this one by a veth pair whose namespace end sends
-    at most ``gbit`` Gbit/s; all removed on exit. Raises ``subprocess.CalledProcessError`` when
-    a command fails (the ones made so far are removed)."""
+    at most ``gbit`` Gbit/s (``tc`` rate syntax: 0.016 is 2 MB/s) with a token bucket of
+    ``burst`` (``tc`` size syntax), link ``i`` in ``subnet``'s ``.i.0/30`` (another subnet
+    keeps two benchmarks running at once apart); all removed on exit. Raises
+    ``subprocess.CalledProcessError`` when a command fails (the ones made so far are
+    removed)."""
     tag = f"{prefix}{os.getpid() % 10000}"
     made: list[str] = []
     try:
@@ -62,16 +70,24 @@ def source_links(count: int, gbit: float, prefix: str = "tpbench") -> Iterator[l
             made.append(ns)
             _run("ip", "link", "add", here, "type", "veth", "peer", "name", there)
             _run("ip", "link", "set", there, "netns", ns)
-            _run("ip", "addr", "add", f"{SUBNET}.{i}.1/30", "dev", here)
+            _run("ip", "addr", "add", f"{subnet}.{i}.1/30", "dev", here)
             _run("ip", "link", "set", here, "up")
-            _run("ip", "-n", ns, "addr", "add", f"{SUBNET}.{i}.2/30", "dev", there)
+            _run("ip", "-n", ns, "addr", "add", f"{subnet}.{i}.2/30", "dev", there)
             _run("ip", "-n", ns, "link", "set", there, "up")
             _run("ip", "-n", ns, "link", "set", "lo", "up")
             _run("tc", "-n", ns, "qdisc", "add", "dev", there, "root", "tbf", "rate",
-                 f"{gbit}gbit", "burst", BURST, "latency", "100ms")
-            links.append(Link(ns, f"{SUBNET}.{i}.2"))
+                 f"{gbit}gbit", "burst", burst, "latency", "100ms")
+            links.append(Link(ns, f"{subnet}.{i}.2", there))
         yield links
     finally:
         for ns in made:  # deleting a namespace deletes its veth end, and so the pair
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30,
                            check=False)
+
+
+def sent_bytes(link: Link) -> int:
+    """Bytes the link's rate limit has let through so far (``tc -s``: every packet sent from
+    the namespace, headers included)."""
+    out = subprocess.run(["tc", "-s", "-j", "-n", link.namespace, "qdisc", "show", "dev",
+                          link.device], check=True, capture_output=True, text=True, timeout=30)
+    return sum(int(q.get("bytes", 0)) for q in json.loads(out.stdout))

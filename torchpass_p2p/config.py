@@ -31,7 +31,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "failed_rounds_to_alert",
     ),
     "observers": ("observers", "min_alerts_to_confirm"),
-    "suspicion": ("suspicion_min_s", "suspicion_max_s"),
+    "suspicion": ("suspicion_min_s", "suspicion_max_s", "start_grace_s"),
     "health": ("max_health_multiplier", "stall_tolerance_s", "self_suspect_after_s"),
     "gossip": ("retransmit_mult", "gossip_interval_s", "gossip_fanout", "max_piggyback"),
     "sync": ("sync_interval_s", "sync_page_entries"),

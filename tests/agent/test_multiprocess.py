@@ -26,15 +26,18 @@ MEMBER = str(REPO / "tests" / "agent" / "mp_member.py")
 class Run:
     """One launcher with its children, and their logs."""
 
-    def __init__(self, tmp_path: Path, ranks: int, spares: int, **env: str) -> None:
+    def __init__(self, tmp_path: Path, ranks: int, spares: int, *, profile: str = "",
+                 **env: str) -> None:
         self.logs = tmp_path / "logs"
         self.logs.mkdir(parents=True)
         environ = clean_environ() | {"MP_LOG_DIR": str(self.logs), "PYTHONPATH": str(REPO)}
         environ |= env
         self.ranks, self.spares = ranks, spares
-        self.launcher = start_launcher(
-            ["--nproc", str(ranks), "--spares", str(spares), "--grace", "3", MEMBER],
-            env=environ)
+        args = ["--nproc", str(ranks), "--spares", str(spares), "--grace", "3"]
+        if profile:  # protocol parameters (TOML) other than the defaults
+            (tmp_path / "profile.toml").write_text(profile)
+            args += ["--config", str(tmp_path / "profile.toml")]
+        self.launcher = start_launcher([*args, MEMBER], env=environ)
 
     def records(self) -> dict[str, list[dict]]:
         out = {}
@@ -131,7 +134,11 @@ def test_s03_a_paused_rank_is_replaced_once_fenced_on_waking_and_never_trains_ag
 
 
 def test_s07_a_member_whose_sends_fail_suspects_itself_and_is_replaced(tmp_path):
-    run = Run(tmp_path, 3, 1, MP_UNSHARE_RANK="2")
+    # The victim's agent starts in the empty namespace: nobody ever hears it, as if it had not
+    # started, so under the default 30 s start-up grace (Params.start_grace_s, exact in
+    # tests/core/test_start_grace.py) its replacement would wait that out. This scenario is a
+    # member losing its network: a 1 s grace.
+    run = Run(tmp_path, 3, 1, profile="[suspicion]\nstart_grace_s = 1.0\n", MP_UNSHARE_RANK="2")
     try:
         up = run.started()
         victim = next(m for m, r in up.items() if r["rank"] == 2)

@@ -71,6 +71,13 @@ def test_children_get_the_contract_and_never_the_key(tmp_path: Path) -> None:
 
         ids = [e["TORCHPASS_MEMBER_ID"] for e in envs]
         assert len(set(ids)) == 3 and all(len(i) == 16 for i in ids)
+        # Each child is told when the launcher started it and those before it (its agent's
+        # start-up grace for members it has not heard from yet: Params.start_grace_s).
+        records = [dict(part.split("@") for part in e["TORCHPASS_STARTED"].split(","))
+                   for e in envs]
+        assert sorted(len(r) for r in records) == [1, 2, 3]
+        assert all(e["TORCHPASS_MEMBER_ID"] in r and set(r) <= set(ids)
+                   for e, r in zip(envs, records, strict=True))
         ranks = sorted((e for e in envs if e["TORCHPASS_ROLE"] == "rank"),
                        key=lambda e: e["RANK"])
         (spare,) = [e for e in envs if e["TORCHPASS_ROLE"] == "spare"]

@@ -76,7 +76,8 @@ def test_environment_of_a_rank_and_of_a_spare() -> None:
     rank, _, spare = children()
     inherited = {"PATH": "/bin", "RANK": "9", "TORCHPASS_KEY": "ab" * 32,
                  "TORCHPASS_SEEDS": "x:1", "TORCHPASS_POLICY": "shrink",
-                 "TORCHPASS_BIND_FDS": "3,4", "TORCHPASS_STATUS_FD": "5"}
+                 "TORCHPASS_BIND_FDS": "3,4", "TORCHPASS_STATUS_FD": "5",
+                 "TORCHPASS_STARTED": "000000000000000a@1.0"}
     env = child_environment(rank, RUN, base=inherited)
     assert env == {
         "PATH": "/bin", "TORCHPASS_POLICY": "shrink",
@@ -92,6 +93,8 @@ def test_environment_of_a_rank_and_of_a_spare() -> None:
     assert env["TORCHPASS_ROLE"] == "spare" and env["TORCHPASS_SEEDS"] == "10.0.0.5:100,[::1]:7"
     assert (env["TORCHPASS_BIND_FDS"], env["TORCHPASS_STATUS_FD"]) == ("5,6", "7")
     assert not {"RANK", "TORCHPASS_CONFIGURATION", "TORCHPASS_KEY"} & set(env)
+    env = child_environment(rank, RUN, started={10: 12.5, 12: 13.0})
+    assert env["TORCHPASS_STARTED"] == "000000000000000a@12.500,000000000000000c@13.000"
     with pytest.raises(ValueError, match="neither configuration 0 nor seeds"):
         child_environment(spare, RunContext("c", "k", "r", Topology(), 1))
 

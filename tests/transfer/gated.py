@@ -18,9 +18,9 @@ class GatedServer(TransferServer):
 
     ready = staticmethod(lambda server: len(server.asking) >= 2)
 
-    async def serve_chunk(self, conn, snapshot, index, header):
+    async def serve_chunk(self, conn, snapshot, index, header, skip=0):
         self.asking.add(conn)
         async with asyncio.timeout(30):
             while not self.ready(self):
                 await asyncio.sleep(0.001)
-        await super().serve_chunk(conn, snapshot, index, header)
+        await super().serve_chunk(conn, snapshot, index, header, skip)

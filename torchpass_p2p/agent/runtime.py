@@ -233,7 +233,7 @@ class AgentRuntime:
         assert self.address is not None
         if s.configuration is not None:
             self.member = Member(s.member_id, s.configuration, params=s.params, rng=self._rng,
-                                 now=self._clock(), policy=s.policy)
+                                 now=self._clock(), policy=s.policy, started=s.started)
         else:
             config = await self._fetch_configuration()
             seeds = _seed_members(config, s.seeds)

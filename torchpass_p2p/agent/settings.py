@@ -24,11 +24,15 @@ Environment (the launcher's contract with the processes it starts):
 ``TORCHPASS_HEALTH``        ``auto`` (NVML when present) or ``off``
 ``TORCHPASS_PULSE``         ``on`` (default) or ``off``: the native pulse responder and prober
 ``TORCHPASS_JOIN_TIMEOUT``  seconds a joining process asks its seeds before giving up (30)
+``TORCHPASS_STARTED``       ``member@seconds,...``: when the launcher started each process it had
+                            started so far (``CLOCK_MONOTONIC``, this host's), for the start-up
+                            grace of members not heard from yet (``Params.start_grace_s``)
 ==========================  ==================================================================
 """
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import tomllib
@@ -44,7 +48,7 @@ from torchpass_p2p.core.params import Params
 from torchpass_p2p.core.plan import Policy
 from torchpass_p2p.core.seal import KEY_BYTES, Keyring
 
-from .bootstrap import read_configuration
+from .bootstrap import MAX_MEMBERS, read_configuration
 
 __all__ = ["AgentSettings", "SettingsError", "load_settings", "parse_address", "parse_key",
            "read_keyring", "read_keys"]
@@ -88,6 +92,11 @@ class AgentSettings:
     (the launcher binds a child's ports before it starts it: :mod:`torchpass_p2p.launch.ports`)."""
     status_fd: int | None = None
     """Descriptor of a TCP socket already bound to ``status``, likewise."""
+    started: Mapping[MemberId, float] | None = None
+    """When the launcher started each member's process (``time.monotonic()`` seconds: the
+    runtime's clock must be that one, as it is by default): members of configuration 0 not
+    heard from yet are accused by nobody until ``params.start_grace_s`` after it (after this
+    process's own start for one missing here). None (no launcher): no grace."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.member_id <= MAX_MEMBER_ID:
@@ -254,6 +263,8 @@ def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
         if v not in ("on", "off"):
             raise SettingsError(f"{ENV_PREFIX}PULSE: on or off, got {v!r}")
         out["pulse"] = v == "on"
+    if (v := get("STARTED")) is not None:
+        out["started"] = _started(v, ENV_PREFIX + "STARTED")
     return out
 
 
@@ -306,6 +317,24 @@ def _float(text: str, where: str) -> float:
         return float(text)
     except ValueError:
         raise SettingsError(f"{where}: a number of seconds, got {text!r}") from None
+
+
+def _started(text: str, where: str) -> dict[MemberId, float]:
+    """``member@seconds,...`` (member ids as 16 hex digits) -> {member: seconds}."""
+    out: dict[MemberId, float] = {}
+    parts = text.split(",")
+    if len(parts) > MAX_MEMBERS:
+        raise SettingsError(f"{where}: more than {MAX_MEMBERS} entries")
+    for part in parts:
+        member, sep, seconds = part.strip().partition("@")
+        try:
+            key, at = int(member, 16), float(seconds)
+        except ValueError:
+            key, at = -1, math.nan
+        if not sep or len(member) != 16 or key < 0 or not math.isfinite(at):
+            raise SettingsError(f"{where}: member@seconds entries, got {part!r:.60}")
+        out[key] = at
+    return out
 
 
 def _descriptors(text: str, where: str, *, count: int) -> tuple[int, ...]:

@@ -20,6 +20,13 @@ Evidence. An observer raises an :class:`Alert` only after M consecutive failed r
 counting them, and one that heard no ack from anyone for ``self_suspect_after_s`` suspects itself
 and accuses nobody. All probe timings are stretched by Lifeguard's local health multiplier.
 
+Start-up grace. A member of the configuration this member started in that it has not heard from
+yet is accused by nobody until ``start_grace_s`` after its process was started (``started``: what
+the host was told, e.g. by the launcher that started it): its training script may still be
+importing torch. Failed rounds against it, its pulse's silence and reports that it is unreachable
+count for nothing meanwhile; its first word ends its grace, and so does the deadline, so a member
+that never starts is convicted ``start_grace_s`` later than one that stopped.
+
 Suspicion. The first alert about a subject starts a suspicion whose timeout shrinks with each
 independent alert (Lifeguard section IV-B). On expiry, with at least L distinct observers' alerts
 (no single accuser convicts), the member confirms :class:`Dead` and spreads it. The subject refutes
@@ -41,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Final
 
 from . import events as ev
@@ -206,6 +213,11 @@ class Member:
             in one process may share (the simulator does: 16k members then build one
             configuration and its rings per change, not 16k). The function is pure, so sharing
             changes no result. None: a private memo.
+        started: when each member of ``configuration`` had its process started (seconds, this
+            member's clock; the launcher's record), for the start-up grace (module docstring):
+            a member missing here counts as started at ``now``, one said to start later too,
+            so no grace ends past ``now + params.start_grace_s``. None: no grace (a joiner, or
+            a host that starts every member itself before any probes, as the simulator does).
 
     Raises:
         ValueError: ``member_id`` is not in ``configuration`` (or is, with ``joining``), or
@@ -224,6 +236,7 @@ class Member:
         joining: Joiner | None = None,
         seeds: tuple[MemberId, ...] = (),
         transitions: Transitions | None = None,
+        started: Mapping[MemberId, float] | None = None,
     ) -> None:
         if joining is None and member_id not in configuration:
             raise ValueError("member_id is not part of the configuration")
@@ -272,7 +285,15 @@ class Member:
         self._accused_at: dict[MemberId, float] = {}  # first alert or verdict we heard of
         self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
         self._in_contact = True  # heard from at least half our neighbours lately
+        # Member -> end of its start-up grace (seconds): not heard from since it was started.
+        self._awaiting: dict[MemberId, float] = {}
         self._set_configuration(configuration)
+        if started is not None and joining is None:
+            grace = params.start_grace_s
+            for m in configuration.members:
+                until = min(started.get(m, now), now) + grace
+                if m != member_id and until > now:
+                    self._awaiting[m] = until
         self._cut_dirty = False
         self._reconf = Reconfiguration(self, configuration, policy=policy, joining=joining,
                                        seeds=seeds, transitions=transitions, now=now)
@@ -290,6 +311,8 @@ class Member:
             self._counts["dropped_after_removal"] += 1
             return
         self._received += 1
+        if self._awaiting:
+            self._awaiting.pop(sender, None)  # it has started: no grace from now on
         heard = self._heard  # keyed by our neighbours only: any word from one is contact
         if sender in heard:
             heard[sender] = now
@@ -400,6 +423,9 @@ class Member:
                 or subject not in self._config):
             return False
         self._counts["evidence_reported"] += 1
+        if self._awaiting and self._starting(now, subject):
+            self._counts["evidence_in_start_grace"] += 1
+            return False
         if subject in self._subjects:
             raised = self._raise_alert(now, subject)
             if raised and self._cut_dirty:
@@ -428,6 +454,9 @@ class Member:
                 or subject not in self._subjects):
             return False
         self._counts["silences_reported"] += 1
+        if self._awaiting and self._starting(now, subject):
+            self._counts["evidence_in_start_grace"] += 1
+            return False
         if self.self_suspected or self._isolated(now):
             self._counts["silences_ignored_isolated"] += 1
             return False
@@ -613,7 +642,7 @@ class Member:
         for member in [m for m in self._view if m not in config]:
             self._set_view(member, ALIVE, 0)
         for table in (self._suspicions, self._last_ack_from, self._alerted, self._confirmers,
-                      self._accused_at):
+                      self._accused_at, self._awaiting):
             for member in [m for m in table if m not in config]:
                 del table[member]
         subjects = set(self._subjects)
@@ -700,6 +729,10 @@ class Member:
                 self._round_failed(now, rnd, missed_nacks=len(rnd.relays) - len(rnd.nacked))
 
     def _round_failed(self, now: float, rnd: _Round, missed_nacks: int) -> None:
+        if self._awaiting and self._starting(now, rnd.subject):
+            # Says nothing of the subject (it may not run yet) nor of us: no count, no health.
+            self._counts["rounds_in_start_grace"] += 1
+            return
         # memberlist's awareness rule (Lifeguard IV-A): with relays, only missing nacks count
         # against us (relays that nacked saw the subject silent too); without relays, +1.
         self._counts["probe_rounds_failed"] += 1
@@ -735,6 +768,17 @@ class Member:
         # same with suspect messages).
         self._send(subject, Gossip((alert,)))
         return True
+
+    def _starting(self, now: float, member: MemberId) -> bool:
+        """Whether ``member`` is in its start-up grace: not heard from yet, and its grace has
+        not ended (an ended one is forgotten)."""
+        until = self._awaiting.get(member)
+        if until is None:
+            return False
+        if now < until:
+            return True
+        del self._awaiting[member]
+        return False
 
     def _isolated(self, now: float) -> bool:
         # Not stretched by local health: health rises precisely while we are cut off, and a

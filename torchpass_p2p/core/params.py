@@ -52,6 +52,16 @@ class Params:
     stalls for 2 s can refute: first alert after >= 1.5 s, dead no sooner than 2.5 s."""
     suspicion_max_s: float = 6.0
     """Suspicion timeout with a single accuser. Lifeguard: beta = 6 times the minimum."""
+    start_grace_s: float = 30.0
+    """Start-up grace: a member of the configuration an observer started in that it has not
+    heard from yet is not accused (failed probe rounds, pulse silences, unreachable reports)
+    until this long after its process was started, as its host was told (the launcher's
+    record, ``Member``'s ``started``; the observer's own start where it was not). A training
+    script imports torch and builds its model before its agent answers: 2-10 s on a loaded
+    host, where a rank whose process started 2.9 s after the others' was convicted 2.55 s
+    into their probing, before its script ran. Bounded, so a member that never starts is
+    still convicted, this much later; its launcher reports a process that exits at once
+    (``report_exited``, no grace). Ours."""
 
     # --- local health (Lifeguard section IV-A) ---
     max_health_multiplier: int = 8

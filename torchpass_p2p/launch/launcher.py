@@ -228,6 +228,13 @@ class _Supervisor:
         self.evidence: set[asyncio.Task[int]] = set()
         self.reserved: dict[MemberId, tuple[Reservation, Reservation]] = {}
         """Each child's gossip and status ports, bound until the child holds them (ports.py)."""
+        self.started: dict[MemberId, float] = {}
+        """When each child was started (``time.monotonic()`` as its start began:
+        ``CLOCK_MONOTONIC``, which its agent reads too). Each child is told those up to its own
+        (``TORCHPASS_STARTED``): its agent accuses none of them before
+        ``Params.start_grace_s`` after their start unless it has heard from them, nor one started
+        after it before that long after its own agent started (a loaded host starts one
+        process seconds after another)."""
 
     # --- setup ---
 
@@ -369,8 +376,10 @@ class _Supervisor:
     async def _start(self, spec: ChildSpec, *, seeds: Sequence[Address]) -> None:
         """Start ``spec``'s process with its reserved sockets (then released here)."""
         gossip, status = self.reserved.pop(spec.member_id)
+        self.started[spec.member_id] = time.monotonic()  # (the record is never empty)
         env = child_environment(spec, self.run_context, seeds=seeds, base=self.environ,
-                                bind_fds=gossip.fds, status_fd=status.fds[0])
+                                bind_fds=gossip.fds, status_fd=status.fds[0],
+                                started=self.started)
         argv = [self.options.python, self.options.script, *self.options.script_args]
         try:
             child = await Child.start(spec, argv, env, pass_fds=(*gossip.fds, *status.fds))

@@ -39,7 +39,8 @@ OWNED_VARIABLES = (
     "TORCHPASS_BIND", "TORCHPASS_BIND_FDS", "TORCHPASS_CONFIGURATION", "TORCHPASS_SEEDS",
     "TORCHPASS_STATUS", "TORCHPASS_STATUS_FD",
     "TORCHPASS_PROFILE", "TORCHPASS_TOPOLOGY", "TORCHPASS_ROLE", "TORCHPASS_RUN_DIR",
-    "TORCHPASS_LAUNCHER_PID", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "TORCHPASS_LAUNCHER_PID", "TORCHPASS_STARTED", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
 )
 """Variables the launcher sets or deliberately leaves unset in a child. Values inherited from the
 launcher's own environment are removed first, so that a spare never inherits a ``RANK`` and a
@@ -202,6 +203,7 @@ def child_environment(
     base: Mapping[str, str] | None = None,
     bind_fds: tuple[int, ...] = (),
     status_fd: int | None = None,
+    started: Mapping[MemberId, float] | None = None,
 ) -> dict[str, str]:
     """The environment of ``spec``'s process: ``base`` (the launcher's own) without
     :data:`OWNED_VARIABLES`, plus the contract of :mod:`torchpass_p2p.agent.settings`.
@@ -211,6 +213,9 @@ def child_environment(
     ``TORCHPASS_CONFIGURATION`` is set only for a member of configuration 0 (``run.configuration``
     set and ``seeds`` empty); otherwise the child joins through ``seeds``. ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` are set only for a rank.
+    ``started``: when the launcher started each process it has started so far
+    (``time.monotonic()`` seconds), as ``TORCHPASS_STARTED``: the child's agent gives members
+    it has not heard from yet a start-up grace from then (``Params.start_grace_s``).
 
     Raises ``ValueError`` for a child that has neither a configuration nor seeds.
     """
@@ -229,6 +234,9 @@ def child_environment(
         env["TORCHPASS_BIND_FDS"] = ",".join(map(str, bind_fds))
     if status_fd is not None:
         env["TORCHPASS_STATUS_FD"] = str(status_fd)
+    if started:
+        env["TORCHPASS_STARTED"] = ",".join(f"{format_member_id(m)}@{t:.3f}"
+                                            for m, t in started.items())
     if run.profile is not None:
         env["TORCHPASS_PROFILE"] = run.profile
     if seeds:

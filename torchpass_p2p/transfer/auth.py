@@ -41,8 +41,9 @@ from .frames import Conn, encode_frame, field
 INFO = b"torchpass transfer v1"
 NONCE_BYTES = 32
 TRANSFER_ID_BYTES = 16
-VERSION = 2
-"""Of the transfer protocol (``frames``); 2: chunk MACs over every byte (``chunkmac``)."""
+VERSION = 3
+"""Of the transfer protocol (``frames``); 2: chunk MACs over every byte (``chunkmac``); 3: chunk
+requests that skip bytes the receiver holds, and ``keepalive``."""
 
 
 def derive(key: bytes) -> bytes:

@@ -2,8 +2,9 @@
 
 ``await fetch(sources, keys, config_id, into=...)``:
 
-1. **Open** every source concurrently (connect, handshake, manifest), each within
-   ``connect_timeout_s``. A source that refuses or misbehaves is counted and left out.
+1. **Open** every source concurrently (connect, handshake, manifest), each dropped after
+   ``connect_timeout_s`` without progress (connecting, then no byte moving). A source that
+   refuses or misbehaves is counted and left out.
 2. **Agree.** Each manifest's fingerprint is recomputed locally from its bytes. With
    ``expected_fingerprint`` (from the plan) only sources holding it are used; without, the
    fingerprint held by most sources wins and a tie is :class:`TransferFailed`
@@ -25,8 +26,15 @@
    length); a chunk counts only once its MAC verifies.
 5. **Failover.** A source that closes, errs, sends a bad chunk, or makes no progress for
    ``progress_timeout_s`` seconds on any of its connections is dropped, all its connections
-   with it; their unverified chunks go back to the queue and the other sources take them. No
-   fixed total deadline: only "no progress for T". A straggler's chunks are offered to an idle
+   with it; their unverified chunks go back to the queue and the other sources take them. A
+   chunk it was receiving in place is resumed, not received again: the next source is asked
+   for its bytes past those already in (``get`` with ``s``), and the chunk's MAC runs over the
+   bytes in memory and the rest; should that MAC fail, the bytes of the failed source may be
+   at fault, so the chunk is received whole once more and nobody is blamed. No fixed total
+   deadline and none per message: only "no progress for T" (a 16 MiB chunk from one of 7
+   sources sharing 2 MB/s takes ~55 s). A connection with nothing to receive (its source is
+   idle) sends a ``keepalive`` every ``KEEPALIVE_S``, so the source keeps it open for the
+   chunks a failed source may hand back. A straggler's chunks are offered to an idle
    source while the straggler keeps them (see ``STRAGGLER_FACTOR``): the first verified copy
    counts, so the idle source's death loses nothing.
 6. **Done** when every chunk is verified: each chunk's bytes are those its source MAC'd from
@@ -63,6 +71,7 @@ from .frames import (
     LEN_BYTES,
     MAX_FRAME_BYTES,
     Conn,
+    NoProgress,
     decode_frame,
     encode_frame,
     set_buffers,
@@ -77,16 +86,32 @@ PROGRESS_TIMEOUT_S = 10.0
 megabytes per second; 10 s is well below the minutes a stuck collective would cost."""
 WATCHDOG_FACTOR = 2.0
 """The watchdog shuts down a connection whose receive or send has not returned for this many
-times ``progress_timeout_s`` (the kernel's timeout ends one at ``progress_timeout_s``)."""
+times ``progress_timeout_s`` (the kernel's timeout ends one every ``progress_timeout_s / 4``)."""
+KERNEL_TIMEOUT_PARTS = 4
+"""A receiving thread's socket calls end after ``progress_timeout_s / 4`` (``SO_RCVTIMEO`` /
+``SO_SNDTIMEO``), and the thread fails its source once no byte moved for ``progress_timeout_s``.
+With the whole ``progress_timeout_s`` as the kernel's timeout, a receive that got a few bytes
+before the source stalled returned them only at its end, and the next call waited as long
+again: a stalled source was dropped up to 2 x ``progress_timeout_s`` after its last byte (20 s
+at the defaults, measured behind a 2 MB/s link)."""
 CONNECT_TIMEOUT_S = 5.0
-"""Connect, handshake and manifest, per source."""
+"""Opening a source (connect, handshake, manifest): dropped after this long without progress
+(connecting, then no byte moving)."""
+KEEPALIVE_S = 10.0
+"""An idle connection (its source has nothing this receiver still needs) sends a ``keepalive``
+frame this often, well inside the server's ``IDLE_TIMEOUT_S`` (60 s): the connection stays
+open for the chunks a failed source hands back. Before, such connections were closed after 60
+s while the transfer went on, and a chunk handed to one then failed on it."""
+BYE_TIMEOUT_S = 1.0
+"""The closing ``bye`` is given up after this long without progress."""
 WINDOW_CHUNKS = 4
 """Chunks per source requested and not yet verified (4 x 16 MiB = 64 MiB): enough to keep a
 loopback or LAN pipe full across the request round trip; a slow source gets no new chunks
 until its outstanding ones arrive (the stripe follows what each source delivers)."""
 STRAGGLER_FACTOR = 8.0
 STRAGGLER_FLOOR_S = 1.0
-"""A busy source whose oldest chunk has taken 8 times the fastest recent chunk, and over 1 s,
+"""A busy source whose oldest chunk has taken 8 times what its bytes took at the fastest recent
+chunk's rate (seconds per byte: a short last chunk sets no bar for a full one), and over 1 s,
 while another source sits idle with the queue empty, is a straggler: its chunks are offered to
 the idle ones while it keeps them, the first verified copy of each counts, and it is dropped
 (``too_slow``) once the others have them all, or one of them has the chunk it is receiving
@@ -132,6 +157,7 @@ chunks verified from others): it is shut down, and not counted in ``failures``."
 
 Address = tuple[str, int]
 log = logging.getLogger(__name__)
+_KEEPALIVE = encode_frame("keepalive")
 
 
 @dataclass
@@ -147,6 +173,13 @@ class FetchResult:
     refetched_chunks: int
     allocated_bytes: int
     seconds: float
+    received_bytes: int = 0
+    """Bytes read from every connection of the transfer (frames, manifests, chunk bytes,
+    verified or not: a failed source's part of a chunk counts), to compare with the state's.
+    0 from the process-group transport, which does not count them."""
+    resumed_chunks: int = 0
+    """Chunks a source failed while sending that another source finished from where it
+    stopped (their bytes received once)."""
 
 
 @dataclass(eq=False)
@@ -162,12 +195,19 @@ class _Source:
     failed: str | None = None
     bytes: int = 0
     head_since: float = 0.0  # monotonic seconds since its oldest requested chunk is awaited
-    chunk_s: float | None = None  # seconds its last chunk took
+    byte_s: float | None = None  # seconds per byte its last chunk took
     straggler: bool = False  # its chunks were offered to the other sources (it still holds them)
+    skips: dict[int, int] = field(default_factory=dict)  # chunk -> bytes its request skips
+    landing: int | None = None  # the chunk being received in place, while it is
+    landed: int = 0  # bytes of ``landing`` received (after those skipped)
+    sent_at: float = 0.0  # monotonic seconds of its last frame to the source
 
 
 async def _open(addr: Address, keys: TransferKeys, config_id: int, tid: bytes, algo: str,
-                step: int | None, max_manifest_bytes: int, max_state_bytes: int) -> _Source:
+                step: int | None, max_manifest_bytes: int, max_state_bytes: int,
+                timeout_s: float) -> _Source:
+    """Connect to ``addr``, authenticate and read its manifest; ``TimeoutError`` after
+    ``timeout_s`` without progress (``NoProgress``)."""
     loop = asyncio.get_running_loop()
     family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -175,20 +215,21 @@ async def _open(addr: Address, keys: TransferKeys, config_id: int, tid: bytes, a
     set_buffers(sock)
     conn = Conn(sock, loop)
     try:
-        await loop.sock_connect(sock, addr)
-        session, _server_config = await client_handshake(conn, keys, config_id, tid)
-        await conn.send(encode_frame("manifest?", algo=algo, step=step))
-        msg = await conn.read_frame()
-        if msg["op"] == "error":
-            raise Refused.of(msg)
-        if msg["op"] != "manifest":
-            raise PeerError("bad_frame", f"expected manifest, got {msg['op']!r}")
-        size = get_field(msg, "size", int)
-        wrapped = get_field(msg, "key", bytes, chunkmac.KEY_BYTES)
-        tag = get_field(msg, "tag", bytes, fp.TAG_BYTES)
-        if size > max_manifest_bytes:
-            raise PeerError("too_large", f"manifest of {size} bytes > {max_manifest_bytes}")
-        body = bytes(await conn.recv_exact(size))
+        async with NoProgress(conn, timeout_s):
+            await loop.sock_connect(sock, addr)
+            session, _server_config = await client_handshake(conn, keys, config_id, tid)
+            await conn.send(encode_frame("manifest?", algo=algo, step=step))
+            msg = await conn.read_frame()
+            if msg["op"] == "error":
+                raise Refused.of(msg)
+            if msg["op"] != "manifest":
+                raise PeerError("bad_frame", f"expected manifest, got {msg['op']!r}")
+            size = get_field(msg, "size", int)
+            wrapped = get_field(msg, "key", bytes, chunkmac.KEY_BYTES)
+            tag = get_field(msg, "tag", bytes, fp.TAG_BYTES)
+            if size > max_manifest_bytes:
+                raise PeerError("too_large", f"manifest of {size} bytes > {max_manifest_bytes}")
+            body = bytes(await conn.recv_exact(size))
         if not hmac.compare_digest(tag, fp.frame_tag(session, b"manifest", wrapped + body)):
             raise PeerError("bad_tag", "manifest tag")
         manifest = await asyncio.to_thread(decode_manifest, body, max_state_bytes)
@@ -213,13 +254,15 @@ class _Transfer:
     def __init__(self, sources: list[_Source], target: Snapshot, manifest: Manifest,
                  tid: bytes, window: int, progress_timeout_s: float,
                  on_progress: Callable[[int, int], None] | None,
-                 pool: ThreadPoolExecutor, failures: Counter[str]) -> None:
+                 pool: ThreadPoolExecutor, failures: Counter[str],
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self.sources = sources
         self.target = target
         self.m = manifest
         self.tid = tid
         self.window = window
         self.progress_timeout_s = progress_timeout_s
+        self.keepalive_s = keepalive_s
         self.on_progress = on_progress
         self.pool = pool
         self.failures = failures
@@ -228,9 +271,13 @@ class _Transfer:
         self.offered: deque[int] = deque()  # held by a straggler, offered to other sources
         self.verified = bytearray(manifest.num_chunks)  # 1: its first copy verified
         self.writer: dict[int, _Source] = {}  # chunk -> the connection receiving it in place
+        # chunk -> its bytes in the target (from its start) that a connection which failed
+        # while receiving it in place left: the next request for it skips them.
+        self.partial: dict[int, int] = {}
         self.remaining = manifest.num_chunks
         self.received_bytes = 0
         self.refetched = 0
+        self.resumed = 0
         self.stopping = False
         self.dropped: set[Address] = set()  # sources counted in ``failures``
         self.loop = asyncio.get_running_loop()
@@ -316,10 +363,11 @@ class _Transfer:
         timeout ends it, so a source trickling bytes refreshes its progress just then, and the
         watchdog raced that (a review: such a source was dropped after 3 s, 9 s, or never).
         And the straggler rule: while another source sits idle with nothing left to take, a
-        busy one whose oldest chunk has taken ``STRAGGLER_FACTOR`` times the fastest recent
-        chunk and over ``STRAGGLER_FLOOR_S`` has its chunks offered to the idle ones, which
-        no other source holds yet; it keeps them (the idle one may be dead: idle, it reads
-        nothing) and is dropped ``too_slow`` only once they are in from others."""
+        busy one whose oldest chunk has taken ``STRAGGLER_FACTOR`` times what its bytes took at
+        the fastest recent chunk's rate and over ``STRAGGLER_FLOOR_S`` has its chunks offered
+        to the idle ones, which no other source holds yet; it keeps them (the idle one may be
+        dead: idle, it reads nothing) and is dropped ``too_slow`` only once they are in from
+        others."""
         period = min(self.progress_timeout_s / 4, 1.0)
         while True:
             await asyncio.sleep(period)
@@ -329,18 +377,19 @@ class _Transfer:
                 live = [s for s in self.sources if not s.done and s.failed is None]
                 busy = [s for s in live if not s.idle]
                 idle_addrs = {s.addr for s in live if s.idle}
-                limit = None
+                fastest = None  # seconds per byte
                 if not self.queue and idle_addrs:
-                    fastest = min((s.chunk_s for s in self.sources if s.chunk_s is not None),
+                    fastest = min((s.byte_s for s in self.sources if s.byte_s is not None),
                                   default=None)
-                    if fastest is not None:
-                        limit = max(STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * fastest)
                 offered = len(self.offered)
                 for s in busy:
                     if now - s.conn.last_progress > WATCHDOG_FACTOR * self.progress_timeout_s:
                         s.failed = "no_progress"
                         drop.append(s)
-                    elif (limit is not None and s.inflight and now - s.head_since > limit
+                    elif (fastest is not None and s.inflight
+                          and now - s.head_since > max(
+                              STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * fastest
+                              * self.m.chunk_range(s.inflight[0])[1])
                           and idle_addrs - {s.addr}):  # idle: another source, not its own
                         offer = [i for i in s.inflight if not self.verified[i]
                                  and i not in self.offered and not self._held(i, s.addr)]
@@ -362,6 +411,9 @@ class _Transfer:
         while self.queue:
             i = self.queue.popleft()
             if not self.verified[i]:
+                # A queued chunk has no other holder, so nothing writes its bytes in place but
+                # ``s``: those a failed connection left stay put, and ``s`` skips them.
+                s.skips[i] = self.partial.get(i, 0)
                 return i
         for i in list(self.offered):
             if self.verified[i]:
@@ -370,6 +422,7 @@ class _Transfer:
                          for o in self.sources):
                 self.offered.remove(i)
                 self.refetched += 1  # handed to another source
+                s.skips[i] = 0  # received aside, whole (its straggler writes it in place)
                 return i
         return None
 
@@ -391,6 +444,7 @@ class _Transfer:
         connections to shut down: stragglers whose every chunk is in from others (they would
         only receive copies), and once the last chunk is in, any that still holds one."""
         self.verified[i] = 1
+        self.partial.pop(i, None)
         s.bytes += n
         self.remaining -= 1
         self.received_bytes += n
@@ -441,7 +495,7 @@ class _Transfer:
         try:
             sock = s.conn.sock
             sock.setblocking(True)
-            set_timeouts(sock, self.progress_timeout_s)
+            set_timeouts(sock, self.progress_timeout_s / KERNEL_TIMEOUT_PARTS)
             try:
                 if first:
                     self.started.wait(self.progress_timeout_s)
@@ -476,6 +530,8 @@ class _Transfer:
                     o.failed = s.failed
                 for i in [i for i, w in self.writer.items() if w is s]:
                     del self.writer[i]  # its thread writes no more
+                    if s.landing == i and s.landed:  # failed while receiving it: keep them
+                        self.partial[i] = s.skips.get(i, 0) + s.landed
                 self._release(s, s.inflight)  # (a straggler's chunk others hold stays theirs)
                 s.inflight.clear()
                 self.cond.notify_all()
@@ -486,10 +542,16 @@ class _Transfer:
             s.done = True
 
     def _chunks(self, s: _Source) -> None:
-        m, conn, sock, cond = self.m, s.conn, s.conn.sock, self.cond
+        m, conn, cond = self.m, s.conn, self.cond
         head = bytearray(LEN_BYTES)
         head_view = memoryview(head)
+        s.sent_at = time.monotonic()
+        keepalive = False
         while True:
+            if keepalive:  # idle: tell the source we are still here (KEEPALIVE_S)
+                _send_all(conn, _KEEPALIVE, self.progress_timeout_s)
+                s.sent_at = time.monotonic()
+                keepalive = False
             with cond:
                 if s.failed is not None:  # a sibling failed, or the watchdog dropped it:
                     return  # take nothing more (_pump requeues what it holds)
@@ -506,26 +568,33 @@ class _Transfer:
                     # Until another source fails (its chunks come back) or the last chunk
                     # is in.
                     s.idle = True
-                    cond.wait(self.progress_timeout_s)
+                    cond.wait(min(self.progress_timeout_s, self.keepalive_s))
                     s.idle = False
                     conn.last_progress = time.monotonic()
+                    keepalive = conn.last_progress - s.sent_at >= self.keepalive_s
                     continue
                 i = s.inflight[0]
             if gets:
-                sock.sendall(b"".join([encode_frame("get", i=g) for g in gets]))
-            _recv_exact(conn, head_view)
+                _send_all(conn, b"".join([encode_frame("get", i=g, s=s.skips[g]) if s.skips[g]
+                                          else encode_frame("get", i=g) for g in gets]),
+                          self.progress_timeout_s)
+                s.sent_at = time.monotonic()
+            t = self.progress_timeout_s
+            _recv_exact(conn, head_view, t)
             size = int.from_bytes(head, "big")
             if size > MAX_FRAME_BYTES:
                 raise PeerError("frame_too_large", f"{size} bytes > {MAX_FRAME_BYTES}")
             body = bytearray(size)
-            _recv_exact(conn, memoryview(body))
+            _recv_exact(conn, memoryview(body), t)
             msg = decode_frame(bytes(body))
             if msg["op"] == "error":
                 raise Refused.of(msg)
             if msg["op"] != "chunk":
                 raise PeerError("bad_frame", f"expected chunk, got {msg['op']!r}")
             off, n = m.chunk_range(i)
-            if msg.get("i") != i or msg.get("o") != off or msg.get("n") != n:
+            skip = s.skips.pop(i)
+            if (msg.get("i") != i or msg.get("o") != off or msg.get("n") != n
+                    or msg.get("s", 0) != skip):
                 raise PeerError("bad_chunk_header", f"chunk {i}")
             tag = get_field(msg, "tag", bytes, chunkmac.TAG_BYTES)
             with cond:
@@ -533,24 +602,55 @@ class _Transfer:
                 if not copy:
                     self.writer[i] = s
             mac = chunkmac.Gmac(chunkmac.chunk_key(s.chunk_key, i))
-            aside = memoryview(bytearray(n)) if copy else None
-            for seg in self.target.segments(i) if aside is None else [aside]:
-                _recv_exact(conn, seg, mac.update)
+            views = self.target.segments(i)
+            aside = None
+            if copy:
+                aside = memoryview(bytearray(n))
+                if skip:  # (a resumed chunk is a queued one, which has no other writer)
+                    aside[:skip] = b"".join(bytes(v) for v in _split(views, skip)[0])
+                views = [aside]
+            held, todo = _split(views, skip)
+            for v in held:  # the bytes a failed source left: MAC'd with the rest
+                mac.update(v)
+            s.landing, s.landed = (None if copy else i), 0
+
+            def landed(piece: memoryview, update: Callable[[memoryview], None] = mac.update,
+                       s: _Source = s) -> None:
+                update(piece)
+                s.landed += len(piece)
+
+            for seg in todo:
+                _recv_exact(conn, seg, t, landed)
+            s.landing = None
             inner = mac.digest()
             if not hmac.compare_digest(tag, chunkmac.chunk_tag(s.session, self.tid, i, off, n,
                                                                inner)):
-                raise PeerError("bad_chunk", f"chunk {i}")  # still in s.inflight: requeued
+                if not skip:
+                    raise PeerError("bad_chunk", f"chunk {i}")  # still in s.inflight: requeued
+                # The skipped bytes came from a source that failed mid-chunk and may be the
+                # ones at fault: receive the chunk whole once more, blaming nobody.
+                with cond:
+                    s.inflight.popleft()
+                    if not copy:
+                        del self.writer[i]
+                    self.partial.pop(i, None)
+                    self._release(s, (i,))
+                    cond.notify_all()
+                log.warning("transfer: chunk %d resumed from %s failed its MAC; received whole "
+                            "again", i, s.addr)
+                continue
             in_target = aside is None or self._adopt(s, i, aside)
             with cond:
                 s.inflight.popleft()
                 now = time.monotonic()
-                s.chunk_s, s.head_since = now - s.head_since, now
+                s.byte_s, s.head_since = (now - s.head_since) / max(1, n - skip), now
                 stop: list[_Source] = []
                 received = None
                 if in_target:
                     del self.writer[i]
                     stop = self._verified(s, i, n)
                     received = self.received_bytes
+                    self.resumed += skip > 0
                 else:
                     self._release(s, (i,))
                 cond.notify_all()  # the last chunk ends every thread's wait
@@ -560,23 +660,62 @@ class _Transfer:
                 self.loop.call_soon_threadsafe(self.on_progress, received, m.total_bytes)
 
 
-def _recv_exact(conn: Conn, view: memoryview,
+def _split(views: list[memoryview], at: int) -> tuple[list[memoryview], list[memoryview]]:
+    """``views`` (byte views) cut after their first ``at`` bytes: (those bytes, the rest)."""
+    head: list[memoryview] = []
+    rest: list[memoryview] = []
+    for v in views:
+        if at >= len(v):
+            head.append(v)
+            at -= len(v)
+        elif at:
+            head.append(v[:at])
+            rest.append(v[at:])
+            at = 0
+        else:
+            rest.append(v)
+    return head, rest
+
+
+def _recv_exact(conn: Conn, view: memoryview, timeout_s: float,
                 on_piece: Callable[[memoryview], None] | None = None) -> None:
     """Fill ``view`` from ``conn``'s blocking socket in pieces of ``RECV_PIECE_BYTES``
     (``MSG_WAITALL``: one call per piece), handing each piece to ``on_piece`` as it lands.
-    Raises ``PeerError`` ``closed`` at end of stream."""
+    Raises ``PeerError`` ``closed`` at end of stream, ``BlockingIOError`` once no byte arrived
+    for ``timeout_s`` (the socket's own timeout, a part of it, ends each call)."""
     recv_into, pos, end = conn.sock.recv_into, 0, len(view)
     piece = RECV_PIECE_BYTES
     while pos < end:
         part = view[pos:min(pos + piece, end)]
-        k = recv_into(part, 0, socket.MSG_WAITALL)
+        try:
+            k = recv_into(part, 0, socket.MSG_WAITALL)
+        except BlockingIOError:
+            if time.monotonic() - conn.last_progress < timeout_s:
+                continue
+            raise
         if k == 0:
             raise PeerError("closed", "connection closed mid-message")
         if on_piece is not None:
             on_piece(part[:k])
         pos += k
+        conn.bytes_in += k
         conn.last_progress = time.monotonic()
-    conn.bytes_in += end
+
+
+def _send_all(conn: Conn, data: bytes, timeout_s: float) -> None:
+    """Send ``data`` on ``conn``'s blocking socket; ``BlockingIOError`` once no byte left for
+    ``timeout_s``. The wait for the answer counts from here (``last_progress``)."""
+    view = memoryview(data)
+    while view:
+        try:
+            k = conn.sock.send(view)
+        except BlockingIOError:
+            if time.monotonic() - conn.last_progress < timeout_s:
+                continue
+            raise
+        view = view[k:]
+        conn.bytes_out += k
+        conn.last_progress = time.monotonic()
 
 
 async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, *,
@@ -587,7 +726,8 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
                 max_manifest_bytes: int = DEFAULT_MAX_MANIFEST_BYTES,
                 max_state_bytes: int = DEFAULT_MAX_STATE_BYTES,
                 max_alloc_bytes: int | None = None, streams: int = STREAMS,
-                on_progress: Callable[[int, int], None] | None = None) -> FetchResult:
+                on_progress: Callable[[int, int], None] | None = None,
+                keepalive_s: float = KEEPALIVE_S) -> FetchResult:
     """Receive the snapshot the ``sources`` (``(host, port)`` of transfer servers) agree on.
 
     ``keys``: derived from the cluster key. ``config_id``: the receiver's current configuration;
@@ -602,8 +742,10 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
     fingerprint, ``"xxh3"`` or ``"blake3"`` (see ``fingerprint``); chunks are authenticated by
     their MACs (``chunkmac``) either way: a chunk whose MAC fails counts ``bad_chunk`` against
     its source, which is dropped. ``progress_timeout_s``: seconds without a byte from a busy
-    source before it is dropped. ``connect_timeout_s``: seconds per source to connect,
-    authenticate and read its manifest. ``window``: chunks requested ahead per connection.
+    source before it is dropped. ``connect_timeout_s``: seconds without progress a source has
+    to connect, authenticate and send its manifest. ``keepalive_s``: seconds between the
+    ``keepalive`` frames of an idle connection (``KEEPALIVE_S``; below the sources'
+    ``IDLE_TIMEOUT_S``). ``window``: chunks requested ahead per connection.
     ``max_manifest_bytes`` / ``max_state_bytes``: manifests and states claiming more bytes are
     refused (``too_large``). ``max_alloc_bytes``: bytes the receiver may allocate for tensors it
     lacks (default ``max_state_bytes``). ``streams``: receiving connections in all, at least one
@@ -626,7 +768,8 @@ async def fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int, 
             step=step, algo=algo, progress_timeout_s=progress_timeout_s,
             connect_timeout_s=connect_timeout_s, window=window,
             max_manifest_bytes=max_manifest_bytes, max_state_bytes=max_state_bytes,
-            max_alloc_bytes=max_alloc_bytes, streams=streams, on_progress=on_progress)
+            max_alloc_bytes=max_alloc_bytes, streams=streams, on_progress=on_progress,
+            keepalive_s=keepalive_s)
     except BaseException as e:
         _drop_locals(e)
         raise
@@ -653,7 +796,8 @@ async def _fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int,
                  step: int | None, algo: str, progress_timeout_s: float,
                  connect_timeout_s: float, window: int, max_manifest_bytes: int,
                  max_state_bytes: int, max_alloc_bytes: int | None, streams: int,
-                 on_progress: Callable[[int, int], None] | None) -> FetchResult:
+                 on_progress: Callable[[int, int], None] | None,
+                 keepalive_s: float) -> FetchResult:
     """:func:`fetch`, whose frame (this one) has ended when ``fetch`` clears it."""
     if not sources:
         raise ValueError("no sources")
@@ -662,12 +806,14 @@ async def _fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int,
     t0 = time.monotonic()
     tid = os.urandom(TRANSFER_ID_BYTES)
     failures: Counter[str] = Counter()
+    seen: list[_Source] = []  # every connection opened, for ``received_bytes``
 
     async def attempt(addr: Address, counts: Counter[str] = failures) -> _Source | None:
         try:
-            async with asyncio.timeout(connect_timeout_s):
-                return await _open(addr, keys, config_id, tid, algo, step, max_manifest_bytes,
-                                   max_state_bytes)
+            s = await _open(addr, keys, config_id, tid, algo, step, max_manifest_bytes,
+                            max_state_bytes, connect_timeout_s)
+            seen.append(s)
+            return s
         except TimeoutError:
             counts["connect_timeout"] += 1
         except TransferError as e:
@@ -747,19 +893,21 @@ async def _fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int,
         with ThreadPoolExecutor(max_workers=first + len(extra),
                                 thread_name_prefix="transfer") as pool:
             tr = _Transfer(chosen, target, manifest, tid, window, progress_timeout_s,
-                           on_progress, pool, failures)
+                           on_progress, pool, failures, keepalive_s)
             await tr.run([late(t) for t in pending], [attempt_extra(a) for a in extra])
         for s in tr.sources:
             if s.failed is None:
                 try:
-                    await asyncio.wait_for(s.conn.send(encode_frame("bye")), 1.0)
+                    async with NoProgress(s.conn, BYE_TIMEOUT_S):
+                        await s.conn.send(encode_frame("bye"))
                 except (OSError, TimeoutError):
                     pass
         by_source: Counter[Address] = Counter()
         for s in tr.sources:
             by_source[s.addr] += s.bytes
         return FetchResult(target, manifest.fingerprint, failures, dict(by_source),
-                           tr.refetched, allocated, time.monotonic() - t0)
+                           tr.refetched, allocated, time.monotonic() - t0,
+                           sum(s.conn.bytes_in for s in seen), tr.resumed)
     finally:
         for t in pending:
             t.cancel()  # still opening (the transfer ended first, or never began)

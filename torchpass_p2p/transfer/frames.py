@@ -15,16 +15,24 @@ proof          C -> S      tag (32 bin)
 ready          S -> C      config_id (the server's)
 manifest?      C -> S      algo, step (int or None); once per connection
 manifest       S -> C      size, key (32 bin), tag (16 bin); then ``size`` raw bytes
-get            C -> S      i (chunk index)
-chunk          S -> C      i, o (offset), n (length), tag (16 bin); then ``n`` raw bytes
+get            C -> S      i (chunk index), s (bytes of it to skip; 0 if absent)
+chunk          S -> C      i, o (offset), n (length), s, tag (16 bin); then ``n - s`` raw
+                           bytes: the chunk's from byte ``s`` on
+keepalive      C -> S      (none): an idle receiver is still there (``client.KEEPALIVE_S``)
 error          S -> C      reason
 bye            C -> S
 =============  ==========  ===========================================================
 
 ``manifest``: ``key`` is the snapshot's chunk-MAC key wrapped under the session key and ``tag``
 a ``frame_tag`` over ``key`` and the manifest bytes. ``chunk``: ``tag`` is the chunk's MAC
-(``chunkmac``). Version 2 (this table) replaced version 1's chunk tags, keyed hashes of an
-unkeyed XXH3 digest; a version-1 peer is refused ``bad_version``.
+(``chunkmac``), over the whole chunk also when ``s`` skips its first bytes: the receiver holds
+those already (from a source that failed mid-chunk) and MACs them with the rest. Version 2
+replaced version 1's chunk tags, keyed hashes of an unkeyed XXH3 digest; version 3 (this table)
+added ``s`` and ``keepalive``; a peer of another version is refused ``bad_version``.
+
+Deadlines: every wait on a connection ends after "no progress for T" (:class:`NoProgress`):
+bytes that move, either way, reset it; a fixed bound on a whole message would drop a source
+that is slow but moving (a 16 MiB chunk takes ~55 s to each of 7 sources sharing 2 MB/s).
 """
 
 from __future__ import annotations
@@ -35,11 +43,12 @@ import socket
 import struct
 import time
 from concurrent.futures import Executor
+from types import TracebackType
 from typing import Any
 
 import msgpack
 
-from . import splice
+from . import outq, splice
 from .errors import PeerError
 
 MAX_FRAME_BYTES = 4096
@@ -93,9 +102,10 @@ def field(msg: dict[str, Any], name: str, typ: type, size: int | None = None) ->
 class Conn:
     """A non-blocking TCP socket driven by the event loop's ``sock_*`` calls (the fastest path
     measured here, ~4 GB/s on loopback). ``last_progress`` (``time.monotonic()`` seconds) moves
-    whenever bytes arrive or leave, for "no progress for T" watchdogs."""
+    whenever bytes arrive or leave (each partial send counts, and :meth:`poll_sent` the peer's
+    taking of bytes already sent), for "no progress for T" deadlines (:class:`NoProgress`)."""
 
-    __slots__ = ("sock", "loop", "last_progress", "bytes_in", "bytes_out", "closed")
+    __slots__ = ("sock", "loop", "last_progress", "bytes_in", "bytes_out", "closed", "_outq")
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
         sock.setblocking(False)
@@ -107,6 +117,7 @@ class Conn:
         self.bytes_in = 0
         self.bytes_out = 0
         self.closed = False
+        self._outq = 0
 
     async def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly. Raises :class:`PeerError` ``closed`` at end of stream."""
@@ -117,8 +128,8 @@ class Conn:
             if n == 0:
                 raise PeerError("closed", "connection closed mid-message")
             pos += n
+            self.bytes_in += n
             self.last_progress = time.monotonic()
-        self.bytes_in += end
 
     async def recv_exact(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -134,10 +145,47 @@ class Conn:
             raise PeerError("frame_too_large", f"{n} bytes > {max_bytes}")
         return decode_frame(bytes(await self.recv_exact(n)))
 
-    async def send(self, data: bytes | memoryview) -> None:
-        await self.loop.sock_sendall(self.sock, data)
-        self.bytes_out += len(data)
-        self.last_progress = time.monotonic()
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        """Send all of ``data``. Each partial send moves ``last_progress``: a deadline on the
+        whole call would drop a receiver that reads slowly but steadily."""
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        sock, pos, end = self.sock, 0, view.nbytes
+        while pos < end:
+            try:
+                n = sock.send(view[pos:])
+            except (BlockingIOError, InterruptedError):
+                await self._writable()
+                continue
+            pos += n
+            self.bytes_out += n
+            self.last_progress = time.monotonic()
+
+    async def _writable(self) -> None:
+        """Until the socket can take more bytes (or is closed)."""
+        fd = self.sock.fileno()
+        if fd < 0:
+            raise ConnectionError("closed")
+        ready = self.loop.create_future()
+        self.loop.add_writer(fd, _settle, ready)
+        try:
+            await ready
+        finally:
+            self.loop.remove_writer(fd)
+
+    def poll_sent(self) -> None:
+        """Count the peer taking bytes this side sent earlier as progress: the kernel's count
+        of bytes sent and not yet acknowledged (``SIOCOUTQ``, Linux) went down since the last
+        call. A server waiting for the next request while its last chunk still drains to a
+        slow receiver is making progress (:mod:`.outq`). Does nothing where the count cannot be
+        read."""
+        queued = None if self.closed else outq.queued(self.sock.fileno())
+        if queued is None:
+            return
+        if queued < self._outq:
+            self.last_progress = time.monotonic()
+        self._outq = queued
 
     async def send_pages(self, buffers: list[memoryview], progress_timeout_s: float,
                          executor: Executor | None = None) -> None:
@@ -148,9 +196,13 @@ class Conn:
         thread) never hands its number to another socket. Raises what ``send_pages`` raises."""
         fd = os.dup(self.sock.fileno())
 
+        def moved(n: int) -> None:  # from the sending thread: a float store, atomic
+            self.last_progress = time.monotonic()
+
         def run() -> int:
             try:
-                return splice.send_pages(fd, buffers, progress_timeout_s, lambda: self.closed)
+                return splice.send_pages(fd, buffers, progress_timeout_s, lambda: self.closed,
+                                         moved)
             finally:
                 os.close(fd)
 
@@ -172,6 +224,64 @@ class Conn:
             self.sock.close()
         except OSError:
             pass
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+class NoProgress:
+    """``async with NoProgress(conn, timeout_s):`` raises ``TimeoutError`` out of its body once
+    ``conn`` has made no progress (``Conn.last_progress``, with :meth:`Conn.poll_sent`) for
+    ``timeout_s`` seconds, counted from the later of the last progress and entering the block.
+    Checked every ``timeout_s / 4`` at most, so it fires between ``timeout_s`` and
+    ``1.25 * timeout_s`` after the last byte moved. A check that runs more than ``timeout_s / 4``
+    late (this process did not run: a loaded host, a pause) starts the count again, once per
+    block: the silence may have been ours, and the peer's bytes may be waiting to be read.
+
+    Every wait on a transfer connection has this deadline, never one on a whole message: a
+    16 MiB chunk to one of 7 sources sharing 2 MB/s takes ~55 s while every byte moves."""
+
+    __slots__ = ("conn", "timeout_s", "_since", "_due", "_restarted", "_scope", "_check")
+
+    def __init__(self, conn: Conn, timeout_s: float) -> None:
+        self.conn = conn
+        self.timeout_s = timeout_s
+        self._since = 0.0
+        self._due = 0.0
+        self._restarted = False
+        self._scope = asyncio.timeout(None)
+        self._check: asyncio.TimerHandle | None = None
+
+    async def __aenter__(self) -> NoProgress:
+        await self._scope.__aenter__()
+        self._since = time.monotonic()
+        self._arm(self.timeout_s)
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._check is not None:
+            self._check.cancel()
+        await self._scope.__aexit__(kind, exc, tb)  # raises TimeoutError once it expired
+
+    def _arm(self, delay_s: float) -> None:
+        delay_s = min(delay_s, self.timeout_s / 4)
+        self._due = time.monotonic() + delay_s
+        self._check = self.conn.loop.call_later(delay_s, self._expire)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        if now - self._due > self.timeout_s / 4 and not self._restarted:  # we did not run
+            self._since, self._restarted = now, True
+        self.conn.poll_sent()
+        left = max(self.conn.last_progress, self._since) + self.timeout_s - now
+        if left > 0:
+            self._arm(left)
+        else:
+            self._check = None
+            self._scope.reschedule(self.conn.loop.time())  # cancels the body: TimeoutError
 
 
 def set_timeouts(sock: socket.socket, timeout_s: float) -> None:

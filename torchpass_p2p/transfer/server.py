@@ -6,8 +6,10 @@ the members that fetch; ``None`` once they have all joined), ``await server.clos
 (bounded).
 ``async with TransferServer(...) as server`` does start and close.
 
-Per connection: handshake (``auth``) within ``handshake_timeout_s``, then requests: one
-manifest, then any number of chunk requests, each answered in order. Serving costs no hashing
+Per connection: handshake (``auth``), then requests: one manifest, then any number of chunk
+requests, each answered in order (a request may skip the first bytes of its chunk: the receiver
+holds them from a source that failed mid-chunk), and ``keepalive`` frames from a receiver that
+has nothing to ask for yet. Serving costs no hashing
 of chunk bytes: a published snapshot's chunk digests (for its fingerprint) and inner chunk MACs
 (``chunkmac``) are computed once (in worker threads, on the first request), and each chunk's
 16-byte tag is a keyed BLAKE3 of its inner MAC under the connection's session key.
@@ -28,6 +30,13 @@ dropped to make room: ``MAX_HANDSHAKING``, ``pick_evicted``), ``too_many_connect
 ``internal_error`` (a bug, logged with its traceback)), each connection once. :meth:`refusals`
 adds ``kernel_dropped`` (connection attempts lost in the listening socket's full accept queue)
 and may be read from any thread: the agent shows it in ``/metrics`` and ``/status``.
+
+Deadlines, all "no progress for T" (:class:`~.frames.NoProgress`), none on a whole message:
+``handshake_timeout_s`` for each frame of the handshake (the hello after the accept, the proof
+after the challenge: from a peer not yet shown to hold the key a frame is the unit of progress,
+so one trickling a byte at a time holds its slot 2 x T at most), ``idle_timeout_s`` while waiting
+for the next request (the receiver's taking of chunk bytes sent before counts, and so does its
+``keepalive``), ``send_timeout_s`` while sending (every byte the socket takes counts).
 
 Progress: ``on_served(step, served_bytes, total_bytes)``, if given, is called on the server's
 event loop after each chunk is handed to the socket: the served snapshot's step, the chunk bytes
@@ -54,7 +63,7 @@ from . import chunkmac, splice
 from . import fingerprint as fp
 from .auth import TransferKeys, server_handshake
 from .errors import PeerError, SnapshotChanged
-from .frames import Conn, encode_frame, field, set_buffers
+from .frames import Conn, NoProgress, encode_frame, field, set_buffers
 from .manifest import encode_manifest
 from .snapshot import Snapshot
 
@@ -62,12 +71,17 @@ log = logging.getLogger(__name__)
 K = TypeVar("K")
 
 HANDSHAKE_TIMEOUT_S = 5.0
-"""Three small frames on a LAN take milliseconds; 5 s tolerates a loaded host."""
+"""Seconds the peer has for each handshake frame (its hello after the accept, its proof after
+the challenge): a small frame on a LAN takes milliseconds; 5 s tolerates a loaded host."""
 IDLE_TIMEOUT_S = 60.0
-"""A connection with no request for this long is closed (a receiver sends its next request
-as soon as a chunk arrives; 60 s only reaps abandoned connections)."""
+"""Waiting for the next request: a connection with no progress for this long (no request, no
+``keepalive``, and its receiver took none of the bytes sent before) is closed. A receiver asks
+for its next chunk as one arrives, and one with nothing to ask for sends a keepalive every
+``client.KEEPALIVE_S`` (10 s): this only reaps abandoned connections."""
 SEND_TIMEOUT_S = 30.0
-"""No progress on sending one chunk for this long drops the connection."""
+"""Sending: no byte taken by the socket for this long drops the connection (``send_timeout``).
+Not a bound on a whole chunk: 16 MiB to each of 7 sources sharing 2 MB/s takes ~55 s, and such
+sources were dropped while every byte moved (4 drops, 275 MB moved for a 169 MB state)."""
 MAX_CONNECTIONS = 64
 """Concurrent authenticated connections; a receiver opens at least one per source (two to a
 sole source: the client's ``STREAMS``)."""
@@ -122,7 +136,8 @@ class TransferServer:
         """Dropped connections by reason (a peer's fault, or a refusal)."""
         self.stats: Counter[str] = Counter()
         """``connections``, ``transfers`` (manifests served: one per connection, so a receiver
-        with two connections counts two), ``chunks``, ``bytes``."""
+        with two connections counts two), ``chunks``, ``bytes`` (chunk bytes sent),
+        ``idle_timeouts`` (connections closed waiting for a request), ``keepalives``."""
         self._snapshot: Snapshot | None = None
         self._withdrawals = 0  # publish(None) calls: a connection older than the last is cut
         self._lsock: socket.socket | None = None
@@ -208,11 +223,12 @@ class TransferServer:
         return snapshot.segments(index)
 
     async def serve_chunk(self, conn: Conn, snapshot: Snapshot, index: int,
-                          header: bytes) -> None:
-        """Send one chunk: its header frame, then :meth:`chunk_buffers` (by reference when
-        ``zero_copy`` says so and every buffer is writable memory, as the snapshot's own is)."""
+                          header: bytes, skip: int = 0) -> None:
+        """Send one chunk: its header frame, then :meth:`chunk_buffers` from byte ``skip`` on
+        (by reference when ``zero_copy`` says so and every buffer is writable memory, as the
+        snapshot's own is)."""
         await conn.send(header)
-        buffers = self.chunk_buffers(snapshot, index)
+        buffers = tail(self.chunk_buffers(snapshot, index), skip)
         by_reference = self.zero_copy if self.zero_copy is not None else _remote(conn.sock)
         if by_reference and all(isinstance(b, memoryview) and not b.readonly
                                 and b.c_contiguous for b in buffers):
@@ -285,12 +301,17 @@ class TransferServer:
         self.stats["connections"] += 1
         task = asyncio.current_task()
         assert task is not None
+        loop = asyncio.get_running_loop()
         try:
             try:
-                async with asyncio.timeout(self.handshake_timeout_s):
+                # "No progress for T", a frame being the unit of progress (module docstring).
+                async with asyncio.timeout(self.handshake_timeout_s) as phase:
+                    def challenged() -> None:  # the proof is due from now
+                        self._challenged(task)
+                        phase.reschedule(loop.time() + self.handshake_timeout_s)
+
                     session, tid, _ = await server_handshake(
-                        conn, self.keys, self.current_config_id(),
-                        on_challenge=lambda: self._challenged(task))
+                        conn, self.keys, self.current_config_id(), on_challenge=challenged)
             except TimeoutError:
                 self._count("handshake_timeout")
                 return
@@ -306,7 +327,7 @@ class TransferServer:
             self._count(e.reason, e.detail)
             if isinstance(e, _Told):
                 await self._linger(conn)
-        except TimeoutError:  # a send that moved nothing for send_timeout_s
+        except TimeoutError:  # a send that moved no byte for send_timeout_s
             self._count("send_timeout")
         except (ConnectionError, OSError) as e:
             self._count("closed", type(e).__name__)
@@ -322,7 +343,7 @@ class TransferServer:
         withdrawals = self._withdrawals  # as when ``snap`` was taken
         while True:
             try:
-                async with asyncio.timeout(self.idle_timeout_s):
+                async with NoProgress(conn, self.idle_timeout_s):
                     msg = await conn.read_frame()
             except TimeoutError:
                 self.stats["idle_timeouts"] += 1
@@ -334,18 +355,22 @@ class TransferServer:
                 if withdrawals != self._withdrawals:
                     await self._refuse(conn, "withdrawn")
                 i = field(msg, "i", int)
+                skip = field(msg, "s", int) if "s" in msg else 0
                 if i >= snap.num_chunks:
                     raise PeerError("bad_request", f"chunk {i} out of range")
                 off, n = snap.chunk_range(i)
+                if skip >= n:
+                    raise PeerError("bad_request", f"chunk {i}: skip {skip} of {n} bytes")
                 tb = chunkmac.TAG_BYTES
                 tag = chunkmac.chunk_tag(session, tid, i, off, n, inner[i * tb:(i + 1) * tb])
-                async with asyncio.timeout(self.send_timeout_s):
-                    await self.serve_chunk(conn, snap, i,
-                                           encode_frame("chunk", i=i, o=off, n=n, tag=tag))
+                async with NoProgress(conn, self.send_timeout_s):
+                    await self.serve_chunk(
+                        conn, snap, i, encode_frame("chunk", i=i, o=off, n=n, s=skip, tag=tag),
+                        skip)
                 self.stats["chunks"] += 1
-                self.stats["bytes"] += n
+                self.stats["bytes"] += n - skip
                 key = (tid, snap.step)
-                served = self._served.pop(key, 0) + n
+                served = self._served.pop(key, 0) + n - skip
                 self._served[key] = served
                 if len(self._served) > SERVED_ENTRIES:
                     self._served.popitem(last=False)
@@ -373,6 +398,8 @@ class TransferServer:
                 await self._send(conn, encode_frame("manifest", size=len(body), key=wrapped,
                                                     tag=tag), body)
                 self.stats["transfers"] += 1
+            elif op == "keepalive":
+                self.stats["keepalives"] += 1  # its arrival was the progress
             elif op == "bye":
                 return
             else:
@@ -398,11 +425,26 @@ class TransferServer:
             pass
 
     async def _send(self, conn: Conn, *data: bytes) -> None:
-        """Send ``data`` within ``send_timeout_s``: a receiver that stops reading is dropped
+        """Send ``data``; a receiver that takes no byte of it for ``send_timeout_s`` is dropped
         (``TimeoutError``) instead of holding its connection and the snapshot."""
-        async with asyncio.timeout(self.send_timeout_s):
+        async with NoProgress(conn, self.send_timeout_s):
             for d in data:
                 await conn.send(d)
+
+
+def tail(buffers: list[memoryview], skip: int) -> list[memoryview]:
+    """``buffers`` without their first ``skip`` bytes (no copy)."""
+    if not skip:
+        return buffers
+    out = []
+    for b in buffers:
+        b = b if b.ndim == 1 and b.format == "B" else b.cast("B")
+        if skip >= b.nbytes:
+            skip -= b.nbytes
+            continue
+        out.append(b[skip:])
+        skip = 0
+    return out
 
 
 class _Pending:

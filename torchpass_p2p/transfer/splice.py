@@ -28,6 +28,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from . import outq
+
 __all__ = ["PIPE_BYTES", "available", "send_pages"]
 
 PIPE_BYTES = 1 << 20
@@ -78,12 +80,18 @@ def _probe() -> bool:
 
 
 def send_pages(fd: int, buffers: Sequence[memoryview], progress_timeout_s: float,
-               stop: Callable[[], bool] = lambda: False) -> int:
+               stop: Callable[[], bool] = lambda: False,
+               on_progress: Callable[[int], None] | None = None) -> int:
     """Send ``buffers`` (writable, C-contiguous memoryviews) to the stream socket ``fd``, which may
     be non-blocking, by reference. Blocks this thread; returns the bytes sent (all of them).
+    ``on_progress(n)``, if given, is called (from this thread) whenever ``n`` more bytes went
+    into the socket, so a watchdog elsewhere sees a slow send move.
 
     Raises:
-        TimeoutError: no byte moved for ``progress_timeout_s`` seconds.
+        TimeoutError: no byte moved for ``progress_timeout_s`` seconds: none went into the
+            socket, and its peer acknowledged none of those sent (:mod:`.outq`: a full socket
+            buffer takes bytes only once a third of it is free, which behind a slow shared
+            link takes seconds while the peer takes every byte).
         ConnectionError: ``stop()`` became true (checked whenever the socket is full).
         OSError: the socket failed (``EPIPE`` after a shutdown, ``ECONNRESET``...).
         TypeError: a buffer is read-only or not contiguous.
@@ -110,7 +118,7 @@ def send_pages(fd: int, buffers: Sequence[memoryview], progress_timeout_s: float
                 if n < 0:
                     e = ctypes.get_errno()
                     raise OSError(e, f"vmsplice: {os.strerror(e)}")
-                _drain(r, fd, n, poller, progress_timeout_s, stop)
+                _drain(r, fd, n, poller, progress_timeout_s, stop, on_progress)
                 pos += n
             sent += len(buf)
         return sent
@@ -120,9 +128,10 @@ def send_pages(fd: int, buffers: Sequence[memoryview], progress_timeout_s: float
 
 
 def _drain(r: int, fd: int, n: int, poller: select.poll, progress_timeout_s: float,
-           stop: Callable[[], bool]) -> None:
+           stop: Callable[[], bool], on_progress: Callable[[int], None] | None) -> None:
     """Move ``n`` bytes from the pipe ``r`` into the socket ``fd``."""
     last = time.monotonic()
+    unacked = outq.queued(fd)  # bytes sent that the peer has yet to acknowledge
     while n:
         try:
             k = os.splice(r, fd, n, flags=_SPLICE_F_MORE)
@@ -133,9 +142,17 @@ def _drain(r: int, fd: int, n: int, poller: select.poll, progress_timeout_s: flo
         if k:
             n -= k
             last = time.monotonic()
+            if on_progress is not None:
+                on_progress(k)
             continue
         if stop():
             raise ConnectionError("stopped")
+        queued = outq.queued(fd)
+        if queued is not None and unacked is not None and queued < unacked:  # peer took some
+            last = time.monotonic()
+            if on_progress is not None:
+                on_progress(0)
+        unacked = queued
         left = last + progress_timeout_s - time.monotonic()
         if left <= 0:
             raise TimeoutError(errno.ETIMEDOUT, f"no progress for {progress_timeout_s} s")
