@@ -264,7 +264,7 @@ def test_a_retried_fetch_holds_nothing_of_the_attempt_before() -> None:
     alive_at_start = []
 
     class FailingService:
-        def fetch(self, addresses, config_id, *, step, into):
+        def fetch(self, addresses, config_id, *, step, into, on_progress):
             gc.collect()
             alive_at_start.append(sum(r() is not None for r in targets))
             target = torch.empty(1000)  # what a real attempt allocates to receive into
@@ -275,6 +275,7 @@ def test_a_retried_fetch_holds_nothing_of_the_attempt_before() -> None:
     trainer.service = FailingService()
     trainer.objects = {}
     trainer.log = lambda *a, **kw: None
+    trainer.history = None  # no status page
     trainer._find_sources = lambda members, config_id: ({("127.0.0.1", 1): members[0]}, set())
     trainer._poll = lambda: False
     with pytest.raises(TransferFailed) as caught:

@@ -21,6 +21,7 @@ from typing import Any
 
 from torchpass_p2p.core.configuration import Address, Configuration
 
+from .history import History
 from .lifeline import die_with_launcher
 from .runtime import COUNTER_SOURCES, AgentRuntime, Change, Phase
 from .settings import AgentSettings, load_settings
@@ -163,6 +164,13 @@ class Agent:
     def status_address(self) -> Address | None:
         """(host, port) of the HTTP status page, None when disabled."""
         return self._live().status_address
+
+    @property
+    def history(self) -> History:
+        """What this member saw of configurations, recoveries and transfers
+        (:class:`~.history.History`): the trainer hands it its timeline records and transfer
+        progress from its own threads, and ``/status`` shows it."""
+        return self._live().history
 
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """The ``/status`` document, built on the agent's loop."""

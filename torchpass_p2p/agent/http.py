@@ -3,6 +3,10 @@
 =========  ==============  ======  =============================================================
 method     path            token   answer
 =========  ==============  ======  =============================================================
+GET        ``/``           no      the live status page (:mod:`.page`; with ``/page.js`` and
+                                   ``/page.css``)
+GET        ``/events``     no      ``source.status()`` pushed as server-sent events on each
+                                   change (:mod:`.sse`)
 GET        ``/status``     no      ``source.status()`` as JSON
 GET        ``/metrics``    no      Prometheus text (:meth:`.metrics.AgentMetrics.render`)
 GET        ``/healthz``    no      ``ok``
@@ -42,7 +46,9 @@ from aiohttp.http_exceptions import HttpProcessingError
 from torchpass_p2p.core.seal import Keyring
 
 from .metrics import CONTENT_TYPE, AgentMetrics
+from .page import FILES, serve_file
 from .sockets import adopt_socket
+from .sse import StatusStream
 
 __all__ = [
     "DRAIN_TIMEOUT_S",
@@ -126,15 +132,18 @@ class _Rejected(Exception):
 
 
 class StatusServer:
-    """``/status``, ``/metrics``, ``/healthz``, ``/drain`` and ``/evidence`` of one agent.
+    """The status page and ``/events``, ``/status``, ``/metrics``, ``/healthz``, ``/drain`` and
+    ``/evidence`` of one agent.
 
     Lifecycle: :meth:`start` binds and returns the bound address (``port=0`` picks a free one),
     :meth:`stop` closes within :data:`STOP_TIMEOUT_S` (plus a short grace) and may be called
     again. ``rejected`` counts refused requests by reason (``no_token``, ``bad_token``,
     ``too_large``, ``bad_json``, ``bad_body``, ``not_found``, ``method_not_allowed``,
-    ``drain_timeout``, ``internal_error``, and ``bad_http`` for requests that are not valid
-    HTTP/1.1, which aiohttp answers 400 before any route); it is synced into ``metrics`` as
-    ``torchpass_http_rejected_total`` at each ``/metrics`` request.
+    ``drain_timeout``, ``internal_error``, ``bad_http`` for requests that are not valid
+    HTTP/1.1, which aiohttp answers 400 before any route, and from ``/events``
+    ``too_many_clients`` and ``slow_client``); it is synced into ``metrics`` as
+    ``torchpass_http_rejected_total`` at each ``/metrics`` request. ``stream`` is the
+    ``/events`` endpoint (:class:`.sse.StatusStream`), built with ``stream_options``.
 
     Raises:
         ValueError: an empty ``token``.
@@ -148,6 +157,7 @@ class StatusServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str,
+        stream_options: dict[str, Any] | None = None,
     ) -> None:
         if not token:
             raise ValueError("the status server needs a non-empty token (see http_token)")
@@ -156,6 +166,7 @@ class StatusServer:
         self.host = host
         self.port = port
         self.rejected: Counter[str] = Counter()
+        self.stream = StatusStream(source.status, self.rejected, **(stream_options or {}))
         self._token = token.encode("utf-8")
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
@@ -176,6 +187,9 @@ class StatusServer:
         app = web.Application(
             client_max_size=MAX_BODY_BYTES, middlewares=[self._middleware], logger=log
         )
+        for path in FILES:
+            app.router.add_get(path, self._page)
+        app.router.add_get("/events", self._events)
         app.router.add_get("/status", self._status)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/healthz", self._healthz)
@@ -218,6 +232,7 @@ class StatusServer:
         if self._listener is not None:
             self._listener.close()  # no new connections; the runner closes the open ones
             self._listener = None
+        await self.stream.close()  # event streams end now instead of holding the shutdown
         try:
             async with asyncio.timeout(STOP_TIMEOUT_S + 1.0):
                 await runner.cleanup()
@@ -267,6 +282,16 @@ class StatusServer:
         return response
 
     # routes
+
+    async def _page(self, request: web.Request) -> web.Response:
+        return serve_file(request.path)
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        try:
+            return await self.stream.handle(request)
+        except web.HTTPServiceUnavailable:
+            raise _Rejected(503, "too_many_clients",
+                            f"{self.stream.max_clients} event streams are open") from None
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.source.status())

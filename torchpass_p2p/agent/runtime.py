@@ -31,6 +31,7 @@ from torchpass_p2p.core.messages import Join, Joiner, MemberId, MemberState, for
 from torchpass_p2p.core.plan import Plan, Policy
 
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
+from .history import History
 from .http import http_token
 from .pulse import PulseProber
 from .pulse_wire import PulseResponder
@@ -157,6 +158,8 @@ class AgentRuntime:
         self._registered = asyncio.Event()
         """Set (and replaced) by every registration: wakes the requests held for one."""
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
+        self.history = History(clock)
+        """Configurations, recoveries and transfers seen, for the status page."""
         self._listeners: list[Listener] = []
         self._changes: deque[Change] = deque(maxlen=64)
         self._decided: dict[int, ev.ConfigurationDecided] = {}
@@ -497,6 +500,8 @@ class AgentRuntime:
             "draining": self.draining,
             "members": members,
             "recent_events": list(self._recent),
+            "clock": self._clock(),
+            **self.history.status(),
             "health": self._health.status() if self._health is not None else
             {"enabled": False, "reason": "disabled by settings"},
             "counters": self.counters(),
@@ -752,6 +757,7 @@ class AgentRuntime:
         kind = type(event).__name__
         detail = _describe(event)
         self._recent.append({"at": event.at, "type": kind, "detail": detail})
+        self.history.on_event(event)
         config_id = self.member.configuration.config_id if self.member else -1
         events_log.info("%s %s", kind, detail,
                         extra={"member_id": format_member_id(self.member_id),

@@ -5,16 +5,36 @@ header line and one row per member; ``--json`` prints the answer as it came. Exi
 printed, 1 the agent answered but not with a status (wrong port?), 2 unreachable (refused, timed
 out, bad address).
 
-The ``/status`` document (built by the runtime)::
+The ``/status`` document (built by the runtime; the status page at ``/`` draws it)::
 
     {"member_id": "<16 hex>", "cluster": str, "role": "rank"|"spare"|"joining"|"removed",
-     "rank": int|null, "config_id": int, "world_size": int, "step": int, "fenced": bool,
+     "rank": int|null, "config_id": int, "world_size": int, "step": int, "phase": str,
+     "fenced": bool, "draining": bool,
      "members": [{"member_id": "<16 hex>", "role": str, "rank": int|null,
                   "state": "alive"|"suspect"|"dead"|"left", "incarnation": int,
                   "address": "host:port"}, ...],
      "recent_events": [{"at": float, "type": str, "detail": str}, ...],
      "health": {...}, "counters": {str: int},
-     "pulse": {"responder_port": int|null, "watching": int, "silent": ["<16 hex>", ...]}}
+     "pulse": {"responder_port": int|null, "watching": int, "silent": ["<16 hex>", ...]},
+     "clock": float,
+     "configurations": [{"config_id": int, "decided_at": float, "round": int,
+                         "world_size": int, "ranks": ["<16 hex>"|null, ...],
+                         "spares": [...], "removed": [...], "joined": [...],
+                         "assignments": [[rank, "<16 hex>"], ...], "action": str,
+                         "resume_step": int|null}, ...],
+     "recoveries": [{"config_id": int, "removed": [...], "assignments": [...],
+                     "vacant": [int, ...], "action": str, "resume_step": int|null,
+                     "detected_at": float|null, "decided_at": float,
+                     "transferred_at": float|null, "transferred_by": "received"|"sent"|null,
+                     "rebuilt_at": float|null, "resumed_at": float|null}, ...],
+     "transfer": {"direction": "receiving"|"sending", "config_id": int|null, "step": int,
+                  "done_bytes": int, "total_bytes": int|null, "sources": int|null,
+                  "started_at": float, "updated_at": float, "finished_at": float|null}|null}
+
+Times (``at``, ``*_at``) are the agent's ``clock`` (monotonic seconds, as ``clock`` itself);
+``configurations``, ``recoveries`` and ``transfer`` are what this member saw
+(:mod:`torchpass_p2p.agent.history`). The page also draws ``stragglers`` (a list of objects,
+``rank`` and ``member_id`` first) once the document carries it.
 """
 
 from __future__ import annotations

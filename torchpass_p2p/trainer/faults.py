@@ -147,7 +147,7 @@ class FaultInjector:
 
     @property
     def serving(self) -> bool:
-        """Whether a ``serve`` fault is still armed (the trainer hooks the server only then)."""
+        """Whether a ``serve`` fault is still armed."""
         return any(f.point == "serve" for f in self.faults)
 
     def served(self, step: int, served_bytes: int, total_bytes: int, rank: int | None) -> None:

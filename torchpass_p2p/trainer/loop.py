@@ -222,7 +222,11 @@ class Trainer:
             self.objects["scheduler"] = scheduler
         self.objects.update(extra or {})
         self.me: int = agent.member_id
-        self.log = EventLog(log_path, self.me)
+        # What the status page shows of recoveries and transfers (the agent's History); a
+        # stand-in agent without one shows nothing.
+        self.history = getattr(agent, "history", None)
+        self.log = EventLog(log_path, self.me,
+                            sink=None if self.history is None else self.history.record)
         self.faults = faults or FaultInjector.from_env(
             before=lambda f, **details: self.log("fault", kind=f.kind, step=f.step,
                                                  point=f.point, rank=f.rank,
@@ -235,9 +239,11 @@ class Trainer:
         self.regroup_wait_s = regroup_wait_s
         self.give_up_s = give_up_s
         self.keeper = StoreKeeper(agent.address[0])
-        self.service = StateService(TransferKeys.from_keyring(agent.settings.keyring),
-                                    self._known_config_id, host=agent.address[0],
-                                    on_served=self._served if self.faults.serving else None)
+        self.service = StateService(
+            TransferKeys.from_keyring(agent.settings.keyring), self._known_config_id,
+            host=agent.address[0],
+            on_served=self._served if self.faults.serving or self.history is not None
+            else None)
         # Its refusals (bad input, floods) are drops of this member's: counted where its
         # others are, in the agent's /metrics and /status.
         agent.add_counter_source("transfer_refused", self.service.refusals)
@@ -462,7 +468,12 @@ class Trainer:
     # ------------------------------------------------------------------ configurations
 
     def _served(self, step: int, served_bytes: int, total_bytes: int) -> None:
-        """The transfer server sent a chunk (its thread): a ``serve`` fault may fire."""
+        """The transfer server sent a chunk (its thread): the status page's progress, and a
+        ``serve`` fault may fire."""
+        if self.history is not None:
+            self.history.transfer_progress("sending", step, served_bytes, total_bytes)
+        if not self.faults.serving:
+            return
         ranks = self._ranks
         self.faults.served(step, served_bytes, total_bytes,
                            ranks.index(self.me) if self.me in ranks else None)
@@ -759,7 +770,8 @@ class Trainer:
             received = transfer_over_group(
                 self.group, configuration, plan, resume, snap, step=self.step,
                 into=self.objects, restore=self._restored_over_group, watch=self._watch,
-                on_served=self._served if self.faults.serving else None, log=self.log)
+                on_served=self._served if self.faults.serving or self.history is not None
+                else None, log=self.log)
             snap = snap if snap is not None else received
         assert snap is not None  # a member lacking the state received it over the group
         mine = snap.fingerprint()
@@ -806,7 +818,8 @@ class Trainer:
             if not addresses:
                 raise TransferError("no_sources", f"no source announced state for {config_id}")
             try:
-                result = self.service.fetch(addresses, config_id, step=step, into=self.objects)
+                result = self.service.fetch(addresses, config_id, step=step, into=self.objects,
+                                            on_progress=self._fetch_progress(config_id, step))
                 break
             except TransferError as exc:
                 # Kept without its traceback, whose frames would hold this attempt's locals
@@ -821,6 +834,15 @@ class Trainer:
             raise last
         return self._restored(result, config_id, time.monotonic() - t0, len(addresses),
                               {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
+
+    def _fetch_progress(self, config_id: int, step: int
+                        ) -> Callable[[int, int], None] | None:
+        """The status page's view of a fetch as chunks arrive (the service's thread)."""
+        history = self.history
+        if history is None:
+            return None
+        return lambda received, total: history.transfer_progress(
+            "receiving", step, received, total, config_id)
 
     def _find_sources(self, members: tuple[int, ...], config_id: int
                       ) -> tuple[dict[Any, int], set[int]]:

@@ -67,9 +67,12 @@ class StateService:
 
     def fetch(self, sources: Sequence[tuple[str, int]], config_id: int, *, step: int,
               into: Mapping[str, Any] | Snapshot | None = None,
-              timeout_s: float = 600.0) -> FetchResult:
+              timeout_s: float = 600.0,
+              on_progress: Callable[[int, int], None] | None = None) -> FetchResult:
         """Pull the snapshot of ``step`` from ``sources`` (``(host, port)`` list) with failover
         (see :func:`~torchpass_p2p.transfer.fetch`); blocks the calling thread.
+        ``on_progress(received_bytes, total_bytes)`` is called on the service's thread as
+        chunks arrive; it must not block.
 
         Raises:
             TransferFailed: no source could serve it, or (reason ``timeout``) no result within
@@ -81,7 +84,8 @@ class StateService:
             # The deadline runs on the loop: cancelling there shuts the sources' sockets and
             # waits for the receiving threads, so no late chunk lands in live tensors.
             async with asyncio.timeout(timeout_s):
-                return await fetch(list(sources), self.keys, config_id, step=step, into=into)
+                return await fetch(list(sources), self.keys, config_id, step=step, into=into,
+                                   on_progress=on_progress)
 
         future = asyncio.run_coroutine_threadsafe(bounded(), self._loop)
         try:
