@@ -201,8 +201,8 @@ def half_then_stall(flip: bool) -> type[TransferServer]:
 
 
 async def test_a_chunk_a_source_stopped_sending_halfway_is_finished_by_another(keys):
-    # Before, the half received was thrown away and the whole chunk received again: with a
-    # 16 MiB chunk stalled at a random point, up to 10 % of a 169 MB state moved twice.
+    # The half received is kept and the next source sends only the rest: every chunk byte
+    # crosses the receiver's link once, however far into a 16 MiB chunk a source stopped.
     snap = state(8)
     servers = stalls, other = await serving(snap, keys, half_then_stall(False), Paced)
     try:

@@ -100,8 +100,8 @@ CONNECT_TIMEOUT_S = 5.0
 KEEPALIVE_S = 10.0
 """An idle connection (its source has nothing this receiver still needs) sends a ``keepalive``
 frame this often, well inside the server's ``IDLE_TIMEOUT_S`` (60 s): the connection stays
-open for the chunks a failed source hands back. Before, such connections were closed after 60
-s while the transfer went on, and a chunk handed to one then failed on it."""
+open for the chunks a failed source hands back (a closed one would fail the first chunk handed
+to it)."""
 BYE_TIMEOUT_S = 1.0
 """The closing ``bye`` is given up after this long without progress."""
 WINDOW_CHUNKS = 4
@@ -116,12 +116,11 @@ while another source sits idle with the queue empty, is a straggler: its chunks 
 the idle ones while it keeps them, the first verified copy of each counts, and it is dropped
 (``too_slow``) once the others have them all, or one of them has the chunk it is receiving
 (it could be writing that chunk's memory, so that copy is received aside and written over
-it once the straggler's thread has stopped). Otherwise any source that delivers a byte per
-``progress_timeout_s`` kept its window to the end: a review measured ~37 minutes
-for 64 MiB at the defaults while a healthy source idled. Before, the straggler was dropped as
-its chunks moved, and an idle source that had died unnoticed (idle, it reads nothing) failed on
-them: no source left (found by a review). A source behind a 4x slower link is never
-dropped."""
+it once the straggler's thread has stopped). Without this rule a source that delivers a byte
+per ``progress_timeout_s`` keeps its window to the end while a healthy source idles. The
+straggler is dropped only once its chunks are held elsewhere: an idle source may have died
+unnoticed (idle, it reads nothing), and chunks moved to it alone would leave no source. A
+source behind a 4x slower link is never dropped."""
 DEFAULT_MAX_STATE_BYTES = 1 << 40
 """1 TiB: refuse manifests claiming more (a bound, not a real model size)."""
 RECV_PIECE_BYTES = 1 << 20
