@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -179,3 +180,35 @@ def test_a_real_nccl_group_of_one_completes_its_operations_by_polling() -> None:
     z = g.mean_in_rank_order(x.cuda())
     assert z.is_cuda and torch.equal(z.cpu(), x)
     g.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_group_given_up_while_forming_counts_as_stuck_until_its_thread_ends(
+        tmp_path: Any) -> None:
+    # The rendezvous thread of a superseded build waits out its store timeout inside the
+    # backend; until it ends, the process's exit must skip the interpreter's teardown
+    # (torchpass_p2p.ddp's atexit hook reads stuck_groups()).
+    from tests.collective.files_directory import FileDirectory
+    from torchpass_p2p.collective import StoreKeeper, build_group
+
+    before = group_module.stuck_groups()
+    keeper = StoreKeeper()
+    spec = GroupSpec(3, 0, 2, 11)  # rank 0 of 2: rank 1 never comes
+    keeper.host_store(3)
+    directory = FileDirectory(tmp_path, 11)
+    directory.register_service("store", 3, keeper.host_store(3).port)
+    t0 = time.monotonic()
+    with pytest.raises(Superseded):
+        build_group(spec, directory, keeper, watch=lambda: time.monotonic() - t0 > 0.3,
+                    slice_s=0.05, timeout_s=3.0)
+    assert group_module.stuck_groups() == before + 1
+    # The backend waits for rank 1 for its own timeout (half an hour); rank 1 arriving ends
+    # the helper thread, and the count with it.
+    late = build_group(GroupSpec(3, 1, 2, 11), FileDirectory(tmp_path, 12), StoreKeeper(),
+                       timeout_s=10.0)
+    deadline = time.monotonic() + 30
+    while group_module.stuck_groups() != before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert group_module.stuck_groups() == before
+    late.abandon()
+    keeper.close()

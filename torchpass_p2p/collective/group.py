@@ -73,6 +73,9 @@ here: a new configuration does, via ``watch``."""
 _STUCK: list[Any] = []
 """Groups superseded with an operation in flight, kept alive until the process exits
 (destroying one blocks in gloo)."""
+_FORMING = [0]
+"""Groups being formed in :func:`build_group`'s helper threads (under ``_FORMING_LOCK``)."""
+_FORMING_LOCK = threading.Lock()
 
 
 class CollectiveError(RuntimeError):
@@ -207,7 +210,12 @@ def build_group(spec: GroupSpec, directory: ServiceDirectory, keeper: StoreKeepe
         except Exception as exc:  # reported to the waiting thread as text only
             box["error"] = f"{type(exc).__name__}: {exc}"
         finally:
+            with _FORMING_LOCK:
+                _FORMING[0] -= 1
             done.set()
+
+    with _FORMING_LOCK:
+        _FORMING[0] += 1
 
     started = time.monotonic()
     threading.Thread(target=form, name=f"rendezvous-{spec.config_id}.{spec.attempt}",
@@ -472,5 +480,9 @@ def exit_process(code: int) -> NoReturn:
 
 
 def stuck_groups() -> int:
-    """How many superseded groups this process keeps alive."""
-    return len(_STUCK)
+    """How many superseded groups this process keeps alive, counting the groups still being
+    formed in a helper thread (one given up by :func:`build_group` waits out its store
+    timeout inside the backend's constructor; the interpreter's exit would abort the process
+    under it)."""
+    with _FORMING_LOCK:
+        return len(_STUCK) + _FORMING[0]
