@@ -107,7 +107,9 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
           ``decided_all_p50_s``/``_p99_s`` over the faults (None: never).
         * ``decisions`` = configuration changes decided; ``fast_path_fraction`` = those whose
           first decision anywhere came from the fast round (None without decisions);
-          ``safety_violations`` = violations of sims/safety.py's rules.
+          ``empty_changes`` = those that removed nobody and admitted nobody (each also a
+          ``[no-empty]`` violation); ``safety_violations`` = violations of sims/safety.py's
+          rules.
     Accuracy: ``false_removals`` = distinct members convicted (by anyone but a member a
     partition cut off and named expected removed, ever) or removed by a decision that were not
     a fault; ``suspicions``/``refutations`` = counts of those events over all members.
@@ -181,6 +183,7 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         "decided_all_p99_s": _r(nearest_rank(decided, 99)),
         "decisions": len(safety.first_round),
         "fast_path_fraction": _r(safety.fast_path_fraction()),
+        "empty_changes": safety.empty_changes,
         "safety_violations": safety.count,
         "false_removals": len(recorder.false_removals),
         "restarts": len(recorder.restarts),

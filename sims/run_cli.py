@@ -40,6 +40,7 @@ _TABLE: tuple[tuple[str, str], ...] = (
     ("decided_all_p99_s", "s"),
     ("decisions", "changes"),
     ("fast_path_fraction", ""),
+    ("empty_changes", "changes"),
     ("safety_violations", ""),
     ("false_removals", "members"),
     ("restarts", "processes"),

@@ -14,6 +14,9 @@ configurations. Each rule's name starts its violation message:
   no spare also holds a rank.
 * [same-plan] every member that holds the plan of a ``config_id`` with its ``resume_step``
   (``PlanReady``) holds the same one.
+* [no-empty] no decided change is empty: each removes or admits a member (a change of nothing
+  costs every member a configuration and holds up the real change behind it;
+  :mod:`torchpass_p2p.core.agreement`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class SafetyChecker:
         self.first_round: dict[int, int] = {}
         """config_id -> the round of the first decision of it anywhere (0: fast path)."""
         self.decided_at: dict[int, float] = {}
+        self.empty_changes = 0
+        """Distinct configurations decided that removed nobody and admitted nobody."""
         self._holds: dict[MemberId, int] = {}
         self._one_rank_checked: tuple[Configuration, bool] | None = None  # last config, verdict
         cluster.listeners.append(self)
@@ -86,6 +91,9 @@ class SafetyChecker:
             self.configurations[cid] = config
             self.first_round[cid] = event.round
             self.decided_at[cid] = event.at
+            if not plan.removed and not plan.joined:
+                self.empty_changes += 1
+                self._fail("no-empty", f"{who} removes nobody and admits nobody")
         held = self._holds.get(sm.id)
         if held is None:
             held = self._initial(sm)

@@ -18,7 +18,7 @@ from torchpass_p2p.agent.transport import (
     TransportError,
 )
 from torchpass_p2p.core.codec import (
-    MAX_CUT_JOINED,
+    MAX_BODY_BYTES,
     MAX_CUT_REMOVED,
     MAX_LABEL_BYTES,
     MAX_SEGMENT,
@@ -30,12 +30,15 @@ from torchpass_p2p.core.seal import Keyring, Sealer
 
 
 def largest_vote() -> Vote:
-    """A vote at every codec limit: its sealed datagram exceeds 1,400 bytes."""
+    """A vote at every codec limit, with as many joiners of the longest labels as the body
+    limit holds (7 of 209 bytes beside 32 removals: a 2,014-byte body): its sealed datagram
+    exceeds 1,400 bytes."""
     label = "h" * MAX_LABEL_BYTES
-    joined = tuple(Joiner(1000 + i, label, 65535, Topology(label, label))
-                   for i in range(MAX_CUT_JOINED))
+    joined = tuple(Joiner(1000 + i, label, 65535, Topology(label, label)) for i in range(7))
     cut = Cut(removed=tuple(range(1 << 60, (1 << 60) + MAX_CUT_REMOVED)), joined=joined)
-    return Vote((1 << 63) - 1, (1 << 32) - 1, cut, MAX_SEGMENT, b"\xff" * SEGMENT_BYTES, 1 << 62)
+    vote = Vote((1 << 63) - 1, (1 << 32) - 1, cut, MAX_SEGMENT, b"\xff" * SEGMENT_BYTES, 1 << 62)
+    assert len(encode(vote)) == 2014 <= MAX_BODY_BYTES
+    return vote
 
 
 async def pair(keyring: Keyring):

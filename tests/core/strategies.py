@@ -9,6 +9,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from torchpass_p2p.core.codec import (
+    MAX_CUT_BYTES,
     MAX_CUT_JOINED,
     MAX_CUT_REMOVED,
     MAX_LABEL_BYTES,
@@ -45,6 +46,7 @@ from torchpass_p2p.core.messages import (
     Topology,
     Vote,
 )
+from torchpass_p2p.core.sizes import cut_size
 
 # Edge values first: hypothesis shrinks toward them and draws them often.
 member_ids = st.one_of(
@@ -104,12 +106,22 @@ def _sorted_joiners(items: list[Joiner]) -> tuple[Joiner, ...]:
     return tuple(sorted(items, key=lambda j: j.member))
 
 
+def _within_budget(cut: Cut) -> Cut:
+    """``cut`` with as many of its joiners as :data:`MAX_CUT_BYTES` holds (what a member
+    proposes), so that every message carrying it stays under the body limit."""
+    joined = cut.joined
+    while cut_size(Cut(cut.removed, joined)) > MAX_CUT_BYTES:
+        joined = joined[:-1]
+    return Cut(cut.removed, joined)
+
+
 cuts = st.builds(
     Cut,
     st.lists(member_ids, max_size=MAX_CUT_REMOVED, unique=True).map(sorted).map(tuple),
     st.lists(joiners, max_size=MAX_CUT_JOINED, unique_by=lambda j: j.member).map(_sorted_joiners),
-)
-"""Canonical cuts: both tuples strictly increasing by member id, within the codec's limits."""
+).map(_within_budget)
+"""Canonical cuts: both tuples strictly increasing by member id, within the codec's limits
+and a member's byte budget."""
 segment_bits = st.one_of(st.sampled_from([b"", b"\xff" * SEGMENT_BYTES]),
                          st.binary(max_size=SEGMENT_BYTES))
 segments = st.integers(0, MAX_SEGMENT)

@@ -181,28 +181,61 @@ def test_a_non_member_gathers_certificates_but_never_votes_or_coordinates() -> N
 
 def test_when_no_cut_can_have_been_decided_the_coordinator_proposes_its_own_view() -> None:
     # Three stale fast votes for A (a member that has since refuted); |Q| - F = 6 - 2 = 4 > 3,
-    # so A cannot have been decided and the coordinator's current view, nothing, wins.
+    # so A cannot have been decided and the coordinator's current view, B, wins.
     c = Consensus(CONFIG, 110)
-    c.prepare(attempt=0, fallback=Cut())
+    c.prepare(attempt=0, fallback=B)
     for sender in (101, 102, 103):
         c.on_promise(sender, Promise(7, c.coordinating, 0, A))
     for sender in (104, 105):
         c.on_promise(sender, Promise(7, c.coordinating, -1, None))
     accepts = [msg.cut for _, msg in c.outbox if isinstance(msg, Accept)]
-    assert accepts and set(accepts) == {Cut()}
+    assert len(accepts) == 9 and set(accepts) == {B}
 
 
-def test_a_classic_round_can_decide_the_empty_cut_but_the_fast_round_cannot() -> None:
+@pytest.mark.parametrize("nothing", [None, Cut()])
+def test_a_coordinator_with_no_change_holds_its_round_until_it_has_one(nothing: Cut | None
+                                                                       ) -> None:
+    # The same stale votes, but the coordinator's view holds no change (the suspicion behind A
+    # was refuted): it proposes nothing rather than the empty cut, and holds its round, a
+    # quorum of promises in hand, until its view has a change.
     f = fleet()
     for m in MEMBERS[:3]:
         f[m].vote_fast(A, step=0)
     spread(f)
-    f[110].prepare(attempt=0, fallback=Cut())
+    coordinator = f[110]
+    coordinator.prepare(attempt=0, fallback=nothing)
     deliver(f)
     spread(f)
-    assert {(c.decision.round, c.decision.cut) for c in f.values() if c.decision} == {(10, Cut())}
+    assert coordinator.holding and coordinator.choose() is None
+    assert all(c.decision is None for c in f.values())
+    assert not any(isinstance(msg, Accept) for c in f.values() for _, msg in c.outbox)
+    coordinator.update_fallback(nothing)  # still nothing: still holding
+    assert coordinator.holding and coordinator.outbox == []
+    coordinator.update_fallback(B)  # a change (a member failed since): the Accept goes out
+    assert not coordinator.holding
+    assert [msg for _, msg in coordinator.outbox] == [Accept(7, 10, B)] * 9
+    deliver(f)
+    spread(f)
+    assert {(c.decision.round, c.decision.cut) for c in f.values() if c.decision} == {(10, B)}
+    assert all(c.decision is not None for c in f.values())
+
+
+def test_no_round_votes_accepts_or_promises_the_empty_cut() -> None:
     with pytest.raises(LocalProtocolError):
         Consensus(CONFIG, 101).vote_fast(Cut(), step=0)
+    c = Consensus(CONFIG, 101)
+    c.on_prepare(110, Prepare(7, 10))
+    c.on_accept(110, Accept(7, 10, Cut()))  # round 10 is 110's, but the cut is empty
+    assert c.voted_round == -1 and c.dropped["accept_invalid"] == 1
+    # A classic round's vote for the empty cut, carrying its coordinator's bit: no accept, no
+    # tally, however many bits it holds.
+    assert not c.merge_vote(Vote(7, 10, Cut(), 0, (0b1111111111).to_bytes(2, "little")))
+    assert c.decision is None and c.voted_round == -1 and c.tallies == {}
+    assert c.dropped["vote_invalid"] == 1
+    coordinator = Consensus(CONFIG, 110)
+    coordinator.prepare(attempt=0, fallback=A)
+    coordinator.on_promise(101, Promise(7, 10, 5, Cut()))
+    assert coordinator.dropped["promise_invalid"] == 1
 
 
 def test_a_member_whose_accept_was_lost_accepts_from_the_coordinators_vote() -> None:
@@ -259,14 +292,15 @@ def test_the_coordinator_sends_prepare_again_only_to_the_silent_and_at_most_twic
 
 
 def test_the_coordinator_proposes_its_view_as_of_its_accept_not_of_its_prepare() -> None:
-    # Prepared while it saw A; by the time a majority promised (no fast votes among them), A
-    # was refuted and its view is the empty cut: that is what it proposes. Later updates do
+    # Prepared while it saw A; by the time a majority promised (no fast votes among them), a
+    # second member had failed and its view is B: that is what it proposes. Later updates do
     # not change an Accept already sent.
     c = Consensus(CONFIG, 104)
     c.prepare(attempt=0, fallback=A)
-    c.update_fallback(Cut())
+    c.update_fallback(B)
     for m in (101, 102, 103, 105, 106):
         c.on_promise(m, Promise(7, 4, -1, None))
-    assert {msg.cut for _, msg in c.outbox if isinstance(msg, Accept)} == {Cut()}
-    c.update_fallback(B)
-    assert c.voted_cut == Cut()
+    assert {msg.cut for _, msg in c.outbox if isinstance(msg, Accept)} == {B}
+    c.update_fallback(A)
+    c.update_fallback(None)
+    assert c.voted_cut == B and not c.holding

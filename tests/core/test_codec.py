@@ -57,7 +57,9 @@ from torchpass_p2p.core.messages import (
     Topology,
     Vote,
 )
+from torchpass_p2p.core.seal import OVERHEAD_BYTES
 from torchpass_p2p.core.sizes import encoded_size
+from torchpass_p2p.core.wire import DEFAULT_MAX_DATAGRAM_BYTES
 
 _COMPILED_MESSAGES = not messages_module.__file__.endswith(".py")
 """True when scripts/build-native compiled the message classes."""
@@ -148,11 +150,14 @@ def test_largest_valid_bodies_fit_the_body_limit() -> None:
     assert len(encode(gossip)) < len(encode(sync)) <= MAX_BODY_BYTES
     assert decode(encode(sync)) == sync
     assert decode(encode(gossip)) == gossip
-    # The largest agreement body: the second figure in codec.MAX_BODY_BYTES's comment.
+    # The largest agreement body a member sends: the second figure in codec.MAX_BODY_BYTES's
+    # comment, a vote whose cut takes its whole budget (codec.MAX_CUT_BYTES) beside a full
+    # segment, sealed to exactly the default datagram.
     vote = Vote(MAX_MEMBER_ID, MAX_U32, _LARGEST_CUT, MAX_SEGMENT, b"\xff" * SEGMENT_BYTES,
                 MAX_STEP)
     assert len(msgpack.packb(codec.to_array(Accept(0, 0, _LARGEST_CUT))[3])) == MAX_CUT_BYTES
-    assert len(encode(vote)) == 1423 <= MAX_BODY_BYTES
+    assert len(encode(vote)) == 1366 <= MAX_BODY_BYTES
+    assert len(encode(vote)) + OVERHEAD_BYTES == DEFAULT_MAX_DATAGRAM_BYTES
     assert decode(encode(vote)) == vote
     for message in (Accept(MAX_MEMBER_ID, MAX_U32, _LARGEST_CUT),
                     Promise(MAX_MEMBER_ID, MAX_U32, MAX_U32, _LARGEST_CUT)):
@@ -160,15 +165,38 @@ def test_largest_valid_bodies_fit_the_body_limit() -> None:
         assert decode(encode(message)) == message
 
 
+def test_a_cut_over_the_body_limit_encodes_nowhere() -> None:
+    # 64 joiners (the array bound) with the longest labels take 13.5 kB: no member proposes
+    # such a cut (its budget binds first), and encode refuses it as decode would.
+    joined = tuple(Joiner(i, _LONGEST_LABEL, MAX_PORT, Topology(_LONGEST_LABEL, _LONGEST_LABEL))
+                   for i in range(1, MAX_CUT_JOINED + 1))
+    with pytest.raises(ValueError, match="exceeds the body limit of 2048"):
+        encode(Accept(1, 1, Cut((), joined)))
+    body = msgpack.packb(codec.to_array(Accept(1, 1, Cut((), joined))))
+    with pytest.raises(DecodeError) as info:
+        decode(body)
+    assert info.value.reason == "too_long"
+    # As many of those joiners as fit 2,048 bytes still encode and decode (sent by TCP): 10
+    # of 203 bytes (array 1, member 1, host 66, port 3, labels 66 + 66), with array 1, tag 1,
+    # config_id 1, round 1 and the cut's three array headers.
+    fits = Accept(1, 1, Cut((), joined[:10]))
+    assert len(encode(fits)) == 4 + 3 + 10 * 203 <= MAX_BODY_BYTES
+    assert decode(encode(fits)) == fits
+    with pytest.raises(ValueError, match="Accept of 2240 bytes"):
+        encode(Accept(1, 1, Cut((), joined[:11])))
+
+
 _LONGEST_LABEL = "x" * MAX_LABEL_BYTES
 _LARGEST_CUT = Cut(
     tuple(range(MAX_MEMBER_ID - MAX_CUT_REMOVED + 1, MAX_MEMBER_ID + 1)),
-    tuple(
-        Joiner(MAX_MEMBER_ID - MAX_CUT_JOINED + i, _LONGEST_LABEL, MAX_PORT,
-               Topology(_LONGEST_LABEL, _LONGEST_LABEL))
-        for i in range(1, MAX_CUT_JOINED + 1)
+    (
+        *(Joiner(MAX_MEMBER_ID - 4 + i, _LONGEST_LABEL, MAX_PORT,
+                 Topology(_LONGEST_LABEL, _LONGEST_LABEL)) for i in range(1, 4)),
+        # 32 removals (291 bytes) and three joiners of 211 leave 154 bytes of the budget.
+        Joiner(MAX_MEMBER_ID, _LONGEST_LABEL, MAX_PORT, Topology(_LONGEST_LABEL, "x" * 8)),
     ),
 )
+"""A cut that takes exactly its budget, :data:`codec.MAX_CUT_BYTES`, at every width's widest."""
 
 
 # --- encode refuses what decode would refuse (local misuse) -------------------------------------

@@ -45,7 +45,7 @@ REQUIRED_KEYS = {
     "members", "virtual_s", "wall_s", "events", "events_per_s", "detect_first_p50_s",
     "detect_all_p50_s", "detect_all_p99_s", "false_removals", "bytes_per_member_per_s",
     "packets_per_member_per_s", "invariant_violations", "decided_all_p50_s", "decided_all_p99_s",
-    "fast_path_fraction", "safety_violations",
+    "fast_path_fraction", "empty_changes", "safety_violations",
 }
 UNTIMED = ("wall_s", "events_per_s")
 

@@ -27,6 +27,14 @@ their bit in a :class:`Vote` for that round, on the gossip path, and a majority 
 member whose ``Accept`` was lost accepts when a vote of that round carrying the coordinator's own
 bit reaches it: the coordinator sets that bit only for the cut it sent.
 
+No empty change. The empty cut is never voted, accepted nor decided, in any round: a change that
+changes nothing still costs every member a new configuration (events, progress reports, a plan)
+and holds up the real change behind it. A coordinator free to propose but whose view holds no
+change (something still unstable, or the suspicion behind the stale votes refuted) *holds* its
+round, a quorum of promises in hand, and sends its ``Accept`` once its view has a change. Votes
+left over from a refuted suspicion then stay until the next real change, which a classic round
+decides.
+
 Certificates. A decided bitmap is the decision's certificate: anyone holding the configuration can
 count its bits. Lagging members catch up from a peer's log of recent certificates.
 
@@ -227,8 +235,8 @@ class Consensus:
         if bits >> min(SEGMENT_BITS, self.n - first):
             self.dropped["vote_bits_out_of_range"] += 1
             return False
-        if vote.round == FAST_ROUND and not vote.cut.removed and not vote.cut.joined:
-            self.dropped["vote_invalid"] += 1  # only a classic round may decide the empty cut
+        if not vote.cut.removed and not vote.cut.joined:
+            self.dropped["vote_invalid"] += 1  # no round ever decides the empty cut
             return False
         news = self._add(vote.round, vote.cut, bits << first, vote.max_step, vote.segment)
         if (news and vote.round > FAST_ROUND and vote.round >= self.promised
@@ -263,9 +271,11 @@ class Consensus:
 
     # ------------------------------------------------------------------ classic rounds
 
-    def prepare(self, attempt: int, fallback: Cut) -> int:
+    def prepare(self, attempt: int, fallback: Cut | None) -> int:
         """Coordinate a classic round: the first of ours above every promise, at ``attempt`` or
-        later. ``fallback`` is proposed if no promise carries a vote. Returns the round.
+        later. ``fallback`` is proposed if no promised vote binds the round's value; while it
+        is None or the empty cut, such a round holds (see :meth:`update_fallback`). Returns
+        the round.
 
         Raises:
             LocalProtocolError: this process is not a member of the configuration.
@@ -288,12 +298,22 @@ class Consensus:
         self._maybe_accept()
         return round_
 
-    def update_fallback(self, cut: Cut) -> None:
-        """The coordinator's current view, proposed instead of the one given to :meth:`prepare`
-        if no promised vote binds the round's value; no effect once the ``Accept`` went out or
-        when not coordinating."""
+    def update_fallback(self, cut: Cut | None) -> None:
+        """The coordinator's current view (None or the empty cut: no change), proposed instead
+        of the one given to :meth:`prepare` if no promised vote binds the round's value; no
+        effect once the ``Accept`` went out or when not coordinating. A round that a quorum
+        promised but that held for want of a change sends its ``Accept`` now (to
+        :attr:`outbox`) if ``cut`` is one."""
         if self.coordinating and not self._accept_sent:
             self._fallback = cut
+            self._maybe_accept()
+
+    @property
+    def holding(self) -> bool:
+        """Whether this member coordinates a round that a quorum promised, free to propose
+        but with no change to propose (:meth:`choose` is None): it waits for its view."""
+        return (bool(self.coordinating) and not self._accept_sent
+                and len(self._promises) >= classic_quorum(self.n))
 
     def resend_prepare(self) -> None:
         """Coordinator, before its ``Accept``: ``Prepare`` again to members whose promise has
@@ -328,30 +348,34 @@ class Consensus:
         if msg.round != self.coordinating or sender not in self.config:
             self.dropped["promise_stale"] += 1
             return
-        if (msg.voted_round >= msg.round or (msg.voted_round >= 0) != (msg.cut is not None)):
-            self.dropped["promise_invalid"] += 1
+        if (msg.voted_round >= msg.round or (msg.voted_round >= 0) != (msg.cut is not None)
+                or (msg.cut is not None and not msg.cut.removed and not msg.cut.joined)):
+            self.dropped["promise_invalid"] += 1  # nobody votes the empty cut
             return
         self._promises[sender] = (msg.voted_round, msg.cut)
         self._maybe_accept()
 
     def on_accept(self, sender: MemberId, msg: Accept) -> None:
-        if msg.round < 1 or self.config.members[coordinator_index(msg.round, self.n)] != sender:
+        if (msg.round < 1 or self.config.members[coordinator_index(msg.round, self.n)] != sender
+                or (not msg.cut.removed and not msg.cut.joined)):
             self.dropped["accept_invalid"] += 1
             return
         self._accept(msg.round, msg.cut)
 
-    def choose(self) -> Cut:
+    def choose(self) -> Cut | None:
         """The Fast Paxos value rule over the promises gathered (see the module docstring).
 
         A cut that may have been decided must be proposed again; when none may have been, the
-        coordinator is free and proposes its own current view (``fallback``), which may be the
-        empty cut: a refuted suspicion then retires the stale votes instead of removing a live
-        member.
+        coordinator is free and proposes its own current view (``fallback``). None when that
+        view holds no change: the round holds rather than decide the empty cut, so a refuted
+        suspicion neither removes a live member nor costs a configuration change.
         """
         voted = [(r, c) for r, c in self._promises.values() if r >= 0 and c is not None]
-        assert self._fallback is not None
+        fallback = self._fallback
+        if fallback is not None and not fallback.removed and not fallback.joined:
+            fallback = None
         if not voted:
-            return self._fallback
+            return fallback
         top = max(r for r, _ in voted)
         cuts = Counter(c for r, c in voted if r == top)
         if top > FAST_ROUND:
@@ -360,13 +384,15 @@ class Consensus:
         # can (|Q| > 2F). Ties break by cut_key.
         best, count = min(cuts.items(), key=lambda kv: (-kv[1], cut_key(kv[0])))
         need = len(self._promises) - (self.n - fast_quorum(self.n))
-        return best if count >= need else self._fallback
+        return best if count >= need else fallback
 
     def _maybe_accept(self) -> None:
         if self._accept_sent or len(self._promises) < classic_quorum(self.n):
             return
-        self._accept_sent = True
         cut = self.choose()
+        if cut is None:
+            return  # holding: update_fallback sends the Accept once there is a change
+        self._accept_sent = True
         accept = Accept(self.config_id, self.coordinating, cut)
         for member in self.config.members:
             if member != self.me:

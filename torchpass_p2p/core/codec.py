@@ -155,21 +155,29 @@ MAX_CUT_REMOVED = 32
 """Member ids a :class:`Cut` removes. Rapid batches concurrent failures into one cut; 32 covers
 four 8-GPU hosts (a switch or a rack) failing together. More failures are decided over several
 configuration changes, so a cut stays small enough to vote on (32 ids: 291 bytes)."""
-MAX_CUT_JOINED = 4
-"""Spares a :class:`Cut` admits. Joins are not urgent and a joiner is the costliest item on the
-wire (up to 211 bytes with three 64-byte labels); more join in the next configuration change."""
-MAX_CUT_BYTES = 1137
-"""Largest encoded cut: array 1 + removed (array16 header 3 + 32 * 9) + joined (array 1 +
-4 * joiner 211), a joiner being array 1 + member 9 + port 3 + 3 * (str8 header 2 + 64)."""
+MAX_CUT_JOINED = 64
+"""Spares a :class:`Cut` admits, at most: msgpack's bound on every array of ours. What binds
+first is the cut's size in bytes: a member proposes no cut over
+:func:`~torchpass_p2p.core.sizes.cut_budget` (every agreement message carrying it fits one
+datagram), and no body over :data:`MAX_BODY_BYTES` encodes or decodes. A joiner takes 7 to
+211 bytes (array 1 + member 1-9 + host 2-66 + port 1-3 + two labels 1-66 each), so a
+configuration change admits from 3 joiners with the longest labels beside 32 removals up to
+64 (a mass restart admitted in one change, not in eight)."""
+MAX_CUT_BYTES = 1080
+"""Largest encoded cut a member proposes in a configuration of 2,048 members or more (smaller
+ones have room for more: :func:`~torchpass_p2p.core.sizes.cut_budget`): a :class:`Vote` with
+this cut and a full segment, every other field at its widest, seals to exactly the default
+1,400-byte datagram: 1,400 - 34 (seal) - 286 (array 1, tag 1, config_id 9, round 5,
+segment 2, bin16 bits 3 + 256, max_step 9). 32 removals take 291 bytes of it."""
 MAX_BODY_BYTES = 2048
-"""Largest body :func:`decode` reads. The largest valid body is a full ``SyncState``:
-1 (array) + 1 (tag) + 9 + 3 + 3 + 3 (array16 header) + 64 * 25 + 1 = 1,621 bytes (1,685 with
-64 silent alerts, which decode but which no member puts in a view page). The largest
-agreement body is a ``Vote`` with a full cut and a full segment: 1 (array) + 1 (tag) + 9
-(config_id) + 5 (round) + 1,137 (cut) + 2 (segment) + 3 + 256 (bin16 bits) + 9 (max_step) =
-1,423 bytes (sealed, 1,457: over the default 1,400-byte datagram, where the sender's size check in
-``Wire.seal`` binds). Anything longer than this limit is rejected before msgpack sees it, so a
-hostile body costs at most this much parsing."""
+"""Largest body :func:`encode` writes and :func:`decode` reads. The largest valid body of a
+membership message is a full ``SyncState``: 1 (array) + 1 (tag) + 9 + 3 + 3 + 3 (array16
+header) + 64 * 25 + 1 = 1,621 bytes (1,685 with 64 silent alerts, which decode but which no
+member puts in a view page). An agreement message whose cut keeps to its budget
+(:data:`MAX_CUT_BYTES`) is at most 1,366 bytes (a sealed 1,400-byte datagram); a longer one,
+up to this limit, goes by TCP (``agent/transport.py``). Anything longer is refused by both
+sides, and rejected before msgpack sees it, so a hostile body costs at most this much
+parsing."""
 
 # msgpack's own limits, checked while parsing and before allocating (a 4-byte length prefix can
 # claim 4 GB). Arrays: no array of ours is longer than 64 items. Strings are only ever labels and
@@ -459,10 +467,16 @@ def to_array(message: Message) -> tuple:
 def encode(message: Message) -> bytes:
     """The msgpack body of ``message`` (at most :data:`MAX_BODY_BYTES` bytes).
 
-    Raises ``ValueError`` if a field is out of range or of the wrong type, or a list is too long.
+    Raises ``ValueError`` if a field is out of range or of the wrong type, a list is too long,
+    or the body is over :data:`MAX_BODY_BYTES` (a cut of many joiners with long labels), for
+    :func:`decode` would refuse it.
     """
     # packb, not a shared Packer: a Packer's buffer is not safe to share between threads.
-    return msgpack.packb(to_array(message))
+    body: bytes = msgpack.packb(to_array(message))
+    if len(body) > MAX_BODY_BYTES:
+        raise ValueError(f"{type(message).__name__} of {len(body)} bytes exceeds the body "
+                         f"limit of {MAX_BODY_BYTES}")
+    return body
 
 
 # --- decoding ---------------------------------------------------------------------------------

@@ -8,8 +8,17 @@ fewer than L alerts are noise. Rapid's implicit alerts count an observer that is
 unstable as having alerted, so a subject whose observers failed with it (a whole host) still
 reaches H. A subject with fewer than K distinct observers (a small configuration) has H capped
 at their number and L scaled in proportion (L/K). Joiners are stable at once. A member
-proposes only while nothing is unstable, so failures that start together are decided as one
-cut; the caller also waits until the proposal has not changed for ``Params.cut_settle_s``.
+proposes removals only while nothing is unstable, so failures that start together are decided
+as one cut; the caller also waits until the proposal has not changed for
+``Params.cut_settle_s``. Joiners do not wait for the unstable: while something is, the proposal
+admits the joiners alone (a mass crash takes seconds to convict, and processes restarted
+meanwhile would wait that long). A change that only admits spares leaves the rank map as it
+is, which costs the trainers nothing (``trainer/loop.py``).
+
+A cut holds at most ``max_removed`` removals and as many joiners as its byte budget takes
+(:func:`~.sizes.cut_budget`: every agreement message carrying it fits one datagram), smallest
+member ids first; the rest wait for the next change. Each change costs a classic round's
+timeout or more, so a mass restart must be admitted in as few changes as the bytes allow.
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .codec import MAX_CUT_JOINED, MAX_CUT_REMOVED
 from .configuration import Configuration
 from .messages import Cut, Joiner, MemberId
+from .sizes import array_header_size, cut_budget, cut_size, joiner_size
 
 # Both classes below are values nothing mutates, built on every view change. Not frozen and with
 # a written-out __init__ (init=False): mypyc builds a frozen or generated-__init__ dataclass
@@ -48,9 +59,9 @@ class Suspected:
 
 @dataclass(slots=True, init=False)
 class Proposal:
-    """The outcome of :func:`propose_cut`: the cut (None when nothing is stable), the subjects
-    that still block it, a reason the tests assert on, and when to look again (seconds; ``inf``
-    when only new alerts can change the answer)."""
+    """The outcome of :func:`propose_cut`: the cut (None when nothing can change yet), the
+    subjects that still hold up its removals, a reason the tests assert on, and when to look
+    again (seconds; ``inf`` when only new alerts can change the answer)."""
 
     cut: Cut | None
     unstable: tuple[MemberId, ...]
@@ -79,8 +90,9 @@ def propose_cut(
     high: int,
     low: int,
     min_window_s: float,
-    max_removed: int,
-    max_joined: int,
+    max_removed: int = MAX_CUT_REMOVED,
+    max_joined: int = MAX_CUT_JOINED,
+    max_cut_bytes: int | None = None,
 ) -> Proposal:
     """This member's proposal for ``config``'s next change.
 
@@ -98,12 +110,17 @@ def propose_cut(
             unless it is *silenced*: H of its alerts are silent, implicit ones included (an
             observer that is itself failing cannot alert, Rapid section 4.2), so every
             observer that can speak found its process stopped and nothing will refute.
-        max_removed, max_joined: the most of each one cut carries (the codec's limits); the
-            rest waits for the next configuration, smallest member ids first.
+        max_removed, max_joined: the most of each one cut carries (default: the codec's
+            limits); the rest waits for the next configuration, smallest member ids first.
+        max_cut_bytes: the most bytes the encoded cut may take (default:
+            :func:`~.sizes.cut_budget` of ``config``); joiners that would take it over wait
+            for the next configuration. Removals always fit (``max_removed`` ids take at most
+            291 bytes).
 
     Returns:
-        A :class:`Proposal`; ``cut`` is None when there is nothing to change or something is
-        unstable; ``recheck_at`` is when a subject that has its alerts finishes its window.
+        A :class:`Proposal`; ``cut`` is None when there is nothing to change, or something is
+        unstable and nobody asks to join (then the cut admits the joiners alone);
+        ``recheck_at`` is when a subject that has its alerts finishes its window.
     """
     stable = {m for m in gone if m in config}
     silenced: set[MemberId] = set()
@@ -142,15 +159,34 @@ def propose_cut(
             else:  # stable then, with no new alert to wake us
                 recheck_at = min(recheck_at, ripe_at)
     joined = sorted((j for j in joiners if j.member not in config), key=lambda j: j.member)
+    budget = cut_budget(len(config)) if max_cut_bytes is None else max_cut_bytes
     if partial:
-        return Proposal(None, tuple(sorted(partial)), f"waiting: {len(partial)} unstable",
-                        recheck_at)
+        waiting = f"waiting: {len(partial)} unstable"
+        if not joined:
+            return Proposal(None, tuple(sorted(partial)), waiting, recheck_at)
+        admitted = _fitting((), joined[:max_joined], budget)
+        return Proposal(Cut((), admitted), tuple(sorted(partial)),
+                        f"join {len(admitted)}; {waiting}", recheck_at)
     if not stable and not joined:
         return Proposal(None, (), "nothing to change")
     removed = tuple(sorted(stable))[:max_removed]
-    cut = Cut(removed, tuple(joined[:max_joined]))
+    cut = Cut(removed, _fitting(removed, joined[:max_joined], budget))
     return Proposal(cut, (), f"remove {len(removed)}, join {len(cut.joined)}", math.inf,
                     tuple(m for m in removed if m in silenced))
+
+
+def _fitting(removed: tuple[MemberId, ...], joined: list[Joiner],
+             budget: int) -> tuple[Joiner, ...]:
+    """The longest prefix of ``joined`` (sorted by id) that a cut removing ``removed`` holds
+    within ``budget`` bytes. A prefix, not a best fit: every member that sees the same joiners
+    computes the same cut, and a joiner is never passed over for a later one."""
+    base = cut_size(Cut(removed)) - array_header_size(0)  # the joined array's header varies
+    used = 0
+    for k, joiner in enumerate(joined):
+        used += joiner_size(joiner)
+        if base + array_header_size(k + 1) + used > budget:
+            return tuple(joined[:k])
+    return tuple(joined)
 
 
 def alerts_needed(config: Configuration, subject: MemberId, high: int) -> int:

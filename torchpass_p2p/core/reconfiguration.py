@@ -71,8 +71,6 @@ ALIVE: Final = MemberState.ALIVE
 DEAD: Final = MemberState.DEAD
 LEFT: Final = MemberState.LEFT
 _INF: Final = math.inf
-_MAX_CUT_REMOVED: Final = 32  # the codec's limits on one cut
-_MAX_CUT_JOINED: Final = 4
 _MAX_FUTURE: Final = 64  # messages held for a configuration this member has not reached yet
 _CATCHUP_GAP_S: Final = 0.2  # at most one catch-up reply per peer this often
 _CATCHUP_GRACE_S: Final = 1.0  # stale votes right after our decision get no certificate
@@ -145,8 +143,10 @@ class Reconfiguration:
         self._catchup_sent: dict[MemberId, float] = {}  # peer -> when we sent certificates
         self._digest_sent: dict[MemberId, float] = {}  # peer -> when we nudged it with a digest
         self._proposal: Cut | None = None
-        self._settle_at = _INF
+        self._vote_at = _INF  # when _proposal is ripe to vote for (settled, windows over)
+        self._settle_at = _INF  # when to run cut detection again
         self._classic_at = _INF
+        self._classic_deferred = False  # a classic round fell due with nothing to propose
         self._classic_attempt = 0
         self._vote_push_at = _INF
         self._last_vote_push = -_INF
@@ -203,6 +203,7 @@ class Reconfiguration:
         """The member's loop stalled: a vote or a classic round that fell due meanwhile waits
         until ``until``, for the refutation that voids the cut may be in the backlog."""
         self._settle_at = max(self._settle_at, until) if self._settle_at < _INF else _INF
+        self._vote_at = max(self._vote_at, until) if self._vote_at < _INF else _INF
         if self._classic_at < until:
             self._classic_at = until
 
@@ -226,32 +227,58 @@ class Reconfiguration:
         proposal = propose_cut(
             m._config, gone=gone, suspected=suspected, joiners=self.joiners.values(),
             now=now, high=p.alerts_to_remove, low=p.min_alerts_to_confirm,
-            min_window_s=p.suspicion_min_s, max_removed=_MAX_CUT_REMOVED,
-            max_joined=_MAX_CUT_JOINED)
-        # A classic round we coordinate proposes our view as of its Accept, not as of its
-        # Prepare: promises may come much later (a healed partition), and a view from before
-        # would remove members that have refuted since.
-        self.consensus.update_fallback(proposal.cut or Cut())
+            min_window_s=p.suspicion_min_s)
+        consensus = self.consensus
+        self._offer(now, proposal.cut)
+        if self.consensus is not consensus:
+            return  # the round we held decided: the proposal was for the old configuration
+        # A subject that only waits for its refutation window becomes stable at recheck_at
+        # without any new message, so look again then (also after voting for a cut of joiners
+        # only, which does not wait for it).
         if proposal.cut is None:
-            # Nothing to vote for yet; a subject that only waits for its refutation window
-            # becomes stable at recheck_at without any new message, so look again then.
             self._proposal = None
+            self._vote_at = _INF
             self._settle_at = proposal.recheck_at
             return
         if proposal.cut != self._proposal:
             self._proposal = proposal.cut
-            self._settle_at = self._ripe_at(now, proposal.cut, proposal.silenced)
+            self._vote_at = self._ripe_at(now, proposal.cut, proposal.silenced)
+            self._settle_at = min(self._vote_at, proposal.recheck_at)
             return
-        if now < self._settle_at:
+        if now < self._vote_at:
+            self._settle_at = min(self._vote_at, proposal.recheck_at)
             return
-        self._settle_at = _INF
+        self._vote_at = _INF
+        self._settle_at = proposal.recheck_at
         if m.self_suspected:
             return  # cut off ourselves: our view of the others is not evidence
-        if self.consensus.vote_fast(proposal.cut, self.last_committed_step):
+        if consensus.vote_fast(proposal.cut, self.last_committed_step):
             m._counts["votes_cast"] += 1
             if self._leads_classic_now(proposal.cut):
                 self._classic_at = now
             self._after_consensus_input(now)
+
+    def _offer(self, now: float, cut: Cut | None) -> None:
+        """``cut`` (None: no change) is our view now. A classic round we coordinate proposes
+        it, as of its ``Accept``, not of its ``Prepare``: promises may come much later (a
+        healed partition), and a view from before would remove members that have refuted
+        since. A round that held for want of a change sends its ``Accept`` now; one deferred
+        for the same reason (:meth:`_start_classic`) starts after this member's jitter."""
+        consensus = self.consensus
+        consensus.update_fallback(cut)
+        if consensus.outbox or consensus.decision is not None:
+            self._after_consensus_input(now)
+        if cut is not None and self._classic_deferred and self.consensus is consensus:
+            self._classic_deferred = False
+            self._classic_at = min(self._classic_at, now + self._classic_jitter())
+
+    def _classic_jitter(self) -> float:
+        """This member's share of ``classic_spread_s`` for the current attempt (seconds): a
+        hash of (config_id, attempt, member), so coordinators rarely collide and every run
+        with the same seed draws the same."""
+        m = self._member
+        u = mix_triple(m._config.config_id, self._classic_attempt, m.id) / 2.0**64
+        return u * m.params.classic_spread_s
 
     def _accused(self, cut: Cut) -> list[MemberId]:
         """The members ``cut`` removes that neither left nor exited (nor are we): only an
@@ -262,21 +289,24 @@ class Reconfiguration:
 
     def _leads_classic_now(self, cut: Cut) -> bool:
         """Whether we start a classic round as soon as we have voted for ``cut``, instead of
-        after ``classic_timeout_s``: the cut only removes members that left or exited (nothing
-        to refute, so nothing to wait for) and so many that the rest cannot make a fast quorum
-        (Rapid section 5: round 0 needs ``N - floor((N - 1) / 4)`` votes; two exits of six,
-        say), so waiting for the fast round only costs time. Only the first member of the
-        configuration that the cut keeps leads (every voter of ``cut`` computes the same one),
-        so coordinators do not collide; the others keep their timeout in case it is dead too.
-        A cut with an accusation keeps the timeout: the safety fuzz removed members that had
-        refuted after a short partition healed, when it started at once."""
-        if cut.joined or self._accused(cut):
+        after ``classic_timeout_s``: the cut accuses nobody (it only admits joiners, or removes
+        members that left or exited: nothing to refute, so nothing to wait for) and the members
+        it keeps that our view holds alive cannot make a fast quorum (Rapid section 5: round 0
+        needs ``N - floor((N - 1) / 4)`` votes; two exits of six, say, or joiners admitted
+        while a third of the configuration is suspected after a mass crash), so waiting for
+        the fast round only costs time. Only the first of those members leads (every voter
+        with our view computes the same one), so coordinators do not collide; the others keep
+        their timeout in case it is dead too. A cut with an accusation keeps the timeout: the
+        safety fuzz removed members that had refuted after a short partition healed, when it
+        started at once."""
+        if self._accused(cut):
             return False
-        config = self._member._config
+        m = self._member
+        config, view = m._config, m._view
         removed = set(cut.removed)
-        kept = [member for member in config.members if member not in removed]
-        return (len(kept) < fast_quorum(len(config)) and bool(kept)
-                and kept[0] == self._member.id)
+        kept = [member for member in config.members if member not in removed
+                and (member == m.id or view.get(member, (ALIVE, 0))[0] == ALIVE)]
+        return len(kept) < fast_quorum(len(config)) and bool(kept) and kept[0] == m.id
 
     def _ripe_at(self, now: float, cut: Cut, silenced: tuple[MemberId, ...] = ()) -> float:
         """When we may vote for ``cut``: it settled for ``cut_settle_s`` (``exit_settle_s`` if
@@ -318,6 +348,8 @@ class Reconfiguration:
             return
         consensus = self.consensus
         if isinstance(msg, Vote):
+            if msg.cut.joined:
+                self._learn_joiners(msg.cut)
             if consensus.merge_vote(msg):
                 self._after_consensus_input(now)
         elif isinstance(msg, Progress):
@@ -334,6 +366,8 @@ class Reconfiguration:
             consensus.on_promise(sender, msg)
             self._after_consensus_input(now)
         else:
+            if msg.cut.joined:
+                self._learn_joiners(msg.cut)
             consensus.on_accept(sender, msg)
             self._after_consensus_input(now)
 
@@ -347,10 +381,8 @@ class Reconfiguration:
             self._decide(now, consensus.decision)
             return
         if consensus.active:
-            if self._classic_at == _INF:
-                u = mix_triple(m._config.config_id, self._classic_attempt, m.id) / 2.0**64
-                self._classic_at = (now + m.params.classic_timeout_s
-                                    + u * m.params.classic_spread_s)
+            if self._classic_at == _INF and not self._classic_deferred:
+                self._classic_at = now + m.params.classic_timeout_s + self._classic_jitter()
             if self._vote_resend_at == _INF:
                 self._vote_resend_at = now + m.params.vote_resend_s
         self._schedule_vote_push(now)
@@ -415,10 +447,15 @@ class Reconfiguration:
         self._classic_at = _INF
         if consensus.decision is not None or consensus.index < 0:
             return
-        # Our current view, or the empty cut: votes were cast for this configuration, and a
-        # decision, even of nothing, retires them so that the next change can go fast again.
-        fallback = self._proposal or Cut()
-        consensus.prepare(self._classic_attempt, fallback)
+        if self._proposal is None:
+            # Nothing of our own to propose: a round of ours could only hold (the empty cut is
+            # never decided; agreement.py), or hold already. A value some voters may have
+            # decided is proposed by whichever member has a change to propose, for its round
+            # reaches the same promises. Start once our view has one (_offer); no Prepare
+            # traffic meanwhile, nor after a refuted suspicion left stale votes.
+            self._classic_deferred = True
+            return
+        consensus.prepare(self._classic_attempt, self._proposal)
         self._classic_attempt += 1
         self._member._counts["classic_rounds_started"] += 1
         self._after_consensus_input(now)
@@ -459,8 +496,10 @@ class Reconfiguration:
         self._digest_sent.clear()
         self.consensus = Consensus(new, m.id if m.id in new else None, dropped=m._counts)
         self._proposal = None
-        self._settle_at = self._classic_at = self._vote_push_at = self._vote_resend_at = _INF
+        self._vote_at = self._settle_at = self._classic_at = _INF
+        self._vote_push_at = self._vote_resend_at = _INF
         self._classic_attempt = 0
+        self._classic_deferred = False
         self.plan = plan
         m._emit(ev.ConfigurationDecided(now, new, cert.round, cert.bits.bit_count(), plan))
         if m.id not in new and m.joining is not None:
@@ -581,8 +620,15 @@ class Reconfiguration:
         joiner = msg.joiner
         if sender == joiner.member and msg.config_id < m._config.config_id:
             self.send_certificates(now, sender, msg.config_id)
-        if (joiner.member in m._config or joiner.member in self.joiners
-                or m.joining is not None):
+        if joiner.member in m._config or m.joining is not None:
+            return
+        if joiner.member in self.joiners:
+            if sender == joiner.member:
+                # The joiner asks again (every join_retry_s until admitted): flood it again,
+                # for a flood that went partly to members that are dead but not yet convicted
+                # (half of them, after a mass crash) missed members, and a member that does not
+                # know a joiner proposes a different cut.
+                self._flood_join(joiner)
             return
         if len(self.joiners) >= m.params.max_pending_joins:
             m._counts["dropped_join_overflow"] += 1
@@ -590,6 +636,26 @@ class Reconfiguration:
         self.joiners[joiner.member] = joiner
         m._cut_dirty = True
         # Flood it once, so that every member proposes the same cut.
+        self._flood_join(joiner)
+
+    def _learn_joiners(self, cut: Cut) -> None:
+        """The joiners of a cut proposed for our configuration (a vote or an ``Accept``) are
+        asking to join, as much as if their ``Join`` had reached us: votes reach every member,
+        a ``Join`` flood may not (half its targets may be dead but not yet convicted), and a
+        member that misses a joiner proposes another cut and, as a coordinator, admits it one
+        change later."""
+        m = self._member
+        for joiner in cut.joined:
+            if joiner.member in m._config or joiner.member in self.joiners:
+                continue
+            if len(self.joiners) >= m.params.max_pending_joins:
+                m._counts["dropped_join_overflow"] += 1
+                return
+            self.joiners[joiner.member] = joiner
+            m._cut_dirty = True
+
+    def _flood_join(self, joiner: Joiner) -> None:
+        m = self._member
         for peer in m._sample_members(m.params.gossip_fanout):
             m._send(peer, Join(joiner, m._config.config_id))
 

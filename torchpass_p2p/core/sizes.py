@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from .codec import MAX_BODY_BYTES, SEGMENT_BYTES
 from .messages import (
     Accept,
     Ack,
@@ -30,6 +31,8 @@ from .messages import (
     Update,
     Vote,
 )
+from .seal import OVERHEAD_BYTES
+from .wire import DEFAULT_MAX_DATAGRAM_BYTES
 
 # The classes tested for every datagram, as Final aliases: the compiled build reads them from C
 # statics instead of looking each name up in the module dict on every test.
@@ -79,6 +82,11 @@ def _bin_size(n: int) -> int:
 
 def _array_header_size(n: int) -> int:
     return 1 if n < 16 else 3 if n < 65536 else 5
+
+
+def array_header_size(items: int) -> int:
+    """Bytes of the header of a msgpack array of ``items`` items (fixarray, array16, 32)."""
+    return _array_header_size(items)
 
 
 def _updates_size(updates: tuple[Update, ...]) -> int:
@@ -149,3 +157,42 @@ def encoded_size(message: Message) -> int:
         return (2 + _uint_size(message.config_id) + _uint_size(message.segment)
                 + _bin_size(len(message.bits)) + _int_size(message.max_step))
     raise ValueError(f"not a message: {message!r}")
+
+
+_VOTE_FIELDS_BYTES: Final = 27
+"""A :class:`Vote`'s bytes besides its cut and its bits, every field at its widest: array 1 +
+tag 1 + config_id 9 + round 5 + segment 2 + max_step 9. A ``Promise`` (21) and an ``Accept``
+(16) carry a cut with less."""
+
+
+def cut_size(cut: Cut) -> int:
+    """``len(msgpack.packb(codec.to_array(Accept(0, 0, cut))[3]))``: the bytes ``cut`` takes
+    in any agreement message."""
+    return _cut_size(cut)
+
+
+def joiner_size(joiner: Joiner) -> int:
+    """Bytes ``joiner`` adds to a cut (or to a :class:`Join`)."""
+    return _joiner_size(joiner)
+
+
+def cut_budget(members: int, max_datagram_bytes: int = DEFAULT_MAX_DATAGRAM_BYTES) -> int:
+    """The most bytes a cut proposed for a configuration of ``members`` may take, so that every
+    agreement message carrying it (the largest is a :class:`Vote` with a full bitmap segment
+    of that configuration) fits one sealed datagram of ``max_datagram_bytes`` (default: the
+    1,400 bytes of :data:`~.wire.DEFAULT_MAX_DATAGRAM_BYTES`): 1,329 bytes at 64 members,
+    1,080 (:data:`~.codec.MAX_CUT_BYTES`) from 2,048 on. Every member computes the same
+    budget for the same configuration, so members that see the same joiners propose the same
+    cut. Never over :data:`~.codec.MAX_BODY_BYTES`, whatever the datagram.
+
+    Raises:
+        ValueError: ``members`` is below 1, or the datagram leaves no room for a cut.
+    """
+    if members < 1:
+        raise ValueError(f"a configuration has at least one member, got {members}")
+    segment = min(SEGMENT_BYTES, (members + 7) // 8)
+    fixed = _VOTE_FIELDS_BYTES + _bin_size(segment)
+    budget = min(max_datagram_bytes - OVERHEAD_BYTES, MAX_BODY_BYTES) - fixed
+    if budget < 3:  # array 1 + two empty arrays
+        raise ValueError(f"a {max_datagram_bytes}-byte datagram leaves no room for a cut")
+    return budget
