@@ -727,7 +727,10 @@ async def test_a_straggler_hands_its_chunks_to_an_idle_source(snap, keys):
     servers = await serving(snap, keys, SlowServer, TransferServer)
     try:
         res = await fetch([s.address for s in servers], keys, CONFIG)
-        assert res.failures == {"too_slow": 1}  # before: one chunk per 6 s to the end
+        # What must hold: the slow source delivers its first two chunks only, the idle one
+        # the rest. It is dropped too_slow once the idle one holds its chunks, unless (on a
+        # loaded host) the fetch completed first.
+        assert res.failures in ({"too_slow": 1}, {}), res.failures
         assert received_fingerprint(res) == snap.fingerprint()
         assert res.bytes_by_source[servers[0].address] <= 2 * snap.chunk_bytes
     finally:
