@@ -4,8 +4,8 @@ Each source gets its own network namespace joined to this one by a veth pair, an
 filter (``tc tbf``) on the namespace's end limits what the source can send: as if each source
 were another host with an uplink of ``gbit`` Gbit/s. Several processes in one namespace share
 its link: as if every source sat behind the receiver's one incoming link of that rate. Linux
-only, needs root and ``ip`` / ``tc`` (iproute2); DESIGN section 13 notes that namespaces, veth
-and tbf work on these machines (``tc netem`` does not).
+only, needs root and ``ip`` / ``tc`` (iproute2); namespaces, veth pairs and tbf work on this
+project's development machines, ``tc netem`` does not (``docs/transfer.md``).
 """
 
 from __future__ import annotations

@@ -77,8 +77,8 @@ async def until(condition, timeout_s: float = 20.0) -> None:
 
 
 async def test_a_receiver_taking_a_chunk_slowly_is_served_one_that_stops_is_dropped(keys):
-    # Before, SEND_TIMEOUT_S bounded the sending of a whole chunk: a receiver behind a slow
-    # link, taking every byte, was dropped ``send_timeout`` once the chunk outlasted it.
+    # SEND_TIMEOUT_S bounds the time without a byte taken, not the sending of a whole chunk:
+    # a receiver behind a slow link, taking every byte, is kept however long the chunk takes.
     snap = state(1, 4 << 20)
     server = SmallSendBuffer(keys, lambda: CONFIG, send_timeout_s=1.0)
     await server.start()
@@ -125,8 +125,8 @@ async def test_a_request_to_skip_a_whole_chunk_is_refused(keys):
 
 
 async def test_waiting_for_a_request_a_receiver_taking_bytes_or_keeping_alive_is_kept(keys):
-    # Before, IDLE_TIMEOUT_S bounded the wait for the next request, whatever the connection
-    # still moved; receivers with nothing to ask for were closed while the transfer went on.
+    # IDLE_TIMEOUT_S bounds the time without a byte moving or a keepalive: a receiver with
+    # nothing to ask for stays connected while the transfer goes on.
     snap = state(1, 2 << 20)
     (server,) = await serving(snap, keys, TransferServer)
     server.idle_timeout_s = 0.5

@@ -25,11 +25,11 @@ CHUNK = 128 << 10
 def test_a_slow_source_is_kept_and_a_stalled_one_dropped_behind_a_slow_link() -> None:
     key = os.urandom(32)
     # Each source's socket holds 8 KiB: a 128 KiB chunk leaves at the pace the link takes it
-    # (~62 kB/s per source while both send: 2 s a chunk), twice its 1 s send deadline. Before,
-    # that deadline bounded the whole chunk and the moving source was dropped
-    # ``send_timeout``. The other source stops its process (SIGSTOP) halfway through its first
-    # chunk. The link's queue (``burst`` + 0.1 s) holds what both sockets send: no packet is
-    # dropped there, so no TCP retransmission timeout (0.2 s and more) stalls a moving source.
+    # (~62 kB/s per source while both send: 2 s a chunk), twice its 1 s send deadline: a deadline
+    # on progress, not on the whole chunk, must keep the moving source. The other source
+    # stops its process (SIGSTOP) halfway through its first chunk. The link's queue
+    # (``burst`` + 0.1 s) holds what both sockets send: no packet is dropped there, so no TCP
+    # retransmission timeout (0.2 s and more) stalls a moving source.
     common = ["--state-mb", "0.5", "--chunk-bytes", str(CHUNK), "--send-timeout", "1.0",
               "--idle-timeout", "2.0", "--small-buffers"]
     with links.source_links(1, RATE_GBIT, prefix="tptt", burst="32kb",
