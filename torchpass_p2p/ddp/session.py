@@ -291,8 +291,10 @@ class Session(Trainer):
 
     def _exit(self, exc: BaseException, code: int) -> NoReturn:
         self.log("exit", code=code, reason=str(exc)[:200], step=self.step)
-        print(f"torchpass_p2p: member {self.log.member}: {exc}; exit code {code}",
-              file=sys.stderr, flush=True)
+        # One write: the launcher's children share its stderr, and print() writes the line
+        # and its newline apart, so another process's line could land between the two.
+        sys.stderr.write(f"torchpass_p2p: member {self.log.member}: {exc}; exit code {code}\n")
+        sys.stderr.flush()
         try:
             self._close()
             self.agent.stop(leave=False, timeout_s=2.0)
