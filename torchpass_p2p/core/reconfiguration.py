@@ -197,7 +197,8 @@ class Reconfiguration:
         if now >= self._lease_at:
             self._lease_at = _INF
             self.fenced = True
-            m._emit(ev.QuorumLost(now, m._config.config_id))
+            n = len(m._config)
+            m._emit(ev.QuorumLost(now, m._config.config_id, n, m.reachable, classic_quorum(n)))
 
     def postpone(self, until: float) -> None:
         """The member's loop stalled: a vote or a classic round that fell due meanwhile waits
@@ -669,7 +670,7 @@ class Reconfiguration:
         m = self._member
         n = len(m._config)
         ok = (not m.self_suspected and m._in_contact
-              and n - m._unreachable >= classic_quorum(n))
+              and m.reachable >= classic_quorum(n))
         if ok:
             self._lease_at = _INF
             if self.fenced:
