@@ -21,7 +21,12 @@ removed only from a decided configuration.
 Catch-up. Members behind catch up from a peer's log of certificates: on any agreement message
 from an older configuration, and through the anti-entropy digest, which carries ``config_id``.
 Joins. A process outside the configuration sends :class:`~.messages.Join` to its seeds until a
-decided configuration holds it; members flood each join once, so all propose the same cut.
+decided configuration holds it; members flood each join when they first hear it and again
+whenever the joiner asks again, and learn joiners from any vote or ``Accept`` that names them,
+so all propose the same cut (a flood after a mass crash goes half to dead members).
+Classic rounds run only to decide a change: a member whose view holds none when its round falls
+due defers it until it has one (votes left by a refuted suspicion cost no traffic), and a
+coordinator never proposes the empty cut (:mod:`.agreement`).
 Progress. After a decision the surviving rank holders gossip their last committed step
 (:class:`~.messages.Progress`) until the plan's ``resume_step`` is fixed.
 Fencing. A member that believes less than a majority reachable for ``lease_s`` raises
