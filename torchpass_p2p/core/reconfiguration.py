@@ -641,7 +641,7 @@ class Reconfiguration:
             return
         self.joiners[joiner.member] = joiner
         m._cut_dirty = True
-        # Flood it once, so that every member proposes the same cut.
+        # Flood it at once, so that every member proposes the same cut.
         self._flood_join(joiner)
 
     def _learn_joiners(self, cut: Cut) -> None:
