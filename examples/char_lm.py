@@ -45,6 +45,7 @@ import torchpass_p2p
 from torchpass_p2p.collective import exit_process
 from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
 from torchpass_p2p.trainer import Drained, Removed, Stopped, Trainer, step_generator
+from torchpass_p2p.trainer.regroup import GIVE_UP_S
 
 VOCAB = 128
 
@@ -177,6 +178,9 @@ def main() -> int:
     ap.add_argument("--state-transport", choices=("auto", "tcp", "pg"), default="auto",
                     help="how a spare gets the state: TCP before the group forms, or over "
                          "the new process group (auto: pg over NCCL, tcp over gloo)")
+    ap.add_argument("--give-up-s", type=float, default=GIVE_UP_S,
+                    help="the trainer's last resort: seconds fenced (or a failure unrepaired) "
+                         "before a member stops (default %(default)g)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -191,7 +195,8 @@ def main() -> int:
         log_path = os.path.join(args.log_dir, f"{me}.jsonl")
     extra = {"ballast": Ballast(args.extra_state_mb, args.seed)} if args.extra_state_mb else {}
     trainer = Trainer(model, optimizer, agent=agent, scheduler=scheduler, seed=args.seed,
-                      extra=extra, state_transport=args.state_transport, log_path=log_path)
+                      extra=extra, state_transport=args.state_transport, log_path=log_path,
+                      give_up_s=args.give_up_s)
 
     def loss_fn(step: int, rank: int) -> torch.Tensor:
         return batch_loss(model, text, args, step, rank)

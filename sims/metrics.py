@@ -129,6 +129,10 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         the median stays at the per-member probing and gossip cost, which is flat in N.
     Convergence: ``views_final`` / ``views_max`` = distinct membership views among live members
     at the end / at the worst sample.
+    Fencing (members live at the end): ``fenced_final`` = those fenced (no majority of their
+    configuration reachable for ``lease_s``: they must not train); ``reachable_min`` /
+    ``reachable_max`` = the fewest / most members of its configuration one of them believes
+    reachable, itself included (``Member.reachable``, what a fenced host reports).
     Speed: ``events`` = entries the engine handled; ``events_per_s`` = events / ``wall_s``.
     """
     live = set(recorder.live_ids())
@@ -145,6 +149,7 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         pairs.extend(known[m] - rec.at if m in known else None for m in live)
     rejoin = [recorder.joined[m] - at if m in recorder.joined else None
               for m, at in recorder.restarts.items()]
+    reachable = [cluster.by_id[m].core.reachable for m in live]
     measured_s = virtual_s - warmup_s
     base = sampler.baseline or [(0, 0, 0, 0)] * len(cluster.members)
     totals = [0, 0, 0, 0]
@@ -201,6 +206,9 @@ def scenario_metrics(cluster: Cluster, recorder: DetectionRecorder, injector: Fa
         "recv_packets_per_member_per_s": rate(totals[3]),
         "views_final": sampler.views[-1] if sampler.views else None,
         "views_max": max(sampler.views, default=None),
+        "fenced_final": sum(1 for m in live if cluster.by_id[m].core.fenced),
+        "reachable_min": min(reachable, default=None),
+        "reachable_max": max(reachable, default=None),
     }
     if series:
         result["series"] = {

@@ -56,6 +56,9 @@ _TABLE: tuple[tuple[str, str], ...] = (
     ("packets_per_member_per_s", "packets/s sent"),
     ("views_final", "distinct views"),
     ("views_max", "distinct views"),
+    ("fenced_final", "members"),
+    ("reachable_min", "members"),
+    ("reachable_max", "members"),
     ("invariant_violations", ""),
 )
 """Rows of the human-readable table: key, unit."""

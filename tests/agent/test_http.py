@@ -435,6 +435,18 @@ async def test_cli_prints_the_cluster_table(h: Harness, capsys: pytest.CaptureFi
     assert "00000000000000b2 [by a1]" in out
 
 
+async def test_cli_says_how_many_a_fenced_member_reaches(
+        h: Harness, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # A member fenced without a majority (issue 32, item 3): the header says how many of the
+    # configuration it reaches and how many a majority is.
+    monkeypatch.setattr(h.source, "status",
+                        lambda: dict(STATUS, fenced=True, reachable=1, majority=2))
+    code = await asyncio.to_thread(status_cli.run, cli_args(h.hostport))
+    assert code == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith("FENCED (1 of 3 reachable, a majority is 2)"), header
+
+
 async def test_cli_json(h: Harness, capsys: pytest.CaptureFixture[str]) -> None:
     code = await asyncio.to_thread(status_cli.run, cli_args(h.hostport, "--json"))
     assert code == 0

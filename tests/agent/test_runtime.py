@@ -223,6 +223,8 @@ async def test_status_document_lists_every_member(role):
         assert [m["member_id"] for m in doc["members"]] == [f"{m:016x}" for m in (1, 2, 3)]
         assert [m["role"] for m in doc["members"]] == ["rank", "rank", "spare"]
         assert all(m["state"] == "alive" for m in doc["members"])
+        # Everyone reachable, and what a majority of the three is (issue 32, item 3).
+        assert (doc["fenced"], doc["reachable"], doc["majority"]) == (False, 3, 2)
     finally:
         await cluster.stop()
 

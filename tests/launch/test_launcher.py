@@ -23,6 +23,7 @@ from torchpass_p2p.agent.settings import load_settings
 from torchpass_p2p.cli.main import main
 from torchpass_p2p.launch.keyfile import write_key_file
 from torchpass_p2p.launch.launcher import STALL_S
+from torchpass_p2p.launch.outcome import EXIT_STOPPED
 
 from .procs import (
     finish,
@@ -496,13 +497,14 @@ def test_the_agreement_stopping_the_job_stops_the_launch(tmp_path: Path) -> None
     launcher = start_launcher(["--nproc", "2", "--spares", "1", "--grace", "2", "--respawn",
                                str(script), str(out)])
     code, log = finish(launcher)
-    assert code == 1, log
+    assert code == EXIT_STOPPED, log  # the job stopped: resume it from its checkpoint
     assert "respawning rank 1" in log, log
     assert re.search(r"rank 0 \([0-9a-f]{16}\) stopped the job; waiting up to "
                      r"2.0 s for the rest", log), log
     assert "grace period over" in log, log  # the spare and the respawned one would wait
     assert log.count("exited with signal SIGTERM") == 2, log
-    assert "exit code 1: a member stopped the job: the agreement left a rank" in log, log
+    assert "exit code 5: a member stopped the job: the agreement left a rank" in log, log
+    assert log.rstrip().endswith("the job stops: resume it from its last checkpoint"), log
 
 
 A_MEMBER_STOPS_ALONE = '''
@@ -606,14 +608,75 @@ def test_a_job_whose_majority_died_is_stopped_once_the_agents_are_fenced(
     launcher = start_launcher(["--nproc", "3", "--spares", "1", "--grace", "20",
                                *(["--respawn"] if respawn else []), str(script), str(out)])
     code, log = finish(launcher, timeout_s=15)
-    assert code == 1, log
-    lost = "no majority of configuration 0 is left: 2 of its 4 members exited and a majority is 3"
-    assert f"{lost}: the job cannot go on; stopping the remaining processes" in log, log
-    assert f"exit code 1: {lost}" in log, log
+    assert code == EXIT_STOPPED, log
+    lost = ("no majority of configuration 0 is left: 2 of its 4 members exited and a majority "
+            "is 3; the job stops: resume it from its last checkpoint")
+    assert f"{lost}; stopping the remaining processes" in log, log
+    assert f"exit code 5: {lost}" in log, log
     assert (out / "said-fenced-2").exists() and (out / "said-fenced-None").exists()
     assert log.count("respawning") == (2 if respawn else 0), log
     assert log.count("exited with signal SIGTERM") == (4 if respawn else 2), log
     assert "grace period over" not in log, log
+
+
+A_SURVIVOR_WITHOUT_A_MAJORITY = '''
+import asyncio, json, os, signal, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+rank = env.get("RANK")
+if rank != "0":
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGSTOP)  # paused, not dead: nothing exits
+    time.sleep(60)
+
+async def main():
+    while len(list(out.glob("*.json"))) < 3:
+        await asyncio.sleep(0.02)
+    members = [json.loads(p.read_text())["TORCHPASS_MEMBER_ID"] for p in out.glob("*.json")]
+    started = time.monotonic()
+
+    async def status(request):
+        # As its agent once both peers are suspected: fenced, alone of three.
+        (out / "asked").touch()
+        return web.json_response({"role": "rank", "config_id": 0, "fenced": True,
+                                  "reachable": 1, "majority": 2,
+                                  "members": [{"member_id": m, "role": "rank"}
+                                              for m in members]})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    while not (out / "asked").exists() or time.monotonic() - started < 3.0:
+        await asyncio.sleep(0.05)
+    # Its give-up time is over: the trainer stops the job, with its own line.
+    sys.exit(5)
+
+asyncio.run(main())
+'''
+
+
+def test_a_member_left_without_a_majority_stops_the_launch_saying_how_many_are_left(
+        tmp_path: Path) -> None:
+    # Two of three ranks paused (SIGSTOP): nothing exits, so the launcher cannot count a lost
+    # majority itself. The survivor stops the job (EXIT_STOPPED) after its give-up time; the
+    # launcher says why with the counts the survivor's status page last gave, and exits 5.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", A_SURVIVOR_WITHOUT_A_MAJORITY)
+    launcher = start_launcher(["--nproc", "3", "--grace", "1", str(script), str(out)])
+    code, log = finish(launcher, timeout_s=20)
+    assert code == EXIT_STOPPED, log
+    lost = ("no majority of configuration 0 is left: 1 of its 3 members is reachable and a "
+            "majority is 2; the job stops: resume it from its last checkpoint")
+    assert re.search(rf"rank 0 \([0-9a-f]{{16}}\) stopped the job: {lost}; waiting up to "
+                     r"1.0 s for the rest\n", log), log
+    assert log.count("exited with signal SIGTERM") == 2, log  # the paused ones, continued
+    assert f"exit code 5: {lost}" in log, log
 
 
 A_RANK_STAYS_VACANT = '''

@@ -31,6 +31,7 @@ from torchpass_p2p.launch.outcome import (
     describe_exit,
     exit_code,
     is_failure,
+    no_majority_left,
 )
 from torchpass_p2p.launch.plan import (
     ChildSpec,
@@ -151,10 +152,21 @@ def test_exit_code() -> None:
     assert exit_code([gone(1, 0), gone(2, EXIT_DRAINED)]) == (0, "job complete")
     # Finished ranks go silent without leaving: spares that outnumber them may agree on a stop.
     assert exit_code([gone(1, 0), gone(2, EXIT_STOPPED)]) == (0, "job complete")
+    # The job stopped because it cannot go on: exit code and reason say so (resume it).
     assert exit_code([gone(1, -9), gone(2, EXIT_STOPPED)]) == (
-        1, "a member stopped the job: the agreement left a rank nobody can fill (every holder "
-           "of its state is gone, or no spare is left under policy 'stop'), or no majority was "
-           "reachable for the member's give-up time")
+        EXIT_STOPPED, "a member stopped the job: the agreement left a rank nobody can fill "
+        "(every holder of its state is gone, or no spare is left under policy 'stop'), or no "
+        "majority of its configuration was left for its give-up time; the job stops: resume it "
+        "from its last checkpoint")
+    lost = no_majority_left(0, 1, 3, "reachable")
+    assert lost == ("no majority of configuration 0 is left: 1 of its 3 members is reachable "
+                    "and a majority is 2")
+    assert exit_code([gone(1, -9), gone(2, EXIT_STOPPED)], gave_up=lost) == (
+        EXIT_STOPPED, f"{lost}; the job stops: resume it from its last checkpoint")
+    assert no_majority_left(4, 2, 5, "exited") == (
+        "no majority of configuration 4 is left: 2 of its 5 members exited and a majority is 3")
+    assert no_majority_left(4, 2, 5, "reachable").endswith(": 2 of its 5 members are reachable "
+                                                           "and a majority is 3")
     assert exit_code([gone(1, 0)], stopped_by=15) == (143, "stopped by SIGTERM")
     # Reaped together after the launcher was stopped: whether the death came before the job
     # completed is unknown, so it is not a failure after completion; reaped later, it is.

@@ -28,6 +28,22 @@ def test_a_status_page_is_read_into_a_view() -> None:
     assert _view({"role": "rank"}) is None and _view([]) is None
 
 
+def test_a_fenced_agent_without_a_majority_says_how_many_are_left() -> None:
+    # What the launcher says when that member stops the job (issue 32, item 3): its counts,
+    # in the wording of majority_lost.
+    page = {"role": "rank", "config_id": 3, "fenced": True, "reachable": 2, "majority": 3,
+            "members": [{"member_id": m} for m in (A, B, C, D, E)]}
+    view = _view(page)
+    assert view == StatusView("rank", frozenset(), 3, FIVE, True, 0, 2, 3)
+    assert view.no_majority() == (
+        "no majority of configuration 3 is left: 2 of its 5 members are reachable and a "
+        "majority is 3")
+    # Not fenced, still counting a majority (cut off), or counts it did not give: nothing.
+    for patch in ({"fenced": False}, {"reachable": 3}, {"reachable": True}, {"majority": None}):
+        other = _view(dict(page, **patch))
+        assert other is not None and other.no_majority() is None, patch
+
+
 def test_three_of_five_gone_is_a_lost_majority() -> None:
     assert majority_lost([fenced(), fenced()], frozenset({C, D, E}), FIVE) == (
         "no majority of configuration 3 is left: 3 of its 5 members exited and a majority is 3")

@@ -56,6 +56,8 @@ class ScriptedAgent:
     address = ("127.0.0.1", 9000 + ME)
     status_address = None
     fenced = False
+    reachable = 3  # of ZERO's three members
+    majority = 2
 
     def __init__(self) -> None:
         self.settings = SimpleNamespace(keyring=Keyring(b"\x11" * 32), configuration=ZERO)
@@ -264,19 +266,22 @@ def test_a_drained_spare_ends_as_drained(trainer: Trainer, tmp_path: Path) -> No
     assert events(tmp_path, "removed")[0]["drained"] is True
 
 
-@pytest.mark.parametrize("role, fenced, why", [
-    ("spare", True, "no majority of configuration 0 reachable for 0.05 s"),
-    ("joining", False, "not admitted for 0.05 s"),
+@pytest.mark.parametrize("role, fenced, reachable, why", [
+    ("spare", True, 3, "no majority of configuration 0 reachable for 0.05 s"),
+    ("spare", True, 1, "no majority of configuration 0 is left: 1 of its 3 members is "
+                       "reachable and a majority is 2; fenced for 0.05 s, the job stops: "
+                       "resume it from its last checkpoint"),
+    ("joining", False, 3, "not admitted for 0.05 s"),
 ])
 def test_a_spare_that_reaches_no_majority_gives_up_after_its_deadline(
         trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, role: str,
-        fenced: bool, why: str) -> None:
+        fenced: bool, reachable: int, why: str) -> None:
     # Every rank died and the spares are too few to decide anything: nothing will ever give
     # this spare a rank, nor admit a joining one. It waited forever before; now it stops after
     # ``give_up_s`` (Stopped: its launcher respawns nobody for it).
     monkeypatch.setattr("torchpass_p2p.trainer.loop.WAIT_SLICE_S", 0.01)
     agent = trainer.agent
-    agent.role, trainer.give_up_s = role, 0.05
+    agent.role, agent.reachable, trainer.give_up_s = role, reachable, 0.05
     agent.settings.configuration = ZERO_AS_SPARE if role == "spare" else None
     agent.fenced_for = [fenced] * 100
     with pytest.raises(Stopped, match=f"^{why}$"):
@@ -335,6 +340,60 @@ def test_after_a_veto_a_member_fenced_for_give_up_s_stops(trainer: Trainer) -> N
     trainer.agent.fenced, trainer.give_up_s = True, 0.1
     with pytest.raises(Removed, match=r"^fenced for 0.1 s after a vetoed commit$"):
         trainer._await_lease()
+
+
+NO_MAJORITY = ("no majority of configuration 0 is left: 1 of its 3 members is reachable and a "
+               "majority is 2; fenced for 0.1 s, the job stops: resume it from its last "
+               "checkpoint")
+"""Issue 32, item 3: the one line of a member left without a majority."""
+
+
+def test_a_member_fenced_without_a_majority_says_how_many_are_left(
+        trainer: Trainer, tmp_path: Path) -> None:
+    # Its two peers are suspected or convicted: it counts itself alone of three. Whether it
+    # waited on a vetoed commit or for a change after a failed collective, it stops the job
+    # (Stopped: exit 5, nobody respawned) and says how many are left and how many are needed.
+    # Counting a majority it is the one cut off, and removed as before (the cases above).
+    in_zero(trainer)
+    agent = trainer.agent
+    agent.fenced, agent.reachable, trainer.give_up_s = True, 1, 0.1
+    with pytest.raises(Stopped) as after_veto:
+        trainer._await_lease()
+    assert str(after_veto.value) == NO_MAJORITY
+    with pytest.raises(Stopped) as after_failure:
+        trainer._await_change(since=time.monotonic() - 0.1)
+    assert str(after_failure.value) == NO_MAJORITY
+    assert [r["reason"] for r in events(tmp_path, "gave_up")] == [NO_MAJORITY] * 2
+    agent.reachable = 2
+    with pytest.raises(Removed, match=r"^no new configuration for 0.1 s after a collective"):
+        trainer._await_change(since=time.monotonic() - 0.1)
+
+
+def test_an_operation_whose_peers_never_answer_ends_once_fenced_for_give_up_s(
+        trainer: Trainer) -> None:
+    # Its peers paused (SIGSTOP) or dead in the middle of a collective: nothing ends the
+    # operation but the backend's 30-minute timeout, unless the watch gives up. It does, once
+    # the member has been fenced for give_up_s without a break; a member back in contact
+    # meanwhile starts counting again.
+    in_zero(trainer)
+    agent = trainer.agent
+    agent.fenced, agent.reachable, trainer.give_up_s = True, 1, 0.1
+    assert trainer._watch() is False  # fenced from now on
+    time.sleep(0.06)
+    agent.fenced = False
+    assert trainer._watch() is False  # the lease came back: the count restarts
+    agent.fenced = True
+    assert trainer._watch() is False
+    time.sleep(0.06)
+    assert trainer._watch() is False  # 0.06 s since the count restarted
+    time.sleep(0.06)
+    with pytest.raises(Stopped) as stopped:
+        trainer._watch()
+    assert str(stopped.value) == NO_MAJORITY
+    agent.reachable = 2  # cut off instead: removed
+    trainer._fenced_since = time.monotonic() - 0.2
+    with pytest.raises(Removed, match=r"^fenced for 0.1 s in a collective operation$"):
+        trainer._watch()
 
 
 @pytest.mark.timeout(15)  # a fresh give_up_s would wait 60 s

@@ -5,13 +5,14 @@ The spares are a majority and decide the change, but no survivor holds the state
 parallel: every rank is gone), so the plan stops the job (:mod:`torchpass_p2p.core.plan` rule
 3). Must hold: every spare learns it from the agreement, logs ``job_stopped`` and exits with
 ``EXIT_STOPPED``; nobody is promoted, nothing trains, no final state is written; the launcher
-exits 1 and says why. Before, the spares waited for a rank that was never given (the
-configuration was reported as waiting for a spare), and the job hung until killed.
+exits ``EXIT_STOPPED`` too and says why. Before, the spares waited for a rank that was never
+given (the configuration was reported as waiting for a spare), and the job hung until killed.
 
 With fewer spares than ranks (two ranks, one spare) the spare alone is no majority: no
 configuration can be decided again, not even a stop. Must hold: the spare is fenced, the
-launcher sees that a majority of configuration 0 exited, stops the spare and exits 1 saying
-so. Before, the spare waited for a rank forever and the launch with it.
+launcher sees that a majority of configuration 0 exited, stops the spare and exits
+``EXIT_STOPPED`` saying so, and that the job stops (resume it from its last checkpoint).
+Before, the spare waited for a rank forever and the launch with it.
 
 The same under policy ``stop`` (rule 5) with no spare at all: three ranks, rank 2 killed; the
 two survivors stop (exit ``EXIT_STOPPED``) instead of waiting 600 s for a spare.
@@ -37,8 +38,8 @@ FAULTS = f"kill@{FAULT_STEP}:grad:rank=0,kill@{FAULT_STEP}:grad:rank=1"
 def test_every_rank_dying_at_once_stops_the_job(tmp_path: Path) -> None:
     run = run_job(tmp_path, nproc=2, spares=3, steps=STEPS, faults=FAULTS, script_args=ARGS,
                   timeout_s=120)
-    assert run.code == 1, run.diagnosis()
-    assert "exit code 1: a member stopped the job: the agreement" in run.output, run.diagnosis()
+    assert run.code == EXIT_STOPPED, run.diagnosis()
+    assert "exit code 5: a member stopped the job: the agreement" in run.output, run.diagnosis()
     events = run.events
     spares = {r["member"] for r in events if r["event"] == "start" and r["role"] == "spare"}
     assert len(spares) == 3
@@ -57,9 +58,10 @@ def test_every_rank_dying_at_once_stops_the_job(tmp_path: Path) -> None:
 def test_a_spare_left_without_a_majority_is_stopped_by_the_launcher(tmp_path: Path) -> None:
     run = run_job(tmp_path, nproc=2, spares=1, steps=STEPS, faults=FAULTS, script_args=ARGS,
                   timeout_s=120)
-    assert run.code == 1, run.diagnosis()
-    lost = "no majority of configuration 0 is left: 2 of its 3 members exited and a majority is 2"
-    assert f"exit code 1: {lost}" in run.output, run.diagnosis()
+    assert run.code == EXIT_STOPPED, run.diagnosis()
+    lost = ("no majority of configuration 0 is left: 2 of its 3 members exited and a majority "
+            "is 2; the job stops: resume it from its last checkpoint")
+    assert f"exit code 5: {lost}" in run.output, run.diagnosis()
     events = run.events
     (spare,) = {r["member"] for r in events if r["event"] == "start" and r["role"] == "spare"}
     assert [(r["member"], r["config_id"]) for r in events if r["event"] == "fenced"] == [
@@ -75,8 +77,8 @@ def test_no_spare_left_under_policy_stop_stops_the_survivors(tmp_path: Path) -> 
     run = run_job(tmp_path, nproc=3, spares=0, steps=STEPS,
                   faults=f"kill@{FAULT_STEP}:grad:rank=2", script_args=ARGS, timeout_s=120,
                   settings={"TORCHPASS_POLICY": "stop"})
-    assert run.code == 1, run.diagnosis()
-    assert "exit code 1: a member stopped the job: the agreement" in run.output, run.diagnosis()
+    assert run.code == EXIT_STOPPED, run.diagnosis()
+    assert "exit code 5: a member stopped the job: the agreement" in run.output, run.diagnosis()
     events = run.events
     ranks = {r["member"]: r["rank"] for r in events if r["event"] == "start"}
     survivors = {m for m, rank in ranks.items() if rank != 2}

@@ -148,6 +148,19 @@ class Agent:
         return self._live().fenced
 
     @property
+    def reachable(self) -> int:
+        """Members of the current configuration this member believes reachable, itself
+        included: those its view holds neither suspected, convicted nor gone. Below
+        :attr:`majority` for the lease, the member is fenced: no change of the configuration
+        can be decided unless some of the others come back."""
+        return self._live().reachable
+
+    @property
+    def majority(self) -> int:
+        """Members of the current configuration a decision needs: ``floor(N / 2) + 1``."""
+        return self._live().majority
+
+    @property
     def draining(self) -> bool:
         """True once this member asked to hand its rank to a spare (:meth:`drain`, a GPU fault,
         the hang watchdog); it still holds the rank until a decided change removes it."""

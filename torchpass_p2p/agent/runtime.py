@@ -25,6 +25,7 @@ from typing import Any
 import msgpack
 
 from torchpass_p2p.core import events as ev
+from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.configuration import Address, Configuration
 from torchpass_p2p.core.membership import Member
 from torchpass_p2p.core.messages import Join, Joiner, MemberId, MemberState, format_member_id
@@ -334,6 +335,20 @@ class AgentRuntime:
             return True
         return m.joining is None and self._clock() - m.last_ack_at > m.params.lease_s
 
+    @property
+    def reachable(self) -> int:
+        """Members of the current configuration this member believes reachable, itself
+        included (``Member.reachable``); 0 before the core runs. With :attr:`majority`, what
+        a fenced member tells its user."""
+        m = self.member
+        return 0 if m is None else m.reachable
+
+    @property
+    def majority(self) -> int:
+        """Members of the current configuration a decision needs: ``floor(N / 2) + 1``."""
+        m = self.member
+        return 0 if m is None else classic_quorum(len(m.configuration))
+
     # ------------------------------------------------------------------ inputs from the host
 
     def report_progress(self, step: int, phase: str = Phase.COMMITTED) -> None:
@@ -497,6 +512,8 @@ class AgentRuntime:
             "step": self.step,
             "phase": self.phase,
             "fenced": self.fenced,
+            "reachable": self.reachable,
+            "majority": self.majority,
             "draining": self.draining,
             "members": members,
             "recent_events": list(self._recent),

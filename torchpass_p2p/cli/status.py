@@ -9,7 +9,7 @@ The ``/status`` document (built by the runtime; the status page at ``/`` draws i
 
     {"member_id": "<16 hex>", "cluster": str, "role": "rank"|"spare"|"joining"|"removed",
      "rank": int|null, "config_id": int, "world_size": int, "step": int, "phase": str,
-     "fenced": bool, "draining": bool,
+     "fenced": bool, "draining": bool, "reachable": int, "majority": int,
      "members": [{"member_id": "<16 hex>", "role": str, "rank": int|null,
                   "state": "alive"|"suspect"|"dead"|"left", "incarnation": int,
                   "address": "host:port"}, ...],
@@ -171,6 +171,10 @@ def _print_table(status: dict[str, Any]) -> None:
             header.append(f"  silent {' '.join(map(str, silent))}", style="bold yellow")
     if status.get("fenced"):
         header.append("  FENCED", style="bold red")
+        reachable, majority = status.get("reachable"), status.get("majority")
+        if isinstance(reachable, int) and isinstance(majority, int):
+            header.append(f" ({reachable} of {len(status['members'])} reachable, a majority "
+                          f"is {majority})", style="bold red")
     console.print(header)
 
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)

@@ -153,10 +153,22 @@ class Joined:
 @dataclass(frozen=True, slots=True)
 class QuorumLost:
     """This member has believed fewer than a majority of its configuration reachable for
-    ``Params.lease_s``: it must stop training until :class:`QuorumRegained` (fencing)."""
+    ``Params.lease_s``: it must stop training until :class:`QuorumRegained` (fencing).
+
+    ``members`` is the configuration's size, ``reachable`` how many of them this member
+    believes reachable now, itself included (``Member.reachable``), ``majority`` how many a
+    decision needs (``floor(members / 2) + 1``). ``reachable < majority``: too many members
+    are suspected or convicted, or this member reaches nobody (it suspects itself, and cannot
+    tell whether it is cut off or all the others are gone); unless enough come back (a paused
+    process, a healed partition) no change of this configuration can be decided on this side,
+    not even the admission of a new process. ``reachable >= majority``: this member heard too
+    few of its own neighbours lately (it is the one cut off)."""
 
     at: float
     config_id: int
+    members: int
+    reachable: int
+    majority: int
 
 
 @dataclass(frozen=True, slots=True)

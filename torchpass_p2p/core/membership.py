@@ -618,6 +618,18 @@ class Member:
         return self._reconf.fenced
 
     @property
+    def reachable(self) -> int:
+        """Members of the configuration this member believes reachable, itself included: the
+        configuration's size less those its view holds suspected, convicted or gone; 1 while
+        it suspects itself (no ack nor nack from anyone: it reaches nobody, and accuses
+        nobody, so its view alone would count everyone). Below a majority
+        (``agreement.classic_quorum``) for ``Params.lease_s``, the member is fenced
+        (:class:`~.events.QuorumLost` carries the count)."""
+        if self.self_suspected:
+            return 1
+        return len(self._config) - self._unreachable
+
+    @property
     def plan(self) -> Plan | None:
         """The plan of the last decided change; ``resume_step`` is set once it is ready."""
         return self._reconf.plan

@@ -21,7 +21,12 @@ removed only from a decided configuration.
 Catch-up. Members behind catch up from a peer's log of certificates: on any agreement message
 from an older configuration, and through the anti-entropy digest, which carries ``config_id``.
 Joins. A process outside the configuration sends :class:`~.messages.Join` to its seeds until a
-decided configuration holds it; members flood each join once, so all propose the same cut.
+decided configuration holds it; members flood each join when they first hear it and again
+whenever the joiner asks again, and learn joiners from any vote or ``Accept`` that names them,
+so all propose the same cut (a flood after a mass crash goes half to dead members).
+Classic rounds run only to decide a change: a member whose view holds none when its round falls
+due defers it until it has one (votes left by a refuted suspicion cost no traffic), and a
+coordinator never proposes the empty cut (:mod:`.agreement`).
 Progress. After a decision the surviving rank holders gossip their last committed step
 (:class:`~.messages.Progress`) until the plan's ``resume_step`` is fixed.
 Fencing. A member that believes less than a majority reachable for ``lease_s`` raises
@@ -197,7 +202,8 @@ class Reconfiguration:
         if now >= self._lease_at:
             self._lease_at = _INF
             self.fenced = True
-            m._emit(ev.QuorumLost(now, m._config.config_id))
+            n = len(m._config)
+            m._emit(ev.QuorumLost(now, m._config.config_id, n, m.reachable, classic_quorum(n)))
 
     def postpone(self, until: float) -> None:
         """The member's loop stalled: a vote or a classic round that fell due meanwhile waits
@@ -635,7 +641,7 @@ class Reconfiguration:
             return
         self.joiners[joiner.member] = joiner
         m._cut_dirty = True
-        # Flood it once, so that every member proposes the same cut.
+        # Flood it at once, so that every member proposes the same cut.
         self._flood_join(joiner)
 
     def _learn_joiners(self, cut: Cut) -> None:
@@ -669,7 +675,7 @@ class Reconfiguration:
         m = self._member
         n = len(m._config)
         ok = (not m.self_suspected and m._in_contact
-              and n - m._unreachable >= classic_quorum(n))
+              and m.reachable >= classic_quorum(n))
         if ok:
             self._lease_at = _INF
             if self.fenced:

@@ -16,10 +16,13 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    a job in which an agent still holds a rank and reaches a majority goes on (a member whose
    script describes another job than the others' stops alone:
    :class:`torchpass_p2p.JobMismatch`).
-   :func:`.outcome.decide` says when the job is over. After a failure the launcher also asks
-   the agents every :data:`QUORUM_CHECK_S` whether a majority of their configuration is still
-   alive (:func:`.roles.majority_lost`); when it is not, no configuration can be decided again
-   and it stops the job instead of leaving the spares to wait.
+   :func:`.outcome.decide` says when the job is over. Every :data:`QUORUM_CHECK_S` the
+   launcher reads the agents' status pages: after a failure, whether a majority of their
+   configuration is still alive (:func:`.roles.majority_lost`); when it is not, no
+   configuration can be decided again and it stops the job instead of leaving the spares to
+   wait. A member that stops the job (``EXIT_STOPPED``) after its give-up time without a
+   majority (its peers paused, or on other hosts) is quoted with the counts its page last gave
+   (:meth:`.roles.StatusView.no_majority`). Either way the launcher exits ``EXIT_STOPPED``.
 4. *Stop.* The signal received (or SIGTERM) goes to every running child's process group,
    followed by SIGCONT so that a stopped child acts on it; after ``grace_s`` seconds the rest
    get SIGKILL. Once the job has completed and every remaining child is idle, the grace ends
@@ -75,6 +78,7 @@ from .keyfile import (
 )
 from .outcome import (
     EXIT_STOPPED,
+    JOB_STOPS,
     ChildExit,
     Verdict,
     decide,
@@ -93,7 +97,14 @@ from .plan import (
     nodes_configuration,
 )
 from .ports import Reservation, reserve_ports
-from .roles import IDLE_ROLES, ROLE_TIMEOUT_S, ask_status, majority_lost, vacant_without_spare
+from .roles import (
+    IDLE_ROLES,
+    ROLE_TIMEOUT_S,
+    StatusView,
+    ask_status,
+    majority_lost,
+    vacant_without_spare,
+)
 
 __all__ = ["DEFAULT_GRACE_S", "DEFAULT_MAX_RESPAWNS", "LaunchError", "LaunchOptions", "launch"]
 
@@ -108,9 +119,10 @@ KILL_WAIT_S = 5.0
 """Seconds to wait for the kernel to reap processes after SIGKILL; past it they are reported
 and abandoned (a process in uninterruptible sleep, e.g. stuck in a GPU driver)."""
 QUORUM_CHECK_S = 2.0
-"""After a failure, how often the launcher asks its children's agents whether a majority of
-their configuration is still alive (:func:`.roles.majority_lost`): a job whose majority died
-stops within the agents' lease plus this, instead of idling until someone kills it."""
+"""How often the launcher reads its children's status pages: after a failure, whether a
+majority of their configuration is still alive (:func:`.roles.majority_lost`), so a job whose
+majority died stops within the agents' lease plus this instead of idling until someone kills
+it; always, what a fenced member counts reachable, to quote if it stops the job."""
 TICK_S = 0.25
 STALL_S = 2.0
 """The launcher looks at the clock every ``TICK_S``; a gap over ``STALL_S`` means it did not
@@ -225,6 +237,7 @@ class _Supervisor:
         self.respawns = 0
         self.stopped_by: int | None = None
         self.gave_up: str | None = None  # why no majority can form again (roles.majority_lost)
+        self.views: dict[int, StatusView] = {}  # each child's last status answer, by pgid
         self.evidence: set[asyncio.Task[int]] = set()
         self.reserved: dict[MemberId, tuple[Reservation, Reservation]] = {}
         """Each child's gossip and status ports, bound until the child holds them (ports.py)."""
@@ -411,7 +424,9 @@ class _Supervisor:
     async def _supervise(self) -> None:
         loop = asyncio.get_running_loop()
         finish_at: float | None = None
-        check_at: float | None = None  # next look for a lost majority, after a failure
+        # Next look at the agents: for a lost majority (after a failure), and for what a
+        # member without a majority will say it stops for (its peers may only be paused).
+        check_at: float | None = loop.time() + QUORUM_CHECK_S
         stop_grace = False  # finish_at is the grace after an EXIT_STOPPED
         while True:
             try:
@@ -423,14 +438,14 @@ class _Supervisor:
                     if self.gave_up is None:
                         check_at = loop.time() + QUORUM_CHECK_S
                         continue
-                    log.warning("%s: the job cannot go on; stopping the remaining processes",
-                                self.gave_up)
+                    log.warning("%s; %s; stopping the remaining processes", self.gave_up,
+                                JOB_STOPS)
                 else:
                     if stop_grace and (training := await self._training()) is not None:
                         # A member stopped alone (its script described another job than
                         # the others': refused at its join); the others train on.
                         log.info("%s: the job goes on", training)
-                        finish_at, stop_grace = None, False
+                        finish_at, stop_grace, self.gave_up = None, False, None
                         continue
                     log.info("grace period over; stopping the remaining processes")
                 await self._stop(signal.SIGTERM)
@@ -446,9 +461,18 @@ class _Supervisor:
                     and not any(e.returncode == 0 for e in self.exits)):
                 # The job cannot go on: when the agreement stopped it every member learns it
                 # and exits on its own; what is left after the grace (a spare respawned
-                # meanwhile, say) would only wait.
-                log.info("%s stopped the job; waiting up to %.1f s for the rest",
-                         event.child.spec.name, self.options.grace_s)
+                # meanwhile, say) would only wait. A member left without a majority said
+                # so in its last status answer: say it here too, with its counts.
+                view = self.views.get(event.child.pgid)
+                lost = None if view is None else view.no_majority()
+                if lost is not None:
+                    self.gave_up = lost
+                    log.warning("%s stopped the job: %s; %s; waiting up to %.1f s for the "
+                                "rest", event.child.spec.name, lost, JOB_STOPS,
+                                self.options.grace_s)
+                else:
+                    log.info("%s stopped the job; waiting up to %.1f s for the rest",
+                             event.child.spec.name, self.options.grace_s)
                 finish_at = loop.time() + self.options.grace_s
                 stop_grace = True
             if is_failure(event.returncode) and not event.child.signalled:
@@ -464,8 +488,7 @@ class _Supervisor:
                 await self._collect_exits(self.options.grace_s)  # reaped, not yet recorded
                 return
             completed = any(e.returncode == 0 for e in self.exits)
-            failed = any(is_failure(e.returncode) for e in self.exits)
-            check_at = None if completed or finish_at is not None or not failed else (
+            check_at = None if completed or finish_at is not None else (
                 check_at or loop.time() + QUORUM_CHECK_S)
             if completed:
                 # The job completed. Checked again at every exit: once the last process still
@@ -535,6 +558,11 @@ class _Supervisor:
         asked = [c for c in self._running() if not c.stopped]
         views = await ask_status(self.session, [("127.0.0.1", c.spec.status_port)
                                                 for c in asked])
+        for c, view in zip(asked, views, strict=True):
+            if view is not None:
+                self.views[c.pgid] = view
+        if not any(is_failure(e.returncode) for e in self.exits):
+            return None  # nobody exited: every member may still come back (SIGCONT)
         respawning = self.options.respawn and self.respawns < self.options.max_respawns
         vacant = None if respawning else vacant_without_spare(views)
         if vacant is not None and vacant not in self.said:

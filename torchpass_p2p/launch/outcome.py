@@ -26,8 +26,11 @@ while shutting down and members that exit with :data:`EXIT_REMOVED` (the agreeme
 them: a member paused past its lease may wake and learn it only after the others finished),
 :data:`EXIT_DRAINED` or :data:`EXIT_STOPPED` (finished ranks go silent without leaving, so
 spares that outnumber them may agree the job stopped); 128 + the signal number when a signal
-stopped the launcher; 1 otherwise (every exit failed, a member stopped the job, a majority of
-the configuration died, or a failure after completion).
+stopped the launcher; :data:`EXIT_STOPPED` when, with no process exited 0, the job stopped
+because it cannot go on (a member stopped it: a rank nobody can fill, or no majority of its
+configuration left; or a majority of a configuration of the launcher's own children exited):
+resume it from its last checkpoint, as the reason says; 1 otherwise (every exit failed, or a
+failure after completion).
 Known limitation: a rank drained on purpose that exits 0 while roles are known makes the
 launcher believe its rank is finished; if every starting rank leaves that way, the spares that
 took over get only the grace period (their agents say they hold ranks, but nothing says the job
@@ -41,10 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
-__all__ = ["EXIT_DRAINED", "EXIT_REMOVED", "EXIT_STOPPED", "ChildExit", "Verdict", "decide",
-           "describe_exit", "exit_code", "is_failure"]
+__all__ = ["EXIT_DRAINED", "EXIT_REMOVED", "EXIT_STOPPED", "JOB_STOPS", "ChildExit", "Verdict",
+           "decide", "describe_exit", "exit_code", "is_failure", "no_majority_left"]
 
 EXIT_REMOVED = 3
 """What a member's script exits with once a decided configuration removed it
@@ -59,6 +63,19 @@ EXIT_STOPPED = 5
 nobody can fill, e.g. every holder of the state died at once; every member learns it from the
 agreement itself), or a spare reached no majority for its give-up time. The launcher neither
 reports nor respawns it; with no process exiting 0 the launch fails."""
+JOB_STOPS = "the job stops: resume it from its last checkpoint"
+"""What follows a reason the job cannot go on, in a member's last line and the launcher's."""
+
+
+def no_majority_left(config_id: int, count: int, members: int, how: str) -> str:
+    """``no majority of configuration C is left: X of its N members HOW and a majority is M``,
+    the one wording of a lost majority: the launcher counts the members that exited (``how``
+    ``"exited"``), a fenced member those it believes reachable (``"reachable"``: "1 of its 3
+    members is reachable"). ``M`` is ``floor(N / 2) + 1``."""
+    if how == "reachable":
+        how = f"{'is' if count == 1 else 'are'} reachable"
+    return (f"no majority of configuration {config_id} is left: {count} of its {members} "
+            f"members {how} and a majority is {classic_quorum(members)}")
 
 
 class Verdict(StrEnum):
@@ -133,18 +150,20 @@ def decide(
 def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
               gave_up: str | None = None) -> tuple[int, str]:
     """The launcher's exit code and the reason (module docstring). ``stopped_by``: the signal
-    number that stopped the launcher, if one did; ``gave_up``: why the launcher stopped a job
-    that lost its majority (:func:`.roles.majority_lost`), if it did."""
+    number that stopped the launcher, if one did; ``gave_up``: why no majority of the
+    configuration is left, if the launcher found it so (:func:`.roles.majority_lost`) or a
+    member stopped the job saying so (:meth:`.roles.StatusView.no_majority`)."""
     if stopped_by is not None:
         return 128 + stopped_by, f"stopped by {signal.Signals(stopped_by).name}"
     first = next((i for i, e in enumerate(exits) if e.returncode == 0), None)
     if first is None:
         if gave_up is not None:
-            return 1, gave_up
+            return EXIT_STOPPED, f"{gave_up}; {JOB_STOPS}"
         if any(e.returncode == EXIT_STOPPED for e in exits):
-            return 1, ("a member stopped the job: the agreement left a rank nobody can fill "
-                       "(every holder of its state is gone, or no spare is left under policy "
-                       "'stop'), or no majority was reachable for the member's give-up time")
+            return EXIT_STOPPED, (
+                "a member stopped the job: the agreement left a rank nobody can fill (every "
+                "holder of its state is gone, or no spare is left under policy 'stop'), or no "
+                "majority of its configuration was left for its give-up time; " + JOB_STOPS)
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
         if (e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED)

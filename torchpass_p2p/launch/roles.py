@@ -28,6 +28,7 @@ import aiohttp
 from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.configuration import Address
 
+from .outcome import no_majority_left
 from .plan import format_address
 
 __all__ = ["IDLE_ROLES", "MAX_STATUS_BYTES", "ROLE_TIMEOUT_S", "StatusView", "ask_status",
@@ -49,7 +50,9 @@ class StatusView:
     """One agent's answer: its own ``role``; the ``members`` (16 hex digits) of its
     configuration ``config_id`` and those of them that hold a rank (``rank_holders``);
     ``fenced``: it has not reached a majority of that configuration for its lease;
-    ``world_size``: the configuration's ranks, vacant ones included (0: unknown)."""
+    ``world_size``: the configuration's ranks, vacant ones included (0: unknown);
+    ``reachable``: how many of the members it believes reachable, itself included, and
+    ``majority`` how many a decision needs (0: unknown)."""
 
     role: str
     rank_holders: frozenset[str]
@@ -57,6 +60,16 @@ class StatusView:
     members: frozenset[str] = frozenset()
     fenced: bool = False
     world_size: int = 0
+    reachable: int = 0
+    majority: int = 0
+
+    def no_majority(self) -> str | None:
+        """How this agent, fenced, counts fewer than a majority of its configuration
+        reachable (:func:`~.outcome.no_majority_left`), or None: not fenced, or still
+        counting a majority (it is the one cut off), or the counts are unknown."""
+        if not self.fenced or self.config_id < 0 or not 0 < self.reachable < self.majority:
+            return None
+        return no_majority_left(self.config_id, self.reachable, len(self.members), "reachable")
 
 
 async def ask_status(session: aiohttp.ClientSession, statuses: Sequence[Address], *,
@@ -90,10 +103,13 @@ def _view(document: object) -> StatusView | None:
     holders = frozenset(m["member_id"] for m in entries if m.get("role") == "rank")
     config_id, fenced = document.get("config_id"), document.get("fenced")
     world_size = document.get("world_size")
+    reachable, majority = document.get("reachable"), document.get("majority")
     return StatusView(role, holders,
                       config_id if isinstance(config_id, int) else -1,
                       frozenset(m["member_id"] for m in entries),
-                      fenced is True, world_size if isinstance(world_size, int) else 0)
+                      fenced is True, world_size if isinstance(world_size, int) else 0,
+                      reachable if type(reachable) is int else 0,
+                      majority if type(majority) is int else 0)
 
 
 def majority_lost(views: Sequence[StatusView | None], gone: frozenset[str],
@@ -125,8 +141,7 @@ def majority_lost(views: Sequence[StatusView | None], gone: frozenset[str],
     n, dead = len(first.members), len(first.members & gone)
     if n == 0 or not first.members <= ours or n - dead >= classic_quorum(n):
         return None
-    return (f"no majority of configuration {first.config_id} is left: {dead} of its {n} "
-            f"members exited and a majority is {classic_quorum(n)}")
+    return no_majority_left(first.config_id, dead, n, "exited")
 
 
 def vacant_without_spare(views: Sequence[StatusView | None]) -> str | None:

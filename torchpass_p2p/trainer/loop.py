@@ -49,6 +49,13 @@ Theory of operation (DESIGN sections 6 and 8).
   in the same rendezvous.
 * A member removed from the configuration (or fenced and then removed) stops at once with
   :class:`Removed`; it never writes to the new group.
+* *No majority left.* A member fenced for ``give_up_s`` (the last resort, also counted during
+  a group operation its peers never finish) that believes fewer than a majority of its
+  configuration reachable stops with :class:`Stopped` and one line: how many of the
+  configuration are reachable, how many a majority is, and that the job stops (resume it from
+  the last checkpoint): no change can be decided without a majority, not even the admission
+  of the processes restarted in the dead ones' place. One that still counts a majority
+  reachable is the one cut off: :class:`Removed`, as before.
 * A drained member (``torchpass-p2p drain``, a GPU fault, the hang watchdog: its agent has
   announced that it leaves) still holds its rank until the agreement decides the configuration
   without it, so it keeps training: leaving at once would fail its peers' collectives like a
@@ -85,6 +92,7 @@ from torchpass_p2p.collective import (
 )
 from torchpass_p2p.collective.rendezvous import store_service
 from torchpass_p2p.core.params import Params
+from torchpass_p2p.launch.outcome import JOB_STOPS, no_majority_left
 from torchpass_p2p.launch.plan import format_address
 from torchpass_p2p.transfer import FetchResult, Snapshot, TransferError, TransferKeys
 
@@ -138,9 +146,12 @@ class Stopped(RuntimeError):
     """The job cannot go on. Either the agreed plan stops it (action ``stop``,
     :mod:`torchpass_p2p.core.plan` rules 3 and 5): a vacant rank nobody can fill, because every
     holder of its state is gone (data parallel: every rank at once) or no spare is left under
-    policy ``stop``; or a spare has reached no majority (or, joining, was not admitted) for the
-    trainer's ``give_up_s``. No member trains again; resume from a checkpoint. Scripts exit
-    with code 5."""
+    policy ``stop``; or no majority of the configuration is left (fenced for the trainer's
+    ``give_up_s`` while it believes fewer than a majority of its configuration reachable: no
+    change can be decided, not even the admission of a new process; the message says how
+    many are left and how many a majority is); or a spare was not admitted, or cut off, for
+    ``give_up_s``. No member trains again; resume from a checkpoint. Scripts exit with code
+    5."""
 
 
 class Drained(Removed):
@@ -194,9 +205,11 @@ class Trainer:
         regroup_wait_s: after a collective failure, how long to wait for a configuration
             change before regrouping in the same configuration (default:
             :func:`~.regroup.regroup_wait_s` of the agent's protocol parameters).
-        give_up_s: the last resort, in seconds: a rank whose failed collective nothing
-            repaired stops after this long with :class:`Removed`, a spare that reached no
-            majority of its configuration with :class:`Stopped` (default
+        give_up_s: the last resort, in seconds: a member fenced this long (also inside a
+            group operation) that counts fewer than a majority of its configuration reachable
+            stops with :class:`Stopped`, saying how many are left; otherwise a rank whose
+            failed collective nothing repaired, or that is cut off, stops after this long with
+            :class:`Removed`, a spare that reached no majority with :class:`Stopped` (default
             :data:`~.regroup.GIVE_UP_S`).
     """
 
@@ -262,6 +275,7 @@ class Trainer:
         self._latest: Any = None  # newest Change seen
         self._reduced: tuple[int, torch.Tensor] | None = None
         self._draining = False  # the "draining" event is logged once
+        self._fenced_since: float | None = None  # fenced without a break since (_watch)
         self.result = TrainResult(0)
         agent.on_change(self._wake_group)
 
@@ -374,10 +388,12 @@ class Trainer:
             elif stuck_since is None:
                 stuck_since = now
             elif now - stuck_since > self.give_up_s:
-                why = (f"no majority of configuration {agent.config_id} reachable" if fenced
-                       else "not admitted") + f" for {self.give_up_s:g} s"
+                lost = self._no_majority_left() if fenced else None
+                why = str(lost) if lost is not None else (
+                    f"no majority of configuration {agent.config_id} reachable" if fenced
+                    else "not admitted") + f" for {self.give_up_s:g} s"
                 self.log("gave_up", config_id=agent.config_id, reason=why)
-                raise Stopped(why)
+                raise lost if lost is not None else Stopped(why)
 
     def _one_step(self, loss_fn: Callable[[int, int], torch.Tensor]) -> None:
         if self._poll():
@@ -426,7 +442,7 @@ class Trainer:
             if self._poll():
                 raise Superseded
             if time.monotonic() - since > self.give_up_s:
-                raise Removed(f"fenced for {self.give_up_s:g} s after a vetoed commit")
+                raise self._gave_up(f"fenced for {self.give_up_s:g} s after a vetoed commit")
             time.sleep(SLICE_S)
 
     def _apply(self, k: int, avg: torch.Tensor) -> None:
@@ -528,7 +544,43 @@ class Trainer:
         return Drained(f"{why} (drained)") if self.agent.draining else Removed(why)
 
     def _watch(self) -> bool:
-        return self._poll()
+        """Between the wait slices of a group operation: True when a newer configuration is
+        due. Raises what :meth:`_gave_up` gives once this member has been fenced for
+        ``give_up_s`` without a break (peers paused or dead with no majority left: nothing
+        else would end the operation before the backend's 30-minute timeout)."""
+        if self._poll():
+            return True
+        now = time.monotonic()
+        if not self.agent.fenced:
+            self._fenced_since = None
+        elif self._fenced_since is None:
+            self._fenced_since = now
+        elif now - self._fenced_since > self.give_up_s:
+            raise self._gave_up(f"fenced for {self.give_up_s:g} s in a collective operation")
+        return False
+
+    def _no_majority_left(self) -> Stopped | None:
+        """The end of a fenced member that believes fewer than a majority of its configuration
+        reachable: no change can be decided unless enough of the others come back, so the job
+        stops; its one line says how many are left and how many a majority is
+        (:func:`~torchpass_p2p.launch.outcome.no_majority_left`, the launcher's wording).
+        None when it reaches a majority by count (it is the one cut off)."""
+        agent = self.agent
+        members, reachable = len(agent.configuration), agent.reachable
+        if reachable >= agent.majority:
+            return None
+        return Stopped(f"{no_majority_left(agent.config_id, reachable, members, 'reachable')}; "
+                       f"fenced for {self.give_up_s:g} s, {JOB_STOPS}")
+
+    def _gave_up(self, why: str) -> Removed | Stopped:
+        """The last resort after ``give_up_s``: :class:`Stopped` with the counts when no
+        majority is left (:meth:`_no_majority_left`), else :class:`Removed` with ``why`` (cut
+        off, or a collective failure nothing repaired: the others go on without it)."""
+        lost = self._no_majority_left() if self.agent.fenced else None
+        if lost is not None:
+            self.log("gave_up", config_id=self.agent.config_id, reason=str(lost))
+            return lost
+        return Removed(why)
 
     def _wake_group(self, _change: Any) -> None:
         """On the agent's thread, for every ready change: the group's operation in flight
@@ -567,8 +619,8 @@ class Trainer:
             if within_s is not None and time.monotonic() - waited > within_s:
                 return None
             if time.monotonic() > give_up_at:
-                raise Removed(f"no new configuration for {self.give_up_s:g} s after a collective "
-                              "failure")
+                raise self._gave_up(f"no new configuration for {self.give_up_s:g} s after a "
+                                    "collective failure")
         return self._latest
 
     def _recover(self, exc: BaseException) -> None:

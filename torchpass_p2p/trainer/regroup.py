@@ -46,8 +46,10 @@ GIVE_UP_S = 600.0
 """Last resort (the default of the trainer's ``give_up_s``): after a collective failure that
 neither a regroup nor a configuration change repaired for this long, counted from the failure,
 the member stops (:class:`~.loop.Removed`); a spare that heard no majority, or was not admitted,
-for this long stops too (:class:`~.loop.Stopped`). Long enough for a partition to heal or an
-operator to add a spare; short enough that a dead job frees its machines."""
+for this long stops too (:class:`~.loop.Stopped`), and so does a member fenced this long that
+counts fewer than a majority of its configuration reachable (the job stops). Long enough for a
+partition to heal, a paused member to wake or an operator to add a spare; short enough that a
+dead job frees its machines."""
 
 
 def regroup_wait_s(params: Params) -> float:
