@@ -1,7 +1,7 @@
 """What the kernel dropped on one socket before this process could read it.
 
 A UDP socket whose receive buffer is full when a datagram arrives loses that datagram in the
-kernel (a review's burst of 53k datagrams/s at one agent lost 24,919 that way); a listening
+kernel (a burst of datagrams faster than the agent reads them loses most that way); a listening
 TCP socket whose accept queue is full drops the connection attempt's packets. Neither reaches
 the program, so no reason of its own can count them: the kernel does, per socket, in
 ``sk_drops``.

@@ -122,8 +122,8 @@ LOOKUP_GRACE_S = 0.5
 """Once one source has announced, how much longer the others are waited for before the fetch
 starts from those found. Survivors announce within milliseconds of each other; a source that
 died after the decision, or a spare promoted earlier that is still fetching the state itself
-(the plan names every rank holder), never does (waiting for it stalled a recovery for the full
-``LOOKUP_TIMEOUT_S``; found by a review that killed a survivor just after a decision). Ours."""
+(the plan names every rank holder), never does: waiting for every named source would stall
+such a recovery for the full ``LOOKUP_TIMEOUT_S``. Ours."""
 LOOKUP_SLICE_S = 0.25
 """Lookups run in rounds of this many seconds, with a look at the agent for a newer
 configuration between rounds (each request is held by the source until it registers, so a

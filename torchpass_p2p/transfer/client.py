@@ -359,8 +359,8 @@ class _Transfer:
         returned from a call for ``WATCHDOG_FACTOR`` times ``progress_timeout_s`` is shut down
         (its thread then fails it ``no_progress``). Not at ``progress_timeout_s`` itself: a
         receive that moved fewer bytes than its piece returns them only when the kernel's
-        timeout ends it, so a source trickling bytes refreshes its progress just then, and the
-        watchdog raced that (a review: such a source was dropped after 3 s, 9 s, or never).
+        timeout ends it, so a source trickling bytes refreshes its progress just then, and a
+        watchdog at the same deadline would race it (dropping a live source, or not, by luck).
         And the straggler rule: while another source sits idle with nothing left to take, a
         busy one whose oldest chunk has taken ``STRAGGLER_FACTOR`` times what its bytes took at
         the fastest recent chunk's rate and over ``STRAGGLER_FLOOR_S`` has its chunks offered
@@ -778,8 +778,8 @@ def _drop_locals(e: BaseException) -> None:
     """Clear the locals of the finished frames in the tracebacks of ``e`` and of the exceptions
     chained to it. Those of ``_fetch`` and ``_Transfer`` hold the receive target (every tensor
     allocated for it) and the connections for as long as the exception lives, and a caller
-    that retries keeps the last one: a failed attempt's memory was held through the next
-    (found by a review)."""
+    that retries keeps the last one: a failed attempt's memory must not be held through the
+    next."""
     seen: set[int] = set()
     todo = [e]
     while todo:

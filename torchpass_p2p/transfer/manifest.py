@@ -161,8 +161,8 @@ def _bad(what: str) -> PeerError:
 def decode_manifest(data: bytes, max_state_bytes: int) -> Manifest:
     """Parse and validate untrusted manifest bytes. Raises :class:`PeerError`
     ``bad_manifest`` (or ``too_large`` for a state above ``max_state_bytes``), and nothing
-    else: a check that some input gets past and that then fails (a tensor reference compared as
-    the tree's step raised RuntimeError, found by a review) is a bad manifest too."""
+    else: a check that some input gets past and that then fails (say, a tensor reference where
+    the tree's step should be, whose comparison raises RuntimeError) is a bad manifest too."""
     try:
         return _decode_manifest(data, max_state_bytes)
     except PeerError:

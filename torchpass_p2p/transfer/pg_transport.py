@@ -555,8 +555,8 @@ class PgTransport(Transport):
         """Tell ``src``, dropped, that the receiver gave up on it; returns the sends to keep
         referenced until the transfer ends. Never waited on: a source dropped for its manifest
         listens only once its stripe is sent, which nobody receives, so a wait would time out
-        and gloo would close the whole group, the healthy sources' connections too (a review:
-        one bad manifest failed the transfer)."""
+        and gloo would close the whole group, the healthy sources' connections too: one bad
+        manifest must not fail the transfer."""
         try:
             return self._post_status(dev, src, [], abort=True)
         except _Lost:
@@ -613,10 +613,9 @@ class PgTransport(Transport):
 
         Over gloo every source has a lane of its own (a thread of ``waiters``,
         :meth:`_staged_lane`): gloo reports a receive complete only once it is waited on, so
-        one thread waiting in posting order heard of a healthy source's last chunks only
+        one thread waiting in posting order would hear of a healthy source's last chunks only
         after a slow source's window, and with chunks slower than ~0.75 T the healthy source,
-        waiting 3T for a word, concluded receiver_lost (a review; test_pg_failover's
-        ``slower``). Over NCCL one thread posts every receive (a communicator is not for use
+        waiting 3T for a word, would conclude receiver_lost (test_pg_failover's ``slower``). Over NCCL one thread posts every receive (a communicator is not for use
         from several threads at once) and takes first those that report completion (a CUDA
         event): :meth:`_staged_serial`."""
         if not self.staged_lanes():

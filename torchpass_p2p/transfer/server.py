@@ -90,8 +90,8 @@ SERVED_ENTRIES = 256
 MAX_HANDSHAKING = 16
 """Connections still in their handshake (not yet shown to hold the key), counted apart from
 ``MAX_CONNECTIONS``: a peer without the key that keeps reconnecting holds only these slots,
-never those of transfers (a review held all 64 then shared slots this way: no fetch got
-through). One more evicts one of them (counted ``evicted_unproven``), chosen by
+never those of transfers (with shared slots such a peer could hold all 64 and no fetch
+would get through). One more evicts one of them (counted ``evicted_unproven``), chosen by
 ``pick_evicted``: a flood from one address evicts only its own handshakes."""
 LINGER_S = 1.0
 """After an ``error`` frame: how long the server reads what the peer still sends before it
@@ -150,8 +150,8 @@ class TransferServer:
         self._served: OrderedDict[tuple[bytes, int], int] = OrderedDict()
         # Zero-copy sends block a thread each until the receiver reads (up to send_timeout_s):
         # their own pool, one thread per connection at most. On the event loop's default pool
-        # (6 threads on 2 cores) six stalled receivers starved every other connection's
-        # manifest (found by a review).
+        # (6 threads on 2 cores) six stalled receivers would starve every other connection's
+        # manifest.
         self._senders: ThreadPoolExecutor | None = None
         self._last_log = 0.0
 

@@ -347,7 +347,7 @@ class Snapshot:
             size = fp.DIGEST_BYTES[ref_algo]
             bad = [i for i, d in enumerate(ref) if d != known[i * size:(i + 1) * size]]
             # Kept as text: a stored exception raised again would grow its traceback and hold
-            # every refused connection's frame (found by a review).
+            # every refused connection's frame.
             self._changed = (f"step {self.step}: {len(bad)} of {n} chunks differ from their "
                              f"first digests (first: chunk {bad[0]})")
             raise SnapshotChanged("snapshot_changed", self._changed)

@@ -36,7 +36,7 @@ MAX_TREE_DEPTH = 64
 MAX_TREE_BYTES = 16 << 20
 """The encoded tree (everything but tensor bytes): a Transformer with AdamW and a scheduler takes
 a few KB, ~50 bytes per tensor. A decoded leaf costs up to ~21 times its encoded bytes (2-char
-strings, found by a review), so this bound also bounds a hostile tree's decoding."""
+strings), so this bound also bounds a hostile tree's decoding."""
 MAX_TREE_CONTAINERS = 2 << 20
 """Lists, tuples, dicts and OrderedDict entries of the tree: ~5 per tensor in real state dicts
 (195 for a Transformer, AdamW and LambdaLR), so 2M admits ~400k tensors. A decoded empty
