@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
-    """Rows as a rich table when rich is installed, else aligned plain text."""
+def _table(title: str, header: list[str], rows: list[list[str]], numeric: bool = True) -> str:
+    """Rows as a rich table when rich is installed, else aligned plain text (``numeric``:
+    right-align every column but the first)."""
     try:
         from rich.console import Console
         from rich.table import Table
@@ -131,10 +132,11 @@ def _table(title: str, header: list[str], rows: list[list[str]]) -> str:
         return "\n".join(lines)
     table = Table(title=title, title_justify="left")
     for i, h in enumerate(header):
-        table.add_column(h, justify="left" if i == 0 else "right", overflow="fold")
+        table.add_column(h, justify="right" if i and numeric else "left", no_wrap=i == 0,
+                         overflow="fold")
     for r in rows:
         table.add_row(*r)
-    console = Console(width=160, force_terminal=False, no_color=True)
+    console = Console(width=200, force_terminal=False, no_color=True)
     with console.capture() as cap:
         console.print(table)
     return cap.get().rstrip()
@@ -155,7 +157,7 @@ def format_summaries(summaries: list[Summary], title: str) -> str:
 def format_sources(rows: list[tuple[str, str, str]]) -> str:
     """Every input with its value and source."""
     return _table("inputs and their sources", ["input", "value", "source"],
-                  [list(r) for r in rows])
+                  [list(r) for r in rows], numeric=False)
 
 
 def format_checks(result: dict[str, Any]) -> str:
@@ -165,7 +167,7 @@ def format_checks(result: dict[str, Any]) -> str:
         rows = [[c["what"], f"{c['model']:g}", f"{c['published']:g}", c["tolerance"],
                  "holds" if c["holds"] else "FAILS"] for c in result[key]]
         parts.append(_table(key, ["check", "model", "published / target", "tolerance", ""],
-                            rows))
+                            rows, numeric=False))
         for c in result[key]:
             extra = {k: v for k, v in c.items()
                      if k not in ("what", "model", "published", "tolerance", "holds")}

@@ -162,7 +162,9 @@ def default_restart(detection: str = "watchdog", interval_s: float | None = None
                       f"interruption, infrastructure and framework init: {init['source']}")
     saves = restart_component("checkpoint save, blocking part")
     write = Sourced(float(saves["value_s"]["PyTorch DCP async 7B"]), "s",
-                    "blocking part of an asynchronous PyTorch DCP save (7B): " + saves["source"])
+                    "blocking part of an asynchronous PyTorch DCP save of a 7B model: "
+                    "data/failure_rates.json restart_cost_components 'checkpoint save, "
+                    "blocking part', 'PyTorch DCP async 7B'")
     return RestartCosts(det, restart, write, interval_s)
 
 

@@ -58,7 +58,7 @@ def sweep(seeds: int, overhead: str | None = None) -> dict[str, Any]:
                            for s in sums}})
     by_spares: list[dict[str, Any]] = []
     for fraction in SPARE_FRACTIONS:
-        job = reference_job(16384, spare_fraction=fraction)
+        job = reference_job(16384, days=REFERENCE_GPU_DAYS / 16384, spare_fraction=fraction)
         sums = run_methods(job, methods, failures, range(1, seeds + 1))
         by_spares.append({"spare_fraction": fraction, "spare_gpus": job.spare_gpus,
                           **{s.method: {"ettr": s.ettr, "time_to_train_h": s.time_to_train_h}
