@@ -7,11 +7,14 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "sims.demo", "run": "sims.run_cli", "report": "sims.report"}
+    commands = {"demo": "sims.demo", "run": "sims.run_cli", "report": "sims.report",
+                "jobmodel": "sims.fleetmodel.cli"}
     usage = (f"usage: python -m sims {{{','.join(commands)}}} [options]\n"
              "  demo    a simulated crash among 64 members, in a few seconds\n"
              "  run     run one scenario (TOML) and print its metrics\n"
-             "  report  PNG plots of a scenario over several seeds\n"
+             "  report  PNG plots of a scenario over several seeds (report jobmodel: the\n"
+             "          job-level model's plots)\n"
+             "  jobmodel  time to train over weeks: checkpoint-restart, replica groups, ours\n"
              "python -m sims COMMAND --help: that command's options")
     if argv[:1] in (["-h"], ["--help"]):
         print(usage)

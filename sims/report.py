@@ -12,6 +12,9 @@ plots into ``--out`` (default ``reports/``):
   (1 means everyone agrees).
 
 Matplotlib draws off-screen (Agg); nothing needs a display.
+
+``python -m sims report jobmodel`` draws the job-level model's plots instead
+(:mod:`sims.fleetmodel.plots`).
 """
 
 from __future__ import annotations
@@ -137,6 +140,11 @@ def _draw_views(ax: Any, runs: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["jobmodel"]:
+        from .fleetmodel.plots import main as jobmodel_main
+
+        return jobmodel_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m sims report", description=plain(__doc__),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenario", nargs="?",
