@@ -8,9 +8,11 @@ The straggler rule (torchpass_p2p/core/straggler.py): an arrival at the all-redu
 "Within 30 steps" counts from the *onset*: the first step that starts once the rank's noise-free
 slowdown exceeds the straggler factor (here 20 s + 45 s into the ramp). The rule measures the
 lag behind the *first* rank, which the jitter makes up to 10 % early, so it may name the rank
-a few steps before the onset, never long before: the lag must exceed half a step. Must hold: flagged within 30 steps of the onset; with policy "migrate" its rank moves to a
-spare (and training returns to its nominal pace); with policy "report" it stays. No healthy rank
-is flagged, no member convicted; the invariants hold throughout.
+a few steps before the onset, never long before: the lag must exceed half a step.
+
+Must hold: named from 10 steps before to 30 steps after the onset; with policy "migrate" its
+rank moves to a spare (and training returns to its nominal pace); with policy "report" it
+stays. No healthy rank is named, no member convicted; the invariants hold throughout.
 
 Measured (seeds 0-2): onset at step 55-56, named at steps 54-58, i.e. from 1 step before the
 onset to 2 after it.
