@@ -3,8 +3,10 @@ max(min_lag_s, (factor - 1) x the others' median compute) at hits of the last wi
 
 from __future__ import annotations
 
+import json
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -18,6 +20,7 @@ from torchpass_p2p.core.straggler import (
     _median_without,
 )
 
+DATA = Path(__file__).with_name("data")
 MEMBERS = (0xA, 0xB, 0xC, 0xD)
 COLLECTIVE_S = 0.0078125
 
@@ -156,6 +159,29 @@ def test_a_rank_200_ms_late_every_step_is_named_within_8_steps(seed: int) -> Non
     assert isinstance(named, StragglerNamed)
     assert (named.member, named.rank, named.step) == (1, 1, 7)
     assert named.lag_s == pytest.approx(0.2, abs=0.015)
+
+
+def replay(name: str, det: StragglerDetector) -> list[object]:
+    """Feed a recorded run's figures (``tests/core/data``) to ``det``; its verdicts."""
+    steps = json.loads((DATA / name).read_text())["steps"]
+    return [v for k, figures in enumerate(steps)
+            for v in det.observe(k, {r: Arrival(r, c, w) for r, (c, w) in enumerate(figures)})]
+
+
+def test_a_recorded_fault_free_run_of_1000_steps_names_nobody() -> None:
+    assert replay("arrivals_fault_free.json", StragglerDetector()) == []
+    # The floor is what holds it: at 40 ms the rule names a rank that was merely descheduled
+    # for a while on the shared cores (docs/stragglers.md).
+    assert [(v.rank, v.step) for v in replay("arrivals_fault_free.json",
+                                             StragglerDetector(min_lag_s=0.03))] == [
+        (2, 133), (2, 142)]
+
+
+def test_a_recorded_rank_sleeping_200_ms_before_each_backward_is_named_at_step_7() -> None:
+    [named] = replay("arrivals_rank1_sleeps.json", StragglerDetector())
+    assert isinstance(named, StragglerNamed)
+    assert (named.member, named.rank, named.step) == (1, 1, 7)
+    assert named.lag_s == pytest.approx(0.2054, abs=1e-4)
 
 
 @given(st.lists(st.floats(0.0, 100.0, allow_nan=False), min_size=2, max_size=40), st.data())

@@ -7,7 +7,10 @@ of a two-layer net on random blobs.
   its rank does not);
 * ``--figures PATH``: the process started as rank 0 writes every committed step's figures
   from the vote (every rank's ``[compute_s, wait_s]``, :mod:`torchpass_p2p.ddp.stragglers`)
-  to ``PATH`` as JSON, ``{"steps": [[step, [[c, w], ...]], ...]}``.
+  to ``PATH`` as JSON, ``{"steps": [[step, [[c, w], ...]], ...]}``;
+* ``--out DIR``: each process writes ``DIR/<member id>.json`` at its start, before its agent
+  starts (a spare's ``init_process_group`` returns only once it holds a rank):
+  ``{"member", "role", "rank", "status"}`` from the launcher's environment.
 """
 
 import argparse
@@ -53,7 +56,17 @@ def main():
     ap.add_argument("--slow-rank", type=int)
     ap.add_argument("--slow-s", type=float, default=0.2)
     ap.add_argument("--figures")
+    ap.add_argument("--out")
     args = ap.parse_args()
+    if args.out:
+        me = os.environ["TORCHPASS_MEMBER_ID"]
+        rank = os.environ.get("RANK")
+        tmp = os.path.join(args.out, f"{me}.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"member": me, "role": os.environ["TORCHPASS_ROLE"],
+                       "rank": None if rank is None else int(rank),
+                       "status": os.environ["TORCHPASS_STATUS"]}, f)
+        os.rename(tmp, os.path.join(args.out, f"{me}.json"))
     started_as = None if os.environ.get("TORCHPASS_ROLE") == "spare" else os.environ.get("RANK")
     slow = started_as is not None and args.slow_rank is not None \
         and int(started_as) == args.slow_rank

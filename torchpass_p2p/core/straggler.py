@@ -37,10 +37,11 @@ nothing.
 
 Why these defaults: ``factor`` 1.5 is the rule this module used on compute times (a rank that
 makes every step 50 % longer is worth a spare; NVIDIA's nvidia-resiliency-ext straggler
-detector scores ranks against the best rank the same way); ``min_lag_s`` 0.05 s is above the
-arrival jitter of a healthy job measured on two shared cores (``docs/stragglers.md``: under
-40 ms in 1,000 fault-free steps); 8 of 10 steps names a persistent straggler within 8 steps and
-rides out a garbage collection or a data-loader hiccup, which is one or two slow steps.
+detector scores ranks against the best rank the same way); ``min_lag_s`` 0.1 s is above every
+lag of a healthy job recorded on two shared cores (``docs/stragglers.md``: 4 ranks and a spare,
+1,000 steps, largest lag 83 ms, 99th percentile 45 ms; a floor of 40 ms named a healthy rank
+there); 8 of 10 steps names a persistent straggler within 8 steps and rides out a garbage
+collection or a data-loader hiccup, which is one or two slow steps.
 
 Sans-IO: no clock, no randomness; the caller passes step numbers and seconds. Every member that
 observes the same steps' figures reaches the same verdicts at the same steps.
@@ -108,7 +109,7 @@ class StragglerDetector:
             ``(window / 2, window]`` (at or below half, naming and clearing would overlap).
     """
 
-    def __init__(self, *, factor: float = 1.5, min_lag_s: float = 0.05, window: int = 10,
+    def __init__(self, *, factor: float = 1.5, min_lag_s: float = 0.1, window: int = 10,
                  hits: int = 8) -> None:
         if not factor > 1.0:
             raise ValueError("factor must be greater than 1")
@@ -124,12 +125,14 @@ class StragglerDetector:
         self.hits = hits
         self._seen: dict[MemberId, deque[float | None]] = {}
         """Per member, its last ``window`` steps: the lag of a slow step, None for the rest."""
+        self._slow: dict[MemberId, int] = {}
+        """Per member, the slow steps in ``_seen`` (kept, not counted, each step)."""
         self.named: dict[MemberId, StragglerNamed] = {}
         """Members named now, with the verdict that named them."""
 
     def slow_steps(self, member: MemberId) -> int:
         """Slow steps of ``member`` among its last ``window`` observed ones."""
-        return sum(lag is not None for lag in self._seen.get(member, ()))
+        return self._slow.get(member, 0)
 
     def reset(self, step: int, reason: str) -> tuple[StragglerCleared, ...]:
         """Forget everything (a new group: lags across groups do not compare); returns the
@@ -137,6 +140,7 @@ class StragglerDetector:
         cleared = tuple(StragglerCleared(m, self.named[m].rank, step, reason)
                         for m in sorted(self.named))
         self._seen.clear()
+        self._slow.clear()
         self.named.clear()
         return cleared
 
@@ -154,30 +158,40 @@ class StragglerDetector:
             if named is not None:
                 verdicts.append(StragglerCleared(gone, named.rank, step, "left the world"))
             del self._seen[gone]
+            del self._slow[gone]
         if len(arrivals) < 2:
             return tuple(verdicts)
-        lags = self.lags(arrivals)
+        first = max(a.wait_s for a in arrivals.values())
         computes = sorted(a.compute_s for a in arrivals.values())
         named_now: list[Verdict] = []
+        floor, scale, window = self.min_lag_s, self.factor - 1.0, self.window
         for member in sorted(arrivals):
             arrival = arrivals[member]
-            baseline = _median_without(computes, arrival.compute_s)
-            threshold = max(self.min_lag_s, (self.factor - 1.0) * baseline)
-            lag = lags[member]
-            seen = self._seen.setdefault(member, deque(maxlen=self.window))
-            seen.append(lag if lag > threshold else None)
-            slow = [x for x in seen if x is not None]
+            lag = first - arrival.wait_s
+            seen = self._seen.get(member)
+            if seen is None:
+                seen = self._seen[member] = deque(maxlen=window)
+            count = self._slow.get(member, 0)
+            if len(seen) == window and seen[0] is not None:
+                count -= 1  # about to fall out of the window
+            threshold = max(floor, scale * _median_without(computes, arrival.compute_s))
+            if lag > threshold:
+                seen.append(lag)
+                count += 1
+            else:
+                seen.append(None)
+            self._slow[member] = count
             if member in self.named:
-                if len(slow) <= self.window - self.hits:
+                if count <= window - self.hits:
                     del self.named[member]
                     verdicts.append(StragglerCleared(
                         member, arrival.rank, step,
-                        f"slow at {len(slow)} of its last {len(seen)} steps"))
-            elif len(slow) >= self.hits:
-                lag_s = median(slow)
+                        f"slow at {count} of its last {len(seen)} steps"))
+            elif count >= self.hits:
+                lag_s = median([x for x in seen if x is not None])
                 verdict = StragglerNamed(
                     member, arrival.rank, step, lag_s,
-                    f"arrived {lag_s:.3f} s after the first rank (median) at {len(slow)} of "
+                    f"arrived {lag_s:.3f} s after the first rank (median) at {count} of "
                     f"its last {len(seen)} steps; threshold {threshold:.3f} s")
                 self.named[member] = verdict
                 named_now.append(verdict)
