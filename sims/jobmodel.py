@@ -13,8 +13,9 @@ rule redoes it, DESIGN section 6); the new world trains ``replace_s`` after ever
 holders holds that configuration (group rebuild and state transfer). A vacant rank (no spare left,
 policy ``wait``) keeps the job waiting.
 
-Stragglers: each rank's compute time per step is known to all (the model's shortcut; a later
-issue gossips it) and goes through :class:`torchpass_p2p.core.straggler.StragglerDetector`. With
+Stragglers: each rank's figures of a step (its compute time, and its wait in the all-reduce:
+from its own arrival to the slowest rank's plus ``allreduce_s``), which the runtime carries in
+the commit vote, go through :class:`torchpass_p2p.core.straggler.StragglerDetector`. With
 ``policy="migrate"`` a flagged rank leaves gracefully at the next step boundary, so agreement
 hands its rank to a spare (proactive: the slow member is its own state source, DESIGN section 4).
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 
 from torchpass_p2p.core import MemberId
 from torchpass_p2p.core import events as ev
-from torchpass_p2p.core.straggler import StragglerDetector, StragglerFlag
+from torchpass_p2p.core.straggler import Arrival, StragglerDetector, StragglerNamed
 
 from .cluster import Cluster, SimMember
 
@@ -92,7 +93,7 @@ class TrainingJob:
         jitter: each step's compute time is scaled by a uniform draw in [1 - jitter, 1 + jitter]
             (seeded from the cluster's seed, not its generator, so adding a job does not change
             the membership trace).
-        straggler_factor, straggler_steps: the detector's rule
+        straggler_factor, straggler_window, straggler_hits: the detector's rule
             (:mod:`torchpass_p2p.core.straggler`).
         policy: ``"report"`` (flag only) or ``"migrate"`` (flagged ranks move to a spare).
         start_at: when step 0 begins (seconds).
@@ -112,7 +113,8 @@ class TrainingJob:
         allreduce_s: float = 0.0,
         jitter: float = 0.0,
         straggler_factor: float = 1.5,
-        straggler_steps: int = 5,
+        straggler_window: int = 10,
+        straggler_hits: int = 8,
         policy: str = "report",
         start_at: float = 0.0,
         poll_s: float = 0.05,
@@ -128,15 +130,16 @@ class TrainingJob:
         self.jitter = jitter
         self.policy = policy
         self.poll_s = poll_s
-        self.detector = StragglerDetector(straggler_factor, straggler_steps)
+        self.detector = StragglerDetector(factor=straggler_factor, window=straggler_window,
+                                          hits=straggler_hits)
         self.world: list[MemberId | None] = list(cluster.configuration.ranks)
         self.spares: list[MemberId] = list(cluster.configuration.spares)
         self.step = 0
         """The step being computed (= steps completed so far)."""
         self.history: list[StepRecord] = []
         self.replacements: list[Replacement] = []
-        self.flags: list[tuple[float, int, StragglerFlag]] = []
-        """(time, rank, flag) for every straggler flag."""
+        self.flags: list[tuple[float, int, StragglerNamed]] = []
+        """(time, rank, verdict) for every straggler named."""
         self.faults: list[tuple[float, str]] = []
         """(time, label) of the faults :meth:`slow` injected; see :meth:`stalls`."""
         self._rng = random.Random(f"jobmodel-{cluster.seed}")
@@ -197,9 +200,14 @@ class TrainingJob:
         self.history.append(StepRecord(self.step, self._started_at, now, self._compute))
         for member in world:  # the commit all-reduce completed on every rank
             self.cluster.by_id[member].core.report_progress(self.step)
-        flags = self.detector.observe(self.step, dict(zip(world, self._compute, strict=True)))
+        end = max(self._compute) + self.allreduce_s
+        arrivals = {m: Arrival(rank, c, end - c)
+                    for rank, (m, c) in enumerate(zip(world, self._compute, strict=True))}
+        verdicts = self.detector.observe(self.step, arrivals)
         self.step += 1
-        for flag in flags:
+        for flag in verdicts:
+            if not isinstance(flag, StragglerNamed):
+                continue
             rank = self.world.index(flag.member)
             self.flags.append((now, rank, flag))
             if self.policy == "migrate" and flag.member not in self._migrating:
@@ -224,7 +232,6 @@ class TrainingJob:
         for rank, new in enumerate(config.ranks):
             old = self.world[rank] if rank < len(self.world) else None
             if new != old and old is not None:
-                self.detector.forget(old)
                 reason = ("migrate" if old in self._migrating
                           else "left" if self.cluster.by_id[old].core.left else "dead")
                 self.replacements.append(Replacement(rank, old, new, reason, config.config_id,

@@ -12,6 +12,7 @@ from torchpass_p2p.agent.history import (
     ACCUSED_KEPT,
     CONFIGURATIONS_KEPT,
     RECOVERIES_KEPT,
+    STRAGGLERS_KEPT,
     History,
 )
 from torchpass_p2p.core import events as ev
@@ -172,3 +173,33 @@ def test_records_without_a_time_or_a_configuration_are_ignored() -> None:
         history.record(record)
     assert history.status()["recoveries"][0]["rebuilt_at"] is None
     assert history.status()["recoveries"][0]["resumed_at"] is None
+
+
+def test_stragglers_named_and_cleared_by_the_trainers_records() -> None:
+    history = History()
+    assert history.status()["stragglers"] is None  # nothing trained here yet: a spare
+    history.record({"t": 1.0, "event": "step", "config_id": 0, "step": 0})
+    assert history.stragglers() == []
+    named = {"t": 2.0, "event": "straggler_named", "config_id": 0, "step": 7,
+             "rank": 3, "straggler": hex_id(9), "lag_s": 0.203, "reason": "..."}
+    history.record(named)
+    history.record({**named, "rank": 1, "straggler": hex_id(5), "lag_s": 0.5})
+    assert history.status()["stragglers"] == [
+        {"rank": 1, "member_id": hex_id(5), "lag_s": 0.5},
+        {"rank": 3, "member_id": hex_id(9), "lag_s": 0.203}]
+    history.record({"t": 3.0, "event": "straggler_cleared", "config_id": 1, "step": 9,
+                    "rank": 1, "straggler": hex_id(5), "reason": "new group"})
+    for malformed in ({**named, "straggler": 9}, {**named, "rank": "3"},
+                      {**named, "straggler": hex_id(6), "lag_s": None}):
+        history.record(malformed)
+    assert history.stragglers() == [{"rank": 3, "member_id": hex_id(9), "lag_s": 0.203}]
+
+
+def test_stragglers_kept_are_bounded() -> None:
+    history = History()
+    for m in range(STRAGGLERS_KEPT + 10):
+        history.record({"t": 1.0, "event": "straggler_named", "config_id": 0, "step": 7,
+                        "rank": m, "straggler": hex_id(m), "lag_s": 0.1})
+    found = history.stragglers()
+    assert found is not None and len(found) == STRAGGLERS_KEPT
+    assert found[-1]["rank"] == STRAGGLERS_KEPT - 1

@@ -190,3 +190,21 @@ def test_two_agents_in_one_process_do_not_collide() -> None:
     after = {m.name for m in REGISTRY.collect()}
     assert after == before
     assert not any(name.startswith("torchpass_") for name in after)
+
+
+def test_stragglers_have_a_count_and_a_lag_series_while_named() -> None:
+    m = AgentMetrics()
+    m.set_stragglers(None)
+    assert value(m, "torchpass_stragglers") == 0
+    m.set_stragglers([{"rank": 1, "member_id": "00000000000000aa", "lag_s": 0.203},
+                      {"rank": 3, "member_id": "00000000000000bb", "lag_s": 0.5}])
+    assert value(m, "torchpass_stragglers") == 2
+    assert value(m, "torchpass_straggler_lag_seconds", rank="1",
+                 member="00000000000000aa") == 0.203
+    assert value(m, "torchpass_straggler_lag_seconds", rank="3",
+                 member="00000000000000bb") == 0.5
+    m.set_stragglers([{"rank": 3, "member_id": "00000000000000bb", "lag_s": 0.25}])
+    lags = {k: v for k, v in samples(m).items() if k[0] == "torchpass_straggler_lag_seconds"}
+    assert lags == {("torchpass_straggler_lag_seconds",
+                     (("member", "00000000000000bb"), ("rank", "3"))): 0.25}
+    assert value(m, "torchpass_stragglers") == 1

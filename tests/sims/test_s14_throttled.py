@@ -2,18 +2,20 @@
 
 16 ranks + 2 spares at 1 % loss, 1 s steps with +-10 % per-step jitter on every rank. From
 t = 20 s one rank's step time ramps linearly to 3x over 180 s (thermal throttling: no error).
-The straggler rule (torchpass_p2p/core/straggler.py): compute > 1.5 x the others' median for 5
-consecutive steps.
+The straggler rule (torchpass_p2p/core/straggler.py): an arrival at the all-reduce more than
+(1.5 - 1) x the others' median compute time after the first rank's, at 8 of the last 10 steps.
 
 "Within 30 steps" counts from the *onset*: the first step that starts once the rank's noise-free
-slowdown exceeds the straggler factor, i.e. once it would be a straggler without jitter (here
-20 s + 45 s into the ramp). Before that the rank is merely slower, not yet a straggler by the
-rule. Must hold: flagged within 30 steps of the onset; with policy "migrate" its rank moves to a
-spare (and training returns to its nominal pace); with policy "report" it stays. No healthy rank
-is flagged, no member convicted; the invariants hold throughout.
+slowdown exceeds the straggler factor (here 20 s + 45 s into the ramp). The rule measures the
+lag behind the *first* rank, which the jitter makes up to 10 % early, so it may name the rank
+a few steps before the onset, never long before: the lag must exceed half a step.
 
-Measured (seeds 0-2): onset at step 55-56, flagged at steps 58-66, i.e. 2-11 steps after the
-onset (the jitter near the threshold can complete a run a little early or break a few runs).
+Must hold: named from 10 steps before to 30 steps after the onset; with policy "migrate" its
+rank moves to a spare (and training returns to its nominal pace); with policy "report" it
+stays. No healthy rank is named, no member convicted; the invariants hold throughout.
+
+Measured (seeds 0-2): onset at step 55-56, named at steps 54-58, i.e. from 1 step before the
+onset to 2 after it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from sims.network import LinkModel
 from sims.recorder import DetectionRecorder
 
 SLOW_AT_S, RAMP_S, FACTOR = 20.0, 180.0, 3.0
-STRAGGLER_FACTOR, STRAGGLER_STEPS = 1.5, 5
+STRAGGLER_FACTOR, STRAGGLER_WINDOW, STRAGGLER_HITS = 1.5, 10, 8
 HORIZON_S, REPLACE_S = 240.0, 5.0
 
 
@@ -36,7 +38,8 @@ def run_s14(seed: int, policy: str):
     recorder = DetectionRecorder(cluster)
     checker = InvariantChecker(cluster, recorder)
     job = TrainingJob(cluster, step_time_s=1.0, replace_s=REPLACE_S, jitter=0.1, policy=policy,
-                      straggler_factor=STRAGGLER_FACTOR, straggler_steps=STRAGGLER_STEPS)
+                      straggler_factor=STRAGGLER_FACTOR, straggler_window=STRAGGLER_WINDOW,
+                      straggler_hits=STRAGGLER_HITS)
     ranks = cluster.configuration.ranks
     rank = cluster.rng.randrange(len(ranks))
     victim = cluster.by_id[ranks[rank]]
@@ -60,8 +63,8 @@ def test_s14_throttled_rank_is_flagged_within_30_steps(seed: int, policy: str) -
     _, flagged_rank, flag = first_flag
     assert (flagged_rank, flag.member) == (rank, victim.id)
     assert {f.member for _, _, f in job.flags} == {victim.id}  # no healthy rank flagged
-    assert flag.step - onset <= 30, (onset, flag)
-    assert flag.reason.endswith(f"for {STRAGGLER_STEPS} consecutive steps")
+    assert -10 <= flag.step - onset <= 30, (onset, flag)
+    assert f"at {STRAGGLER_HITS} of its last {STRAGGLER_WINDOW} steps" in flag.reason
 
     if policy == "migrate":
         [move] = job.replacements

@@ -7,7 +7,8 @@ Fed from three places, all in the member's own process:
   decisions and their plans;
 * the trainer hands over its timeline records (:meth:`History.record`, the same records it
   writes to its JSON-lines log, :mod:`torchpass_p2p.trainer.events`): the state fetched, the
-  group formed, the steps committed;
+  group formed, the steps committed, the stragglers named and cleared
+  (:mod:`torchpass_p2p.ddp.stragglers`);
 * the state service hands over a transfer's progress (:meth:`History.transfer_progress`).
 
 A *recovery* is a decided configuration whose plan moves a rank (a spare promoted, a rank left
@@ -39,7 +40,8 @@ from typing import Any
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
-__all__ = ["ACCUSED_KEPT", "CONFIGURATIONS_KEPT", "History", "RECOVERIES_KEPT"]
+__all__ = ["ACCUSED_KEPT", "CONFIGURATIONS_KEPT", "History", "RECOVERIES_KEPT",
+           "STRAGGLERS_KEPT"]
 
 _TRANSFER_SEEN = {"received_at": "received", "sent_at": "sent", "verified_at": "verified"}
 """How a member saw the state transferred, the closest view first (module docstring)."""
@@ -48,6 +50,9 @@ CONFIGURATIONS_KEPT = 32
 """Decided configurations kept (oldest dropped first): a page shows the recent ones."""
 RECOVERIES_KEPT = 16
 """Recoveries kept, likewise."""
+STRAGGLERS_KEPT = 1024
+"""Stragglers named at once that are kept (the lowest ranks): one per rank at most, and the
+first rank to arrive is never one; this only bounds what a malformed record stream costs."""
 ACCUSED_KEPT = 1024
 """Members with an open accusation kept (oldest dropped first): far above the members one
 change removes; it bounds what a flood of suspicions costs."""
@@ -74,6 +79,9 @@ class History:
         self._recoveries: OrderedDict[int, dict[str, Any]] = OrderedDict()
         self._accused: OrderedDict[MemberId, float] = OrderedDict()
         self._transfer: dict[str, Any] | None = None
+        self._stragglers: dict[str, dict[str, Any]] | None = None
+        """Member id -> ``{"rank", "member_id", "lag_s"}`` of each straggler named now; None
+        until this member trained a step (a spare judges nobody)."""
 
     # ------------------------------------------------------------------ inputs
 
@@ -106,6 +114,10 @@ class History:
         kind = record.get("event")
         if kind not in _TRAINER_EVENTS:
             return
+        if kind in _STRAGGLER_EVENTS or kind == "step":
+            self._straggler(kind, record)
+            if kind != "step":
+                return
         t = record.get("t")
         config_id = record.get("config_id")
         if not isinstance(t, (int, float)) or not isinstance(config_id, int):
@@ -170,8 +182,9 @@ class History:
     # ------------------------------------------------------------------ output
 
     def status(self) -> dict[str, Any]:
-        """``configurations``, ``recoveries`` (oldest first) and ``transfer`` (the latest, or
-        None), JSON-able, for ``/status`` (schema in :mod:`torchpass_p2p.cli.status`)."""
+        """``configurations``, ``recoveries`` (oldest first), ``transfer`` (the latest, or
+        None) and ``stragglers`` (:meth:`stragglers`), JSON-able, for ``/status`` (schema in
+        :mod:`torchpass_p2p.cli.status`)."""
         with self._lock:
             recoveries = []
             for recovery in self._recoveries.values():
@@ -186,7 +199,15 @@ class History:
                 "configurations": [dict(c) for c in self._configurations],
                 "recoveries": recoveries,
                 "transfer": None if self._transfer is None else dict(self._transfer),
+                "stragglers": self._straggler_list(),
             }
+
+    def stragglers(self) -> list[dict[str, Any]] | None:
+        """The stragglers named now, by rank: ``[{"rank": int, "member_id": "<16 hex>",
+        "lag_s": float}, ...]`` (``lag_s``: seconds behind the first rank's arrival, the median
+        over its slow steps); None until this member trained a step."""
+        with self._lock:
+            return self._straggler_list()
 
     # ------------------------------------------------------------------ inside
 
@@ -213,6 +234,29 @@ class History:
         while len(self._recoveries) > RECOVERIES_KEPT:
             self._recoveries.popitem(last=False)
 
+    def _straggler(self, kind: str, record: Mapping[str, Any]) -> None:
+        with self._lock:
+            if self._stragglers is None:
+                self._stragglers = {}
+            if kind == "step":
+                return
+            member, rank, lag = (record.get("straggler"), record.get("rank"),
+                                 record.get("lag_s"))
+            if not isinstance(member, str):
+                return
+            if kind == "straggler_cleared":
+                self._stragglers.pop(member, None)
+            elif (isinstance(rank, int) and isinstance(lag, (int, float))
+                  and (member in self._stragglers or len(self._stragglers) < STRAGGLERS_KEPT)):
+                self._stragglers[member] = {"rank": rank, "member_id": member,
+                                            "lag_s": float(lag)}
+
+    def _straggler_list(self) -> list[dict[str, Any]] | None:
+        if self._stragglers is None:
+            return None
+        return sorted((dict(s) for s in self._stragglers.values()),
+                      key=lambda s: (s["rank"], s["member_id"]))
+
     def _phase(self, config_id: int, name: str, t: float) -> None:
         recovery = self._recoveries.get(config_id)
         key = "received_at" if name == "transferred_at" else name
@@ -220,5 +264,7 @@ class History:
             recovery[key] = t
 
 
-_TRAINER_EVENTS = frozenset(("fetch_started", "state_fetched", "group_formed", "joined", "step"))
-"""The trainer's records that mark a phase (:meth:`History.record`)."""
+_STRAGGLER_EVENTS = frozenset(("straggler_named", "straggler_cleared"))
+_TRAINER_EVENTS = frozenset(("fetch_started", "state_fetched", "group_formed", "joined", "step",
+                             *_STRAGGLER_EVENTS))
+"""The trainer's records that mark a phase or name a straggler (:meth:`History.record`)."""

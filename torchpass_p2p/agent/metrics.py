@@ -22,6 +22,9 @@ metric                                    type       labels     set by
 ``torchpass_configuration_changes_total`` counter    path       ``decided``
 ``torchpass_detection_latency_seconds``   histogram             ``observe_detection``
 ``torchpass_hang_watchdog_fired_total``   counter               ``hang_fired``
+``torchpass_stragglers``                  gauge                 ``set_stragglers``
+``torchpass_straggler_lag_seconds``       gauge      rank,      ``set_stragglers``
+                                                     member
 ``torchpass_rejected_datagrams_total``    counter    reason     ``sync_rejected`` (UDP)
 ``torchpass_rejected_frames_total``       counter    reason     ``sync_rejected_frames`` (TCP)
 ``torchpass_bytes_total``                 counter    direction  ``sync_counters("bytes")``
@@ -43,7 +46,7 @@ plain dict).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -132,6 +135,14 @@ class AgentMetrics:
             buckets=DETECTION_BUCKETS_S, registry=r)
         self._hang = Counter(
             "torchpass_hang_watchdog_fired", "Times the hang watchdog fired", registry=r)
+        self._stragglers = Gauge(
+            "torchpass_stragglers", "Ranks named stragglers now (docs/stragglers.md)",
+            registry=r)
+        self._straggler_lag = Gauge(
+            "torchpass_straggler_lag_seconds",
+            "Each named straggler's arrival at the gradient collective after the first rank's "
+            "(median over its slow steps); a series exists only while it is named",
+            ["rank", "member"], registry=r)
         self._synced: dict[str, Counter] = {
             name: Counter(metric, text, [label], registry=r)
             for name, (metric, label, text) in _SYNCED.items()
@@ -165,6 +176,18 @@ class AgentMetrics:
 
     def set_fenced(self, fenced: bool) -> None:
         self._fenced.set(1 if fenced else 0)
+
+    def set_stragglers(self, stragglers: Sequence[Mapping[str, object]] | None) -> None:
+        """The stragglers named now (:meth:`~.history.History.stragglers`: ``rank``,
+        ``member_id``, ``lag_s``); None or empty: none. The lag series of the first
+        :data:`MAX_LABEL_VALUES` by rank are exported, the rest only counted."""
+        found = list(stragglers or ())
+        self._stragglers.set(len(found))
+        self._straggler_lag.clear()
+        for s in found[:MAX_LABEL_VALUES]:
+            lag = s.get("lag_s")
+            if isinstance(lag, (int, float)):
+                self._straggler_lag.labels(str(s.get("rank")), str(s.get("member_id"))).set(lag)
 
     # events
 

@@ -590,6 +590,7 @@ class AgentRuntime:
         metrics.set_members(by_state, by_role)
         metrics.set_config(config.config_id)
         metrics.set_fenced(self.fenced)
+        metrics.set_stragglers(self.history.stragglers())
         traffic = self.transport.traffic
         metrics.sync_rejected(self.transport.rejected)
         metrics.sync_rejected_frames(self.transport.rejected_frames)

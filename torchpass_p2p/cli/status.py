@@ -29,12 +29,14 @@ The ``/status`` document (built by the runtime; the status page at ``/`` draws i
                      "rebuilt_at": float|null, "resumed_at": float|null}, ...],
      "transfer": {"direction": "receiving"|"sending", "config_id": int|null, "step": int,
                   "done_bytes": int, "total_bytes": int|null, "sources": int|null,
-                  "started_at": float, "updated_at": float, "finished_at": float|null}|null}
+                  "started_at": float, "updated_at": float, "finished_at": float|null}|null,
+     "stragglers": [{"rank": int, "member_id": "<16 hex>", "lag_s": float}, ...]|null}
 
 Times (``at``, ``*_at``) are the agent's ``clock`` (monotonic seconds, as ``clock`` itself);
 ``configurations``, ``recoveries`` and ``transfer`` are what this member saw
-(:mod:`torchpass_p2p.agent.history`). The page also draws ``stragglers`` (a list of objects,
-``rank`` and ``member_id`` first) once the document carries it.
+(:mod:`torchpass_p2p.agent.history`). ``stragglers`` are the ranks this member names now, by
+rank, with ``lag_s`` the seconds their arrival at the gradient collective trails the first
+rank's (``docs/stragglers.md``); null on a member that has not trained a step (a spare).
 """
 
 from __future__ import annotations
@@ -196,6 +198,14 @@ def _print_table(status: dict[str, Any]) -> None:
             style="bold" if m["member_id"] == me else None,
         )
     console.print(table)
+
+    stragglers = status.get("stragglers")
+    if isinstance(stragglers, list) and stragglers:
+        console.print(Text("stragglers (arrival after the first rank's)", style="bold yellow"))
+        for s in stragglers:
+            lag = s.get("lag_s")
+            console.print(f"  rank {s.get('rank', '?')}  {s.get('member_id', '?')}  "
+                          + (f"{lag:.3f} s" if isinstance(lag, (int, float)) else "?"))
 
     events = status.get("recent_events") or []
     if events:

@@ -25,6 +25,7 @@ callback, whose thread and timing differ between ranks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -121,12 +122,16 @@ class StepReduction:
         self._works: list[tuple[int, str, Any, Any]] = []  # (bucket, kind, work, output)
         self._results: list[torch.Tensor | None] = [None] * len(layout.sizes)
         self._watch: Watch | None = None
+        self.blocked_s = 0.0
+        """Seconds this step spent blocked waiting for its collectives, since :meth:`reset`:
+        on the first rank to arrive, the others' lateness (:mod:`.stragglers`)."""
 
     # ------------------------------------------------------------------ filling
 
     def reset(self) -> None:
         """A new step: every bucket empty again (inputs are overwritten as they are filled)."""
         self._missing = list(self.layout.sizes)
+        self.blocked_s = 0.0
         self.forget()
 
     def forget(self) -> None:
@@ -193,7 +198,7 @@ class StepReduction:
         if not self._works or self._works[-1][1] != "shards":
             return
         b, _, work, recv = self._works.pop()
-        group.complete(work, watch=watch)
+        self._complete(group, work, watch)
         n = group.spec.world_size
         mine = divide(sum_in_rank_order(recv.unbind(0)), n)
         gathered = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
@@ -208,7 +213,7 @@ class StepReduction:
         self._flush_sharded(group, watch)
         n = group.spec.world_size
         for b, kind, work, out in self._works:
-            group.complete(work, watch=watch)
+            self._complete(group, work, watch)
             if kind == "gather":
                 self._results[b] = divide(sum_in_rank_order(out), n)
             elif kind == "sharded":
@@ -219,6 +224,13 @@ class StepReduction:
         results = self._results
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
+
+    def _complete(self, group: ManagedGroup, work: Any, watch: Watch | None) -> None:
+        began = time.monotonic()
+        try:
+            group.complete(work, watch=watch)
+        finally:
+            self.blocked_s += time.monotonic() - began
 
     def copy_out(self, results: list[torch.Tensor], index: int, grad: torch.Tensor) -> None:
         """Write parameter ``index``'s averaged gradient from ``results`` into ``grad``."""

@@ -39,6 +39,7 @@ from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
 from torchpass_p2p.trainer.seeding import seed_step
 
 from .reduction import Layout, StepReduction, flat_tensors, unflat_into
+from .stragglers import ArrivalWatch, policy_from_env
 
 if TYPE_CHECKING:
     from .data import DataLoader
@@ -139,6 +140,10 @@ class Session(Trainer):
         self._in_regroup = False
         self._joined = False
         self._first_change: Any = None
+        self.stragglers = ArrivalWatch(self.me, policy_from_env(), self.log, self.agent.drain)
+        self.step_figures: list[list[float]] = []
+        """Every rank's ``[compute_s, wait_s]`` of the last vote, by rank (seconds, each on
+        that rank's clock; :data:`~.stragglers.UNMEASURED` where not measured)."""
         self.service.start()
         if self._started_as_spare():
             # What the script does once a spare holds a rank is on the recovery's critical
@@ -348,6 +353,7 @@ class Session(Trainer):
         self.reduction.reset()
         self._buckets = []
         self._step_error = None
+        self.stragglers.opened()
 
     def _catch_up(self) -> None:
         """At a step boundary: enter a configuration that is due (rolled forward into, or
@@ -416,25 +422,29 @@ class Session(Trainer):
                 results = reduction.wait(group, self._watch)
                 self._reduced = (k, results[0])
                 self.faults.at(k, "commit", group.spec.rank)
-                if not self._vote(group, k):
+                if not self._vote(group, k, self.stragglers.figures(reduction.blocked_s)):
                     relaunch = True
+                    self.stragglers.spoil()
                     continue
                 if not self.agent.report_commit(k, self._ranks):
                     self.log("commit_refused", step=k, config_id=group.config_id)
                     group.abandon()
                     raise Superseded
                 self._close_step(k, results)
+                self.stragglers.observe(k, (group.config_id, group.spec.attempt), self._ranks,
+                                        self.step_figures)
                 return
             except (CollectiveError, Superseded, RuntimeError) as exc:
                 if not isinstance(exc, CollectiveError | Superseded):
                     if self.group is None or self.group.state == "ready":
                         raise
                 error, relaunch = None, True
+                self.stragglers.spoil()
                 if self._recover_in_step(exc):
                     self._close_step(k, results)
                     return
 
-    def _vote(self, group: ManagedGroup, k: int) -> bool:
+    def _vote(self, group: ManagedGroup, k: int, figures: list[float]) -> bool:
         """The commit vote, after the whole reduction: True when every rank votes to commit
         step ``k``. It is sent only once this rank holds the whole averaged gradient, so a rank
         that sees every vote knows every rank holds it (the commit rule's roll forward needs
@@ -442,8 +452,12 @@ class Session(Trainer):
         again. The vote carries the module's buffers as the forward left them, as float64
         (exact for the narrower dtypes, integers up to 2**53): every rank takes rank 0's, what
         DDP's ``broadcast_buffers`` gives the next forward. Raises :class:`JobMismatch` when the
-        ranks are at different steps."""
-        head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k)], dtype=torch.float64)
+        ranks are at different steps.
+
+        ``figures`` (this rank's ``[compute_s, wait_s]``, :mod:`.stragglers`) ride after the
+        step number; every rank's are kept in ``self.step_figures`` for the straggler detector."""
+        head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k), *figures],
+                            dtype=torch.float64)
         # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say):
         # one copy per device (each copy from a GPU waits for it), and the group moves the
         # vote to its own device. Read back in one copy too.
@@ -455,6 +469,7 @@ class Session(Trainer):
             group.abandon()
             raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "
                               f"{k}: not the same job")
+        self.step_figures = votes[:, 2:len(head)].tolist()
         if not bool((votes[:, 0] == 1.0).all()):
             self.log("commit_vetoed", step=k, config_id=group.config_id,
                      fenced=self.agent.fenced)
