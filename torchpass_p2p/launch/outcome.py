@@ -47,8 +47,9 @@ from enum import StrEnum
 from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
-__all__ = ["EXIT_DRAINED", "EXIT_REMOVED", "EXIT_STOPPED", "JOB_STOPS", "ChildExit", "Verdict",
-           "decide", "describe_exit", "exit_code", "is_failure", "no_majority_left"]
+__all__ = ["EXIT_DRAINED", "EXIT_KEY_REFUSED", "EXIT_REMOVED", "EXIT_STOPPED", "JOB_STOPS",
+           "ChildExit", "Verdict", "decide", "describe_exit", "exit_code", "is_failure",
+           "no_majority_left"]
 
 EXIT_REMOVED = 3
 """What a member's script exits with once a decided configuration removed it
@@ -63,6 +64,11 @@ EXIT_STOPPED = 5
 nobody can fill, e.g. every holder of the state died at once; every member learns it from the
 agreement itself), or a spare reached no majority for its give-up time. The launcher neither
 reports nor respawns it; with no process exiting 0 the launch fails."""
+EXIT_KEY_REFUSED = 6
+"""What a process exits with once the cluster refused its key (:mod:`torchpass_p2p.agent.api`:
+its key file is older or newer than the members'; ``docs/running.md``, "Keys"). A failure, so
+the launcher reports it to the siblings, but never respawned: the same key file would be
+refused again."""
 JOB_STOPS = "the job stops: resume it from its last checkpoint"
 """What follows a reason the job cannot go on, in a member's last line and the launcher's."""
 
