@@ -29,7 +29,8 @@ spares that outnumber them may agree the job stopped); 128 + the signal number w
 stopped the launcher; :data:`EXIT_STOPPED` when, with no process exited 0, the job stopped
 because it cannot go on (a member stopped it: a rank nobody can fill, or no majority of its
 configuration left; or a majority of a configuration of the launcher's own children exited):
-resume it from its last checkpoint, as the reason says; 1 otherwise (every exit failed, or a
+resume it from its last checkpoint, as the reason says; :data:`EXIT_KEY_REFUSED` when, with no
+process exited 0, the cluster refused a child's key; 1 otherwise (every exit failed, or a
 failure after completion).
 Known limitation: a rank drained on purpose that exits 0 while roles are known makes the
 launcher believe its rank is finished; if every starting rank leaves that way, the spares that
@@ -170,6 +171,9 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
                 "a member stopped the job: the agreement left a rank nobody can fill (every "
                 "holder of its state is gone, or no spare is left under policy 'stop'), or no "
                 "majority of its configuration was left for its give-up time; " + JOB_STOPS)
+        if any(e.returncode == EXIT_KEY_REFUSED for e in exits):
+            return EXIT_KEY_REFUSED, ("the cluster refused the key of this launcher's key file "
+                                      "(docs/running.md, \"Keys\")")
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
         if (e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED)
