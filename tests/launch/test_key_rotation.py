@@ -204,10 +204,10 @@ def test_rotation_while_a_spare_is_down(tmp_path: Path) -> None:
     _rotate(main_key, launcher, "--drop-old")
     for address in ranks:
         _wait("a rank drops the old key", lambda a=address: keys_of(a) == [k2_id], 30)
-    assert spare.wait(60) == EXIT_KEY_REFUSED, spare_log.read_text()
+    assert spare.wait(120) == EXIT_KEY_REFUSED, spare_log.read_text()
     first = spare_log.read_text()
     again, again_log = _start_spare(tmp_path, old_key, seeds, "spare-3")
-    assert again.wait(60) == EXIT_KEY_REFUSED, again_log.read_text()
+    assert again.wait(180) == EXIT_KEY_REFUSED, again_log.read_text()
     second = again_log.read_text()
     assert training() > step_before_drop
     _wait("the refused spare is out of the configuration", lambda: members() == rank_ids)
@@ -224,7 +224,7 @@ def test_rotation_while_a_spare_is_down(tmp_path: Path) -> None:
             f'(docs/running.md, "Keys"); exit code {EXIT_KEY_REFUSED}'), out
         assert f"exited with {EXIT_KEY_REFUSED}" in out and "Traceback" not in out, out
         assert "IncompleteReadError" not in out
-    assert (f"accepts key ids {k2_id}" in second and "seed(s)" in second), second
+    assert f"2 of 2 seed(s) accept only key ids {k2_id}" in second, second
     # Nobody removed, no step lost: both starting ranks finished every step, equal states.
     assert [(f["rank"], f["steps"]) for f in run.finals] == [(0, STEPS), (1, STEPS)]
     assert len({f["fingerprint"] for f in run.finals}) == 1
