@@ -144,6 +144,9 @@ def test_every_synced_family() -> None:
     m.sync_counters("pulse", {"pings": 30, "responder_answered": 29})
     m.sync_counters("rejected_datagrams", {"replay": 9})
     m.sync_counters("transfer_refused", {"bad_frame": 3, "kernel_dropped": 40})
+    m.sync_counters("keys", {"reloads": 2, "refusals_sent": 5})
+    assert value(m, "torchpass_keys_total", event="reloads") == 2
+    assert value(m, "torchpass_keys_total", event="refusals_sent") == 5
     assert value(m, "torchpass_rejected_frames_total", reason="too_large") == 2
     assert value(m, "torchpass_bytes_total", direction="sent") == 1000
     assert value(m, "torchpass_bytes_total", direction="received") == 2500
@@ -157,7 +160,7 @@ def test_every_synced_family() -> None:
     assert value(m, "torchpass_transfer_refused_total", reason="kernel_dropped") == 40
     assert set(SYNCED) == {"rejected_datagrams", "rejected_frames", "bytes", "datagrams",
                            "events", "health_faults", "http_rejected", "pulse",
-                           "transfer_refused"}
+                           "transfer_refused", "keys"}
     with pytest.raises(KeyError):
         m.sync_counters("nonsense", {"a": 1})
 

@@ -5,6 +5,13 @@ configuration 0 (or has asked to join). The training thread then uses the small 
 of :class:`Agent`; everything it calls is handed to the agent's loop with
 ``call_soon_threadsafe``, and everything it reads is an immutable value (a
 :class:`~torchpass_p2p.core.Configuration`, a :class:`~.runtime.Change`).
+
+A process whose key the cluster does not accept (:class:`~.runtime.KeyNotAccepted`: its key
+file was rotated past, or not yet) cannot take part in the job, and nothing the script does
+can change that: the agent's thread writes one line on standard error, with key ids and never
+keys, and ends the process with ``EXIT_KEY_REFUSED`` (6) at once, whatever the training thread
+is doing (``docs/running.md``, "Keys"). Pass ``exit_on_refusal=False`` to :class:`Agent` to get
+:class:`AgentError` instead (tests).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import concurrent.futures
 import logging
 import os
 import queue
+import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from os import PathLike
@@ -23,7 +31,7 @@ from torchpass_p2p.core.configuration import Address, Configuration
 
 from .history import History
 from .lifeline import die_with_launcher
-from .runtime import COUNTER_SOURCES, AgentRuntime, Change, Phase
+from .runtime import COUNTER_SOURCES, AgentRuntime, Change, KeyNotAccepted, Phase
 from .settings import AgentSettings, load_settings
 from .sockets import INHERITED_VARIABLES
 
@@ -38,6 +46,9 @@ COMMIT_TIMEOUT_S = 30.0
 loop stalled this long has lost its lease anyway)."""
 CHANGES_KEPT = 64
 """Ready changes buffered for :meth:`Agent.next_change`; older ones are dropped first."""
+EXIT_KEY_REFUSED = 6
+"""The exit code of a process whose key is not accepted (the launcher's table:
+:data:`torchpass_p2p.launch.outcome.EXIT_KEY_REFUSED`, which must stay equal)."""
 
 
 class AgentError(RuntimeError):
@@ -70,8 +81,9 @@ def start(config: str | PathLike[str] | None = None, **settings: Any) -> Agent:
 class Agent:
     """A running agent, driven from any thread (module docstring)."""
 
-    def __init__(self, settings: AgentSettings) -> None:
+    def __init__(self, settings: AgentSettings, *, exit_on_refusal: bool = True) -> None:
         self.settings = settings
+        self.exit_on_refusal = exit_on_refusal
         self.member_id = settings.member_id
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runtime: AgentRuntime | None = None
@@ -247,6 +259,12 @@ class Agent:
         runtime = self._live()
         self._post(runtime.add_counter_source, name, read)
 
+    def add_key_listener(self, listener: Callable[[Any], None]) -> None:
+        """Call ``listener(keyring)`` on the agent's thread with each keyring a reload of the
+        key file installs (:meth:`~.runtime.AgentRuntime.reload_keys`)."""
+        runtime = self._live()
+        self._post(runtime.add_key_listener, listener)
+
     def lookup_service(self, member: int, name: str, config_id: int, *,
                        timeout_s: float = 30.0) -> Address:
         """(host, port) where ``member`` serves ``name`` for ``config_id``; waits until it is
@@ -325,6 +343,8 @@ class Agent:
             loop.run_until_complete(self._main())
         except BaseException as exc:  # the thread's last word: recorded for the host
             self._error = exc
+            if isinstance(exc, KeyNotAccepted) and self.exit_on_refusal:
+                _exit_refused(self.member_id, exc)
         finally:
             self._ready.set()
             with self._rank_assigned:
@@ -347,6 +367,8 @@ class Agent:
             asked.cancel()
             ended.cancel()
             await runtime.stop(leave=self._leave)
+        if runtime.refused is not None:
+            raise runtime.refused
         if runtime.failure is not None:
             raise AgentError("the agent's timer task failed") from runtime.failure
 
@@ -399,6 +421,18 @@ class Agent:
         except concurrent.futures.TimeoutError:
             future.cancel()
             raise TimeoutError(f"the agent did not answer within {timeout_s} s") from None
+
+
+def _exit_refused(member_id: int, refused: KeyNotAccepted) -> None:
+    """End the process: one line (one write: the launcher's children share its stderr), then
+    ``os._exit`` without the interpreter's teardown, as a member out of the job does
+    (:func:`torchpass_p2p.collective.exit_process`)."""
+    sys.stderr.write(f"torchpass_p2p: member {member_id:016x}: {refused} (docs/running.md, "
+                     f"\"Keys\"); exit code {EXIT_KEY_REFUSED}\n")
+    sys.stderr.flush()
+    logging.shutdown()
+    sys.stdout.flush()
+    os._exit(EXIT_KEY_REFUSED)
 
 
 async def _on_loop(fn: Callable[[], Any]) -> Any:

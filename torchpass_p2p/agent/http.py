@@ -14,13 +14,16 @@ POST       ``/drain``      yes     ``await source.drain()`` as JSON; body empty 
 POST       ``/evidence``   yes     ``{"accepted": source.report_unreachable(id, reason, exited)}``;
                                    body ``{"member_id": "<16 hex digits>", "reason": "<text>"}``
                                    and optionally ``"exited": true`` (the launcher reaped it)
+POST       ``/keys/reload`` yes    ``source.reload_keys()`` as JSON: read the key file again
+                                   (``docs/running.md``, "Keys"); body empty or ``{}``
 =========  ==============  ======  =============================================================
 
 Threat model. Reads are open to whoever reaches the port: they reveal the membership, which
 every member already gossips, and no key material. Writes change the cluster (a drain hands a
 rank away, evidence speeds up a removal), so they need ``Authorization: Bearer <token>``, where
 the token is :func:`http_token` of the cluster key: every process holding the key derives it and
-it is never sent anywhere but in that header (on loopback, by default). A browser page cannot
+it is never sent anywhere but in that header (on loopback, by default); while a key rotation
+keeps an old key accepted, so is its token (:func:`http_tokens`). A browser page cannot
 forge the header without a CORS preflight, which this server never grants. Before reading a
 body the server checks the token, and it reads at most :data:`MAX_BODY_BYTES`. A refused
 request gets 4xx with a reason and is counted in :attr:`StatusServer.rejected`; nothing a
@@ -59,6 +62,7 @@ __all__ = [
     "StatusServer",
     "StatusSource",
     "http_token",
+    "http_tokens",
 ]
 
 log = logging.getLogger(__name__)
@@ -104,6 +108,13 @@ def http_token(key: bytes | Keyring) -> str:
     return keyring.derive_secret(_TOKEN_LABEL).hex()
 
 
+def http_tokens(keyring: Keyring) -> tuple[str, ...]:
+    """The token of each key of ``keyring``, the primary's first: what a status server of a
+    member holding that ring accepts (:meth:`StatusServer.set_tokens`)."""
+    secrets = keyring.derive_secrets(_TOKEN_LABEL)
+    return tuple(secrets[kid].hex() for kid in keyring.key_ids)
+
+
 class StatusSource(Protocol):
     """What the status server asks of the runtime (all called on the server's loop)."""
 
@@ -118,6 +129,10 @@ class StatusSource(Protocol):
     def report_unreachable(self, member_id: int, reason: str, exited: bool = False) -> bool:
         """Fast evidence from the local launcher; ``exited``: it reaped the member's process,
         so the death is certain. ``False`` if not taken."""
+        ...
+
+    def reload_keys(self) -> dict[str, Any]:
+        """Read the key file again; ``{"reloaded": bool, ...}``, never raises."""
         ...
 
 
@@ -167,7 +182,7 @@ class StatusServer:
         self.port = port
         self.rejected: Counter[str] = Counter()
         self.stream = StatusStream(source.status, self.rejected, **(stream_options or {}))
-        self._token = token.encode("utf-8")
+        self._tokens: tuple[bytes, ...] = (token.encode("utf-8"),)
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self.address: tuple[str, int] | None = None
@@ -195,6 +210,7 @@ class StatusServer:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_post("/drain", self._drain)
         app.router.add_post("/evidence", self._evidence)
+        app.router.add_post("/keys/reload", self._reload_keys)
         # access_log=None: no line per request (a Prometheus scrape every few seconds would
         # drown the event log).
         runner = web.AppRunner(
@@ -324,17 +340,35 @@ class StatusServer:
         accepted = bool(self.source.report_unreachable(member_id, reason, exited))
         return web.json_response({"accepted": accepted})
 
+    async def _reload_keys(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        body = await self._json_body(request, allow_empty=True)
+        if body is not None and body != {}:
+            raise _Rejected(400, "bad_body", "keys/reload takes no fields: send no body or {}")
+        return web.json_response(self.source.reload_keys())
+
     # checks
+
+    def set_tokens(self, tokens: tuple[str, ...]) -> None:
+        """Accept any of ``tokens`` from now on (a reloaded keyring: :func:`http_tokens`).
+
+        Raises:
+            ValueError: no token, or an empty one.
+        """
+        if not tokens or not all(tokens):
+            raise ValueError("the status server needs non-empty tokens (see http_tokens)")
+        self._tokens = tuple(t.encode("utf-8") for t in tokens)
 
     def _authorize(self, request: web.Request) -> None:
         header = request.headers.get("Authorization")
         if header is None:
             raise _Rejected(401, "no_token", "Authorization: Bearer <token> required")
         scheme, _, given = header.partition(" ")
-        # compare_digest on bytes: constant time in the token's content
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            given.strip().encode("utf-8", "replace"), self._token
-        ):
+        # compare_digest on bytes: constant time in the token's content; every accepted
+        # token is compared, so the time does not say which one matched
+        raw = given.strip().encode("utf-8", "replace")
+        matched = [hmac.compare_digest(raw, token) for token in self._tokens]
+        if scheme.lower() != "bearer" or not any(matched):
             raise _Rejected(401, "bad_token", "wrong token")
 
     async def _json_body(self, request: web.Request, *, allow_empty: bool) -> Any:

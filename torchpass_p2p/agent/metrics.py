@@ -34,6 +34,7 @@ metric                                    type       labels     set by
 ``torchpass_http_rejected_total``         counter    reason     ``sync_counters("http_rejected")``
 ``torchpass_pulse_total``                 counter    kind       ``sync_counters("pulse")``
 ``torchpass_transfer_refused_total``      counter    reason     ``sync_counters`` (a source)
+``torchpass_keys_total``                  counter    event      ``sync_counters("keys")``
 ========================================  =========  =========  ==============================
 
 ``direction`` is ``sent`` or ``received``. Counters also expose prometheus_client's
@@ -101,6 +102,9 @@ _SYNCED: dict[str, tuple[str, str, str]] = {
     "transfer_refused": (
         "torchpass_transfer_refused", "reason",
         "State-transfer server connections refused or dropped, by reason"),
+    "keys": ("torchpass_keys", "event",
+             "Key file reloads (and failed ones), key checks, refusals sent to processes "
+             "under a key not held, and sources under such a key logged (or suppressed)"),
 }
 SYNCED = tuple(_SYNCED)
 """Names accepted by :meth:`AgentMetrics.sync_counters`."""

@@ -207,14 +207,18 @@ class PulseProber(asyncio.DatagramProtocol):
             under any of them are accepted: a key rotation moves the primary first).
         on_silent: called on the loop with each member that went silent.
         clock: monotonic seconds.
+        key_for: the key id to ping a member under, if not ``kid`` (a member still on an older
+            key that ``secrets`` holds: its responder knows only that one); an id without a
+            secret here means ``kid``.
     """
 
     def __init__(self, prober: MemberId, kid: int, secrets: Mapping[int, bytes],
                  on_silent: Callable[[MemberId], None], *,
-                 clock: Callable[[], float], tracker: PulseTracker | None = None) -> None:
+                 clock: Callable[[], float], tracker: PulseTracker | None = None,
+                 key_for: Callable[[MemberId], int] | None = None) -> None:
         self._kid = kid
-        self._secret = secrets[kid]
         self._secrets = dict(secrets)
+        self._key_for = key_for
         self._on_silent = on_silent
         self._clock = clock
         sequence = itertools.count(1)
@@ -240,6 +244,12 @@ class PulseProber(asyncio.DatagramProtocol):
         self._socket = sock
         self._transport = transport  # type: ignore[assignment]
         self._task = loop.create_task(self._run(), name="pulse-prober")
+
+    def rekey(self, kid: int, secrets: Mapping[int, bytes]) -> None:
+        """Ping under ``kid`` and accept pongs under ``secrets`` from now on (a reloaded key
+        file). Raises KeyError if ``secrets`` lacks ``kid``."""
+        self._secrets = {**secrets, kid: secrets[kid]}
+        self._kid = kid
 
     def watch(self, targets: Mapping[MemberId, Address]) -> None:
         """Watch exactly ``targets`` (member -> responder address) from now on."""
@@ -276,9 +286,12 @@ class PulseProber(asyncio.DatagramProtocol):
             transport = self._transport
             for member, address, nonce in pings:
                 if transport is not None:
+                    kid = self._kid if self._key_for is None else self._key_for(member)
+                    if kid not in self._secrets:
+                        kid = self._kid
                     try:
                         # Addressed to ``member``: no other responder answers it (pulse_wire).
-                        transport.sendto(encode_ping(self._kid, self._secret, nonce, member),
+                        transport.sendto(encode_ping(kid, self._secrets[kid], nonce, member),
                                          address)
                     except OSError:  # a missing route shows as misses, which is the point
                         tracker.counters["send_errors"] += 1

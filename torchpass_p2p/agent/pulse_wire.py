@@ -159,6 +159,8 @@ class PulseResponder:
         self._sock = sock
         self._responder: _pulse.Responder | None = responder
         self._final: dict[str, int] = {}
+        self._before: dict[str, int] = {}  # counts of the threads a rekey replaced
+        self._member = -1
         self.port: int = sock.getsockname()[1]
 
     @classmethod
@@ -181,7 +183,30 @@ class PulseResponder:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, responder)
+        started = cls(sock, responder)
+        started._member = member
+        return started
+
+    def rekey(self, secrets: Mapping[int, bytes]) -> None:
+        """Answer under ``secrets`` from now on (a reloaded key file): the thread is stopped
+        and a new one serves the same socket, so the port stays what observers looked up and
+        pings queued meanwhile are answered. The new thread's replay table starts empty: a
+        ping captured before can be answered once more (a pong, no bigger, to the address it
+        names). Counts run on. No-op once closed.
+
+        Raises TypeError or ValueError on bad ``secrets`` (the old thread then still serves)."""
+        old = self._responder
+        if old is None or _pulse is None:
+            return
+        keys = dict(secrets)  # checked before stopping: a bad mapping keeps the old thread
+        for kid, secret in keys.items():
+            _check(kid, secret, bytes(NONCE_BYTES))
+        if not keys:
+            raise ValueError("secrets must hold at least one key")
+        old.stop()
+        for name, value in old.counts().items():
+            self._before[name] = self._before.get(name, 0) + value
+        self._responder = _pulse.Responder(self._sock.fileno(), self._member, keys)
 
     def counts(self) -> dict[str, int]:
         """Datagrams by outcome since start: ``answered``, ``malformed`` (wrong length or
@@ -192,6 +217,8 @@ class PulseResponder:
         if self._responder is None:
             return dict(self._final)
         counts = self._responder.counts()
+        for name, value in self._before.items():
+            counts[name] = counts.get(name, 0) + value
         dropped = socket_drops(self._sock)
         if dropped:
             counts["kernel_dropped"] = dropped

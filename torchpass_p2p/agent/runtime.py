@@ -33,14 +33,14 @@ from torchpass_p2p.core.plan import Plan, Policy
 
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
 from .history import History
-from .http import http_token
+from .http import http_token, http_tokens
 from .pulse import PulseProber
 from .pulse_wire import PulseResponder
 from .pulse_wire import available as pulse_available
-from .settings import AgentSettings
-from .transport import Kind, Received, Reply, Transport, TransportError
+from .settings import AgentSettings, SettingsError, read_keyring
+from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportError
 
-__all__ = ["AgentRuntime", "Change", "Phase"]
+__all__ = ["AgentRuntime", "Change", "KeyNotAccepted", "Phase"]
 
 log = logging.getLogger("torchpass_p2p.agent")
 events_log = logging.getLogger("torchpass_p2p.events")
@@ -74,6 +74,25 @@ PULSE_RELOOKUP_S = 10.0
 or starting): one held request per observer and subject every ~11 s at most."""
 PULSE_LABEL = b"torchpass_p2p pulse v1"
 """HKDF label of the pulse secrets (``Keyring.derive_secrets``)."""
+KEY_CHECK_INTERVAL_S = 1.0
+"""At most one key check (:meth:`AgentRuntime._check_key`) per this many seconds: one is due
+when something arrives under a key this member does not hold."""
+KEY_CHECK_PEERS = 5
+"""Members of the configuration a key check asks (a random sample of the others)."""
+KEY_CHECK_REFUSALS = 2
+"""Refusals a key check needs, with no member accepting, to conclude that this member's key is
+not accepted. Two, not one: a single peer that refuses may be the odd one itself (a spare on
+an old key refuses every member that moved on), and in a configuration of two a stale member
+is removed by failure detection instead."""
+KEY_CHECK_TIMEOUT_S = 2.0
+"""Seconds each member asked by a key check has to answer (a request on loopback or a LAN
+takes milliseconds); a process refused everywhere exits well within 5 s."""
+
+
+class KeyNotAccepted(TransportError):
+    """The members (or, joining, the seeds) hold none of this process's keys: its key file is
+    older or newer than the cluster's. The message names key ids, never keys. A process under
+    :func:`torchpass_p2p.start` exits with ``EXIT_KEY_REFUSED`` and this one line."""
 
 
 class NotServed(TransportError):
@@ -143,10 +162,19 @@ class AgentRuntime:
         self.transport = Transport(
             settings.cluster, settings.keyring, settings.member_id,
             on_message=self._on_message, on_send_error=self._on_send_error,
-            on_request=self._on_request)
+            on_request=self._on_request, on_unknown_key=self._on_unknown_key)
         self.address: Address | None = None
         self.status_address: Address | None = None
         self.http_token = http_token(settings.keyring)
+        self.keyring = settings.keyring
+        """The keys in use: ``settings.keyring`` until :meth:`reload_keys` replaces it."""
+        self.refused: KeyNotAccepted | None = None
+        """Set when the members refused this member's key (:meth:`_check_key`); it then stops."""
+        self._key_counts: Counter[str] = Counter()
+        self._key_listeners: list[Callable[[Any], None]] = []
+        self._key_check_at = -float("inf")
+        self._key_sample = random.Random()  # not the core's: its draws stay reproducible
+        self._reloaded_at: float | None = None
         self._former_addresses: dict[MemberId, Address] = {}
         """Where members that a decided change removed were: a removed member that wakes up
         (a long pause) must still hear the certificates that tell it so."""
@@ -251,8 +279,9 @@ class AgentRuntime:
         if s.health:
             self._start_health()
         if self.settings.pulse:
-            self._prober = PulseProber(self.member_id, self.settings.keyring.primary_id,
-                                       self._pulse_secrets, self._on_silent, clock=self._clock)
+            self._prober = PulseProber(self.member_id, self.keyring.primary_id,
+                                       self._pulse_secrets, self._on_silent, clock=self._clock,
+                                       key_for=self.transport.peer_key_id)
             await self._prober.start(self.address[0])
         self._driver = asyncio.create_task(self._drive(), name=f"agent-{self.member_id:016x}")
         self._driver.add_done_callback(self._driver_ended)
@@ -515,6 +544,9 @@ class AgentRuntime:
             "reachable": self.reachable,
             "majority": self.majority,
             "draining": self.draining,
+            "keys": {"primary_id": self.keyring.primary_id,
+                     "key_ids": list(self.keyring.key_ids),
+                     "reloads": self._key_counts["reloads"], "reloaded_at": self._reloaded_at},
             "members": members,
             "recent_events": list(self._recent),
             "clock": self._clock(),
@@ -601,6 +633,7 @@ class AgentRuntime:
         metrics.sync_counters("events", self._event_counts)
         metrics.sync_counters("health_faults", self._health_faults)
         metrics.sync_counters("pulse", self._pulse_counters())
+        metrics.sync_counters("keys", self.key_counters())
         for name, counts in self._source_counts().items():
             metrics.sync_counters(name, counts)
 
@@ -676,6 +709,8 @@ class AgentRuntime:
     def _on_request(self, kind: int, body: bytes) -> Reply | Coroutine[Any, Any, Reply] | None:
         if self.member is None:
             return None
+        if kind == Kind.KEY_CHECK:  # it opened: the key it came under is accepted here
+            return Kind.KEY_CHECK_REPLY, b""
         if kind == Kind.CONFIG_REQUEST:
             data = configuration_to_data(self.member.configuration)
             return Kind.CONFIG_REPLY, msgpack.packb(data)
@@ -758,6 +793,129 @@ class AgentRuntime:
             if type(port) is int and port == 0:
                 raise NotServed(f"member {member:016x} does not serve {name!r} for config "
                                 f"{config_id}")
+
+    # ------------------------------------------------------------------ keys
+
+    def add_key_listener(self, listener: Callable[[Any], None]) -> None:
+        """Call ``listener(keyring)`` on the loop with each keyring :meth:`reload_keys`
+        installs (the state-transfer keys follow the agent's this way)."""
+        self._key_listeners.append(listener)
+
+    def key_counters(self) -> dict[str, int]:
+        """``reloads``, ``reload_failed``, ``key_checks`` and the transport's key events
+        (``refusals_sent``, ``unknown_key_lines``, ``unknown_key_lines_suppressed``): the
+        ``torchpass_keys_total`` metric."""
+        return {**self._key_counts, **self.transport.key_events}
+
+    def reload_keys(self) -> dict[str, Any]:
+        """Read ``settings.key_file`` again and seal, open, answer pulses and accept status
+        tokens under its keys from now on (``docs/running.md``, "Keys"): its first key becomes
+        the primary, the others stay accepted, a key no longer listed is refused. Counters and
+        replay windows are kept; nothing else changes. A file that cannot be read or parsed
+        changes nothing.
+
+        Returns ``{"reloaded": True, "primary_id", "key_ids"}`` or ``{"reloaded": False,
+        "reason"}`` (never raises for a bad file)."""
+        path = self.settings.key_file
+        try:
+            if path is None:
+                raise SettingsError("this agent's key came from TORCHPASS_KEY, not a key file")
+            keyring = read_keyring(path)
+        except (SettingsError, OSError, ValueError) as exc:
+            self._key_counts["reload_failed"] += 1
+            log.error("key file not reloaded, keeping key ids %s: %s",
+                      ", ".join(map(str, self.keyring.key_ids)), exc)
+            return {"reloaded": False, "reason": str(exc)}
+        before = self.keyring.key_ids
+        self._install_keys(keyring)
+        self._key_counts["reloads"] += 1
+        self._reloaded_at = self._clock()
+        log.info("key file reloaded: primary key id %d, accepted key ids %s (were %s)",
+                 keyring.primary_id, ", ".join(map(str, keyring.key_ids)),
+                 ", ".join(map(str, before)))
+        return {"reloaded": True, "primary_id": keyring.primary_id,
+                "key_ids": list(keyring.key_ids)}
+
+    def _install_keys(self, keyring: Any) -> None:
+        self.keyring = keyring
+        self.transport.rekey(keyring)
+        self.http_token = http_token(keyring)
+        if self._status_server is not None:
+            self._status_server.set_tokens(http_tokens(keyring))
+        self._pulse_secrets = keyring.derive_secrets(PULSE_LABEL)
+        if self.pulse is not None:
+            self.pulse.rekey(self._pulse_secrets)
+        if self._prober is not None:
+            self._prober.rekey(keyring.primary_id, self._pulse_secrets)
+        for listener in list(self._key_listeners):
+            try:
+                listener(keyring)
+            except Exception:  # the host's code: it must not stop the reload here
+                log.exception("a key listener failed")
+
+    def _on_unknown_key(self, address: Address) -> None:
+        """Something arrived under a key this member does not hold: check, at most once per
+        :data:`KEY_CHECK_INTERVAL_S`, whether it is this member whose key is refused."""
+        now = self._clock()
+        if (self.member is None or self.stopped or self.refused is not None
+                or now - self._key_check_at < KEY_CHECK_INTERVAL_S):
+            return
+        self._key_check_at = now
+        self._own(self._check_key())
+
+    async def _check_key(self) -> None:
+        """Is this member's key refused by the others? First, a key file rewritten since it
+        was read is reloaded (the operator rotated it and this member missed the reload).
+        Then up to :data:`KEY_CHECK_PEERS` other members of the configuration are asked
+        (``Kind.KEY_CHECK``); with none accepting and at least :data:`KEY_CHECK_REFUSALS`
+        refusing, this member stops (:attr:`refused`)."""
+        self._key_counts["key_checks"] += 1
+        path = self.settings.key_file
+        if path is not None:
+            try:
+                on_file = read_keyring(path)
+            except (SettingsError, OSError, ValueError):
+                on_file = None
+            if on_file is not None and on_file.key_ids != self.keyring.key_ids:
+                log.warning("key file %s changed since it was read: reloading it", path)
+                self.reload_keys()
+                return
+        member = self.member
+        if member is None:
+            return
+        addresses = member.configuration.addresses
+        others = [m for m in member.configuration.members
+                  if m != self.member_id and m in addresses]
+        asked = self._key_sample.sample(others, min(KEY_CHECK_PEERS, len(others)))
+        answers = await asyncio.gather(*(self._ask_key(addresses[m]) for m in asked))
+        refusals = [a for a in answers if isinstance(a, KeyRefused)]
+        if (self.refused is None and not self.stopped and True not in answers
+                and len(refusals) >= KEY_CHECK_REFUSALS):
+            self._stop_refused(self._not_accepted(refusals, "member(s) asked", len(asked)))
+
+    async def _ask_key(self, address: Address) -> KeyRefused | bool | None:
+        """True: ``address`` accepts our key; its refusal; None: no answer."""
+        try:
+            kind, _ = await self.transport.request(address, Kind.KEY_CHECK, b"",
+                                                   timeout_s=KEY_CHECK_TIMEOUT_S)
+        except KeyRefused as exc:
+            return exc
+        except TransportError:
+            return None
+        return kind == Kind.KEY_CHECK_REPLY
+
+    def _not_accepted(self, refusals: list[KeyRefused], who: str, asked: int) -> KeyNotAccepted:
+        accepted = sorted({kid for r in refusals for kid in r.accepted})
+        own = self.keyring.key_ids
+        return KeyNotAccepted(
+            f"key not accepted: this process seals with key id {own[0]} (its keys: "
+            f"{', '.join(map(str, own))}) and {len(refusals)} of {asked} {who} accept only key "
+            f"ids {', '.join(map(str, accepted))}")
+
+    def _stop_refused(self, refused: KeyNotAccepted) -> None:
+        self.refused = refused
+        log.debug("%s", refused)  # the host says it, once (torchpass_p2p.start)
+        self._own(self.stop(leave=False))
 
     def _member_at(self, address: Address) -> MemberId | None:
         if self.member is not None:
@@ -959,6 +1117,7 @@ class AgentRuntime:
 
         self._status_server = StatusServer(self, self.metrics, host=address[0],
                                            port=address[1], token=self.http_token)
+        self._status_server.set_tokens(http_tokens(self.keyring))
         self.status_address = await self._status_server.start(self.settings.status_fd)
 
     async def _fetch_configuration(self) -> Configuration:
@@ -966,6 +1125,7 @@ class AgentRuntime:
         deadline = self._clock() + timeout
         last: Exception | None = None
         while self._clock() < deadline:
+            refusals: list[KeyRefused] = []
             for seed in self.settings.seeds:
                 left = deadline - self._clock()
                 if left <= 0:
@@ -979,9 +1139,15 @@ class AgentRuntime:
                         body, raw=False, strict_map_key=False, max_array_len=MAX_MEMBERS,
                         max_map_len=MAX_MEMBERS, max_str_len=1024, max_bin_len=0,
                         max_ext_len=0))
+                except KeyRefused as exc:
+                    refusals.append(exc)  # said once, by the exit line, if every seed does
                 except (TransportError, BootstrapError, ValueError) as exc:
                     last = exc
                     log.warning("seed %s:%d gave no configuration: %s", *seed, exc)
+            if refusals and len(refusals) == len(self.settings.seeds):
+                # Every seed answered that it holds none of our keys: asking again for 30 s
+                # would only repeat that.
+                raise self._not_accepted(refusals, "seed(s)", len(refusals))
             await asyncio.sleep(0.5)
         raise TransportError(f"no seed gave a configuration within {timeout} s: {last}")
 

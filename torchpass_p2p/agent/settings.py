@@ -92,6 +92,10 @@ class AgentSettings:
     (the launcher binds a child's ports before it starts it: :mod:`torchpass_p2p.launch.ports`)."""
     status_fd: int | None = None
     """Descriptor of a TCP socket already bound to ``status``, likewise."""
+    key_file: str | None = None
+    """The key file ``keyring`` was read from, read again by
+    :meth:`~.runtime.AgentRuntime.reload_keys` (``docs/running.md``, "Keys"); None when the
+    key came from ``TORCHPASS_KEY`` or an argument (it cannot be reloaded)."""
     started: Mapping[MemberId, float] | None = None
     """When the launcher started each member's process (``time.monotonic()`` seconds: the
     runtime's clock must be that one, as it is by default): members of configuration 0 not
@@ -147,6 +151,7 @@ def load_settings(
             values["keyring"] = Keyring(bytes(key))
         elif key_file is not None:
             values["keyring"] = read_keyring(key_file)
+            values["key_file"] = os.path.abspath(key_file)
         else:
             raise SettingsError("no cluster key: set TORCHPASS_KEY_FILE or TORCHPASS_KEY")
     values.setdefault("member_id", secrets.randbits(64))

@@ -16,6 +16,21 @@ channel byte, which selects the key, cannot be changed undetected:
 * ``Channel.REQUEST``: requests and their replies, incarnation 0. A request is not bound to a
   member (a joiner asks a seed it knows by address only); a reply is bound to the request it
   answers (:func:`reply_tag`), so an old reply replayed to a new request does not open.
+* ``Channel.REFUSED``: the answer to a request sealed under a key this member does not hold:
+  in clear, the ids of the keys it accepts, primary first (ids are in every datagram's clear
+  header anyway), then the connection closes. The requester raises :class:`KeyRefused`. Only
+  ever read as the reply on a connection the requester opened itself, so a process off the
+  path cannot make anyone believe it (it would have to inject into that TCP stream).
+
+Key rotation (``docs/running.md``, "Keys"). :meth:`Transport.rekey` swaps the keyring in place,
+keeping counters and replay windows. Each channel seals under the primary key, except to a peer
+last heard under another key this ring accepts: that peer gets that key, so a process still on
+the old key (a spare started from an old key file) hears its peers while the old key is
+accepted. Those peers are forgotten at each rekey, so two members that both moved to a new
+primary do not keep talking under the old one. A reply goes under the key of its request.
+Datagrams and frames under a key this member does not hold are counted (``unknown_key``) and
+logged once a minute per source (host and claimed sender), at most
+:data:`UNKNOWN_KEY_LINES_PER_MINUTE` lines a minute in all.
 
 Connections that have not yet delivered an authenticated frame are *unproven*: they must send one
 within ``FIRST_FRAME_TIMEOUT_S``, and past ``MAX_UNPROVEN_CONNECTIONS`` the oldest is closed, so
@@ -43,7 +58,8 @@ import inspect
 import logging
 import socket
 import struct
-from collections import Counter
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -52,13 +68,23 @@ from typing import Any
 from torchpass_p2p.core.codec import DecodeError, decode, encode
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId, Message
-from torchpass_p2p.core.seal import HEADER_BYTES, OVERHEAD_BYTES, Keyring, Opener, OpenError, Sealer
+from torchpass_p2p.core.seal import (
+    HEADER,
+    HEADER_BYTES,
+    OVERHEAD_BYTES,
+    VERSION,
+    Keyring,
+    Opener,
+    OpenError,
+    Sealer,
+    key_id,
+)
 from torchpass_p2p.core.wire import DEFAULT_MAX_DATAGRAM_BYTES, Wire
 from torchpass_p2p.kernel_drops import socket_drops
 
 from .sockets import adopt_socket
 
-__all__ = ["Channel", "Kind", "Transport", "TransportError", "reply_tag"]
+__all__ = ["Channel", "KeyRefused", "Kind", "Transport", "TransportError", "reply_tag"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +111,19 @@ IDLE_TIMEOUT_S = 30.0
 REPLY_TIMEOUT_S = 10.0
 """A requester must take its reply within this (seconds; a 20 MB configuration takes
 milliseconds on loopback), or the connection is closed and the reply dropped."""
+MAX_PEER_KEYS = 4096
+"""Peers remembered as sealing under a key other than the primary (oldest forgotten first;
+a forgotten one is sealed to under the primary). Only processes on an older key are kept:
+during a rotation, a few."""
+UNKNOWN_KEY_LOG_S = 60.0
+"""A source sending under a key this member does not hold is logged once per this many
+seconds (the issue asked for once a minute); every datagram or frame is counted."""
+UNKNOWN_KEY_LINES_PER_MINUTE = 16
+"""Lines about such sources in any minute, all sources together: the sender id in a header is
+not authenticated, so a stranger cycling ids must not flood the log. The rest are counted
+(``unknown_key_lines_suppressed``)."""
+MAX_UNKNOWN_KEY_SOURCES = 1024
+"""Sources whose last line is remembered (oldest forgotten first)."""
 
 
 class Channel:
@@ -92,6 +131,7 @@ class Channel:
 
     MESSAGE = 0
     REQUEST = 1
+    REFUSED = 2
 
 
 def reply_tag(request: bytes) -> int:
@@ -112,10 +152,39 @@ class Kind:
     rendezvous store of a configuration)?"""
     SERVICE_REPLY = 4
     """msgpack ``port`` (int), or None when the member does not serve it (yet)."""
+    KEY_CHECK = 5
+    """Empty: does this member accept the key the request is sealed under? Answered with an
+    empty ``KEY_CHECK_REPLY`` if so, else by the ``Channel.REFUSED`` frame."""
+    KEY_CHECK_REPLY = 6
 
 
 class TransportError(ConnectionError):
     """A request that got no valid reply: refused, timed out, or answered with a bad frame."""
+
+
+class KeyRefused(TransportError):
+    """A peer answered that it holds none of the keys this process sealed under.
+
+    ``own``: the key ids of this process's ring, primary first; ``accepted``: the peer's,
+    primary first; ``address``: the peer. Key ids only, never keys."""
+
+    def __init__(self, address: Address, own: tuple[int, ...], accepted: tuple[int, ...]
+                 ) -> None:
+        self.address = address
+        self.own = own
+        self.accepted = accepted
+        super().__init__(f"{address[0]}:{address[1]} accepts key ids {_ids(accepted)}, not "
+                         f"key id {own[0]} this process seals with")
+
+
+def _ids(ids: tuple[int, ...]) -> str:
+    return ", ".join(map(str, ids)) or "none"
+
+
+def _derived_ids(keyring: Keyring, label: bytes) -> dict[int, int]:
+    """Key id of each cluster key -> the key id of its sub-key for ``label``
+    (:meth:`Keyring.derive`): the key a frame to a peer on that cluster key goes under."""
+    return {kid: key_id(secret) for kid, secret in keyring.derive_secrets(label).items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +227,11 @@ class Transport:
         on_message: OnMessage,
         on_send_error: OnSendError,
         on_request: OnRequest,
+        on_unknown_key: Callable[[Address], None] | None = None,
         max_datagram_bytes: int = DEFAULT_MAX_DATAGRAM_BYTES,
     ) -> None:
         self.member_id = member_id
+        self._keyring = keyring
         # Datagrams are bound to their receiver: a copy replayed to another member fails there.
         self._wire = Wire(cluster, keyring, member_id, max_datagram_bytes, bind_receiver=True)
         stream_keys = keyring.derive(STREAM_LABEL)
@@ -171,11 +242,20 @@ class Transport:
         self._request_opener = Opener(cluster, request_keys, member_id)
         self._cluster = cluster
         self._request_keys = request_keys
+        self._stream_ids = _derived_ids(keyring, STREAM_LABEL)
         self._on_message = on_message
         self._on_send_error = on_send_error
         self._on_request = on_request
+        self._on_unknown_key = on_unknown_key
         self._refused_frames: Counter[str] = Counter()
         self.traffic: Counter[str] = Counter()
+        self.key_events: Counter[str] = Counter()
+        """``refusals_sent`` (``Channel.REFUSED`` answers), ``unknown_key_lines`` (sources
+        logged) and ``unknown_key_lines_suppressed`` (past the cap a minute)."""
+        self._peer_kids: OrderedDict[MemberId, int] = OrderedDict()
+        """Peers last heard under a key of this ring other than the primary: that key."""
+        self._unknown_key_logged: OrderedDict[tuple[str, int], float] = OrderedDict()
+        self._unknown_key_lines: list[float] = []  # when the lines of the last minute were
         self._udp: asyncio.DatagramTransport | None = None
         self._udp_socket: socket.socket | None = None  # for the kernel's drop count
         self._server: asyncio.Server | None = None
@@ -210,6 +290,75 @@ class Transport:
         if dropped:
             self._refused_frames["kernel_dropped"] = dropped
         return self._refused_frames
+
+    @property
+    def keyring(self) -> Keyring:
+        """The keyring this transport seals and opens with."""
+        return self._keyring
+
+    def rekey(self, keyring: Keyring) -> None:
+        """Seal and open under ``keyring`` from now on (module docstring): counters and replay
+        windows are kept, the peers remembered on another key are forgotten."""
+        self._keyring = keyring
+        self._wire.rekey(keyring)
+        stream_keys = keyring.derive(STREAM_LABEL)
+        self._message_sealer.rekey(stream_keys)
+        self._message_opener.rekey(stream_keys)
+        self._request_keys = keyring.derive(REQUEST_LABEL)
+        self._request_sealer.rekey(self._request_keys)
+        self._request_opener.rekey(self._request_keys)
+        self._stream_ids = _derived_ids(keyring, STREAM_LABEL)
+        self._peer_kids.clear()
+
+    def peer_key_id(self, member: MemberId) -> int:
+        """The key id to seal to ``member`` under: the key it was last heard under if this
+        ring accepts it and it is not the primary, else the primary."""
+        return self._peer_kids.get(member, self._keyring.primary_id)
+
+    def _heard(self, sender: MemberId, kid: int) -> None:
+        """``sender`` sealed under ``kid`` (authenticated): seal to it under that key."""
+        peers = self._peer_kids
+        if kid == self._keyring.primary_id:
+            peers.pop(sender, None)
+            return
+        peers[sender] = kid
+        peers.move_to_end(sender)
+        while len(peers) > MAX_PEER_KEYS:
+            peers.popitem(last=False)
+
+    def _unknown_key(self, data: bytes, address: Address, what: str) -> None:
+        """``data`` (a sealed header first) came under a key id this ring lacks: log its source
+        at most once a minute (module docstring), tell the owner. The key id is named for
+        datagrams only: a frame's is that of a sub-key, which says nothing to an operator."""
+        _version, kid, sender, _inc, _counter = HEADER.unpack_from(data)
+        under = f"key id {kid}" if what == "datagrams" else "a key"
+        now = time.monotonic()
+        source = (address[0], sender)
+        logged = self._unknown_key_logged
+        last = logged.get(source)
+        if last is None or now - last >= UNKNOWN_KEY_LOG_S:
+            lines = self._unknown_key_lines
+            while lines and now - lines[0] >= 60.0:
+                lines.pop(0)
+            if len(lines) < UNKNOWN_KEY_LINES_PER_MINUTE:
+                lines.append(now)
+                logged[source] = now
+                logged.move_to_end(source)
+                while len(logged) > MAX_UNKNOWN_KEY_SOURCES:
+                    logged.popitem(last=False)
+                self.key_events["unknown_key_lines"] += 1
+                log.warning("dropping %s from %s (member %016x): sealed under %s this member "
+                            "does not accept (it accepts key ids %s); logged once a minute per "
+                            "source, counted as unknown_key", what, address[0], sender, under,
+                            _ids(self._keyring.key_ids))
+            else:
+                self.key_events["unknown_key_lines_suppressed"] += 1
+        if self._on_unknown_key is not None:
+            try:
+                self._on_unknown_key(address)
+            except Exception:  # the owner's code: it must not break the socket
+                self.traffic["handler_errors"] += 1
+                log.exception("handling a datagram under an unknown key failed")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -301,7 +450,7 @@ class Transport:
         if self._udp is None or self._udp.is_closing():
             return
         try:
-            datagram = self._wire.seal(message, incarnation, to)
+            datagram = self._wire.seal(message, incarnation, to, self._peer_kids.get(to))
         except ValueError:
             self._send_frame_message(address, message, incarnation, to)
             return
@@ -321,8 +470,10 @@ class Transport:
             self.traffic["dropped_invalid"] += 1
             log.exception("core produced a message the codec refuses: %r", message)
             return
+        kid = self._peer_kids.get(to)
         frame = self._frame(Channel.MESSAGE, self._message_sealer.seal(
-            bytes((Kind.MESSAGE,)) + body, incarnation, to))
+            bytes((Kind.MESSAGE,)) + body, incarnation, to,
+            None if kid is None else self._stream_ids.get(kid)))
         queue = self._outbound.get(address)
         if queue is None:
             queue = self._outbound[address] = asyncio.Queue(OUTBOUND_QUEUE)
@@ -367,6 +518,8 @@ class Transport:
         """Send one request frame to ``address`` and return the reply's (kind, body).
 
         Raises:
+            KeyRefused: ``address`` holds none of this ring's keys it was sealed under (its
+                ``Channel.REFUSED`` answer).
             TransportError: no connection, no reply within ``timeout_s`` seconds, or a reply
                 that does not open under the cluster key.
         """
@@ -389,6 +542,8 @@ class Transport:
                 writer.close()
         # A fresh opener: replies come from whoever answers, on a one-off connection; only a
         # reply bound to this very request opens.
+        if data[:1] == bytes((Channel.REFUSED,)):
+            raise KeyRefused(address, self._keyring.key_ids, tuple(data[1:257]))
         opener = Opener(self._cluster, self._request_keys, self.member_id,
                         bind_receiver=True, receiver=reply_tag(request))
         try:
@@ -408,8 +563,12 @@ class Transport:
         self.traffic["bytes_received"] += len(data)
         opened = self._wire.open(data)
         if opened is not None:
+            self._heard(opened.sender, data[1])
             self._deliver(Received(opened.sender, opened.incarnation, opened.message,
                                    (address[0], address[1])))
+        elif (len(data) >= OVERHEAD_BYTES and data[0] == VERSION
+              and self._keyring.cipher(data[1]) is None):
+            self._unknown_key(data, (address[0], address[1]), "datagrams")
 
     def _deliver(self, received: Received) -> None:
         try:
@@ -488,6 +647,9 @@ class Transport:
         try:
             _, _, plain = self._request_opener.open(sealed)
         except OpenError as exc:
+            if exc.reason == "unknown_key":
+                await self._refuse(writer)
+                self._unknown_key(sealed, peer, "requests")
             return exc.reason
         try:
             reply = self._on_request(plain[0], plain[1:])
@@ -504,7 +666,7 @@ class Transport:
         try:
             async with asyncio.timeout(REPLY_TIMEOUT_S):
                 writer.write(self._frame(Channel.REQUEST, self._request_sealer.seal(
-                    bytes((reply[0],)) + reply[1], 0, reply_tag(sealed))))
+                    bytes((reply[0],)) + reply[1], 0, reply_tag(sealed), sealed[1])))
                 await writer.drain()
         except (OSError, RuntimeError, TimeoutError):
             # uvloop raises RuntimeError, not OSError, writing to a transport the requester
@@ -512,11 +674,28 @@ class Transport:
             return "reply_not_taken"
         return None
 
+    async def _refuse(self, writer: asyncio.StreamWriter) -> None:
+        """Answer a request under an unknown key with this ring's key ids (``Channel.REFUSED``),
+        within ``CONNECT_TIMEOUT_S``; a requester that does not read it loses nothing."""
+        ids = bytes(self._keyring.key_ids)
+        try:
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                writer.write(_LENGTH.pack(1 + len(ids)) + bytes((Channel.REFUSED,)) + ids)
+                await writer.drain()
+            self.key_events["refusals_sent"] += 1
+        except (OSError, RuntimeError, TimeoutError):
+            pass
+
     def _serve_message(self, sealed: bytes, peer: Address) -> str | None:
         try:
             sender, incarnation, plain = self._message_opener.open(sealed)
         except OpenError as exc:
+            if exc.reason == "unknown_key":
+                self._unknown_key(sealed, peer, "frames")
             return exc.reason
+        for kid, derived in self._stream_ids.items():  # a handful of keys
+            if derived == sealed[1]:
+                self._heard(sender, kid)
         if plain[0] != Kind.MESSAGE:
             return "unknown_kind"
         try:

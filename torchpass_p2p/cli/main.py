@@ -1,6 +1,6 @@
 """``torchpass-p2p``: one entry point, one subcommand per module (``launch``, ``drain``,
-``status``). Each subcommand module exposes ``add_parser(subparsers)``, which registers its
-parser with ``set_defaults(func=run)``, and ``run(args) -> int``.
+``status``, ``rotate-key``). Each subcommand module exposes ``add_parser(subparsers)``, which
+registers its parser with ``set_defaults(func=run)``, and ``run(args) -> int``.
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import drain, launch, status
+from . import drain, launch, rotate_key, status
 
-_COMMANDS = (launch, drain, status)
+_COMMANDS = (launch, drain, status, rotate_key)
 
 __all__ = ["build_parser", "main"]
 

@@ -178,13 +178,23 @@ class Sealer:
         self.counter = 0
         self._incarnation = 0
 
-    def seal(self, body: bytes, incarnation: int, to: int | None = None) -> bytes:
+    def rekey(self, keyring: Keyring) -> None:
+        """Seal with ``keyring`` from now on (a reloaded key file); the counter runs on, so no
+        nonce repeats under a key both keyrings hold."""
+        self._keyring = keyring
+
+    def seal(self, body: bytes, incarnation: int, to: int | None = None,
+             kid: int | None = None) -> bytes:
         """The datagram carrying ``body``: ``OVERHEAD_BYTES`` (34) longer than ``body``.
 
         ``to``: the receiver's member id, bound into the associated data (not sent), for a
         receiver whose :class:`Opener` has ``bind_receiver``: then a copy replayed to another
         member fails authentication there (each receiver keeps its own replay window, so a
         counter one member saw is new to the next).
+
+        ``kid``: seal under that key of the keyring instead of the primary (a peer still on a
+        key this ring accepts; ``None``, or an id the ring lacks: the primary). The nonce stays
+        unique: it is the sender and its one counter, whatever the key.
 
         Raises ``OverflowError`` once 2**32 datagrams were sealed (restart with a new member
         id), ``ValueError`` if ``incarnation`` is not a uint32 or is below an earlier one (the
@@ -197,10 +207,14 @@ class Sealer:
             raise ValueError(f"incarnation {incarnation!r} is not a uint32 >= {self._incarnation}")
         self._incarnation = incarnation
         keyring = self._keyring
-        kid = keyring.primary_id
+        cipher = None if kid is None else keyring.cipher(kid)
+        if cipher is None:
+            kid = keyring.primary_id
+            cipher = keyring.cipher(kid)
+        assert cipher is not None and kid is not None
         header = HEADER.pack(VERSION, kid, self.sender, incarnation, counter)
         self.counter = counter + 1
-        sealed = keyring.cipher(kid).encrypt(  # type: ignore[union-attr]
+        sealed = cipher.encrypt(
             _NONCE.pack(self.sender, counter), body,
             self._ad_prefix + header if to is None else self._ad_prefix + header + _U64.pack(to)
         )
@@ -298,6 +312,11 @@ class Opener:
         self._local = local_member
         self._ad_suffix = _U64.pack(bound) if bind_receiver else b""
         self.window = ReplayWindow(max_senders)
+
+    def rekey(self, keyring: Keyring) -> None:
+        """Open under ``keyring`` from now on (a reloaded key file). The replay window is kept:
+        a datagram seen under the old keys is still a replay under the new ones."""
+        self._keyring = keyring
 
     def open(self, data: bytes) -> tuple[int, int, bytes]:
         """``(sender, incarnation, body)`` of the datagram ``data`` (bytes).

@@ -138,10 +138,18 @@ class Wire:
         """Datagrams sealed so far (the next datagram's counter)."""
         return self._sealer.counter
 
-    def seal(self, message: Message, incarnation: int, to: int | None = None) -> bytes:
+    def rekey(self, keyring: Keyring) -> None:
+        """Seal and open under ``keyring`` from now on (a reloaded key file), keeping the
+        datagram counter and the replay windows (:meth:`.seal.Sealer.rekey`)."""
+        self._sealer.rekey(keyring)
+        self._opener.rekey(keyring)
+
+    def seal(self, message: Message, incarnation: int, to: int | None = None,
+             kid: int | None = None) -> bytes:
         """The datagram (bytes, ``len(encode(message)) + 34``) carrying ``message`` from this
         member at ``incarnation``; ``to`` binds it to its receiver (receivers built with
-        ``bind_receiver`` need it, see :meth:`.seal.Sealer.seal`).
+        ``bind_receiver`` need it, see :meth:`.seal.Sealer.seal`); ``kid`` seals it under that
+        key of the ring instead of the primary.
 
         Raises ``ValueError`` if the message is invalid (:func:`.codec.encode`), the datagram
         would exceed ``max_datagram_bytes``, or ``incarnation`` is below an earlier one;
@@ -153,7 +161,7 @@ class Wire:
                 f"{type(message).__name__} of {len(body) + OVERHEAD_BYTES} bytes exceeds "
                 f"max_datagram_bytes={self.max_datagram_bytes}: send fewer updates"
             )
-        return self._sealer.seal(body, incarnation, to)
+        return self._sealer.seal(body, incarnation, to, kid)
 
     def open(self, data: bytes) -> Opened | None:
         """The message in datagram ``data``, or ``None`` (counted in ``rejected``). Never

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from torchpass_p2p.agent.http import http_token  # the token the agents' status pages check
 from torchpass_p2p.agent.settings import SettingsError, read_keys
-from torchpass_p2p.core.seal import KEY_BYTES
+from torchpass_p2p.core.seal import KEY_BYTES, key_id
 
 __all__ = [
     "KEY_FILE_NAME",
@@ -34,6 +34,8 @@ __all__ = [
     "make_run_dir",
     "read_primary_key",
     "remove_run_dir",
+    "replace_key_file",
+    "rotated_keys",
     "sweep_run_dirs",
     "write_key_file",
 ]
@@ -129,3 +131,47 @@ def read_primary_key(path: str | PathLike[str]) -> bytes:
         return read_keys(path)[0]
     except SettingsError as exc:
         raise KeyFileError(str(exc)) from None
+
+
+def rotated_keys(keys: list[bytes], *, drop_old: bool = False) -> list[bytes]:
+    """The key list after one step of a rotation (``docs/running.md``, "Keys"): a fresh random
+    key (from :mod:`secrets`, with a key id no listed key has) first, then ``keys``; or, with
+    ``drop_old``, the primary alone.
+
+    Raises:
+        KeyFileError: ``drop_old`` and there is no other key to drop.
+    """
+    if drop_old:
+        if len(keys) < 2:
+            raise KeyFileError("the key file holds one key only: nothing to drop")
+        return keys[:1]
+    taken = {key_id(k) for k in keys}
+    while True:  # 1 in 256 per listed key: a Keyring refuses two keys with one id
+        new = secrets.token_bytes(KEY_BYTES)
+        if key_id(new) not in taken:
+            return [new, *keys]
+
+
+def replace_key_file(path: str | PathLike[str], keys: list[bytes]) -> None:
+    """Write ``keys`` (primary first, 64 hex digits a line) to ``path`` in one step: a new file
+    (mode 0600) in the same directory, synced, then renamed over ``path``, so a process
+    reading ``path`` meanwhile reads the old list or the new one, never part of one.
+
+    Raises:
+        KeyFileError: no key, or one that is not 32 bytes.
+        OSError: the directory cannot be written.
+    """
+    if not keys or any(len(k) != KEY_BYTES for k in keys):
+        raise KeyFileError(f"{path}: a key file holds one or more {KEY_BYTES}-byte keys")
+    path = Path(path)
+    pending = path.with_name(f".{path.name}.{secrets.token_hex(4)}.new")
+    fd = os.open(pending, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write("".join(k.hex() + "\n" for k in keys))
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(pending, path)
+    except BaseException:
+        pending.unlink(missing_ok=True)
+        raise

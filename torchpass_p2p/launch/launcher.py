@@ -32,6 +32,11 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    reaped, so its orphans never outlive it.
 5. *Cleanup.* The run directory is removed; the exit code comes from :func:`.outcome.exit_code`.
 
+SIGHUP: the key file is read again and every running child's agent asked to read it too
+(:mod:`.rekey`; ``docs/running.md``, "Keys"); children started later read it as they start.
+A child that exits ``EXIT_KEY_REFUSED`` (the cluster refused its key) is reported but never
+respawned: the same key file would be refused again.
+
 Several hosts: run the launcher on every host with the same ``--nodes`` list (every host's
 address), ``--run-id``, ``--base-port`` and key file, and each host's ``--node-rank``: every
 launcher derives the same configuration 0 (:func:`.plan.nodes_configuration`: member ids are
@@ -58,11 +63,12 @@ from dataclasses import dataclass, field, replace
 import aiohttp
 
 from torchpass_p2p.agent.bootstrap import write_configuration
-from torchpass_p2p.agent.settings import SettingsError, parse_key
+from torchpass_p2p.agent.settings import SettingsError, parse_key, read_keyring
 from torchpass_p2p.config import ConfigError, load_params
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId, Topology, format_member_id
 from torchpass_p2p.core.params import Params
+from torchpass_p2p.core.seal import Keyring
 
 from .children import Child, become_subreaper, kill_strays
 from .evidence import notify_siblings
@@ -77,6 +83,7 @@ from .keyfile import (
     write_key_file,
 )
 from .outcome import (
+    EXIT_KEY_REFUSED,
     EXIT_STOPPED,
     JOB_STOPS,
     ChildExit,
@@ -97,6 +104,7 @@ from .plan import (
     nodes_configuration,
 )
 from .ports import Reservation, reserve_ports
+from .rekey import check_rotation, describe_keys, reload_children, shared_token
 from .roles import (
     IDLE_ROLES,
     ROLE_TIMEOUT_S,
@@ -241,6 +249,8 @@ class _Supervisor:
         self.evidence: set[asyncio.Task[int]] = set()
         self.reserved: dict[MemberId, tuple[Reservation, Reservation]] = {}
         """Each child's gossip and status ports, bound until the child holds them (ports.py)."""
+        self.rekeying: asyncio.Task[None] | None = None
+        """The key reload a SIGHUP started (:meth:`_reload_keys`), if any."""
         self.started: dict[MemberId, float] = {}
         """When each child was started (``time.monotonic()`` as its start began:
         ``CLOCK_MONOTONIC``, which its agent reads too). Each child is told those up to its own
@@ -262,9 +272,11 @@ class _Supervisor:
         try:
             key, self.key_file = self._key()
             self.token = http_token(key)
+            self.keyring = self._keyring()
             self.run_context, specs = self._plan()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self.events.put_nowait, _Signalled(sig))
+            loop.add_signal_handler(signal.SIGHUP, self._hangup)
             async with aiohttp.ClientSession() as self.session, asyncio.TaskGroup() as tasks:
                 self.tasks = tasks
                 ticker = tasks.create_task(self._tick(), name="tick")
@@ -275,7 +287,7 @@ class _Supervisor:
                 for task in self.evidence:  # nobody is left to tell
                     task.cancel()
         finally:
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             await self._kill_all()  # only does something when an error cut the run short
             for held in self.reserved.values():  # children never started
@@ -309,6 +321,53 @@ class _Supervisor:
         if self.options.joining:
             raise LaunchError("joining through --seeds needs the cluster's key: --key-file")
         return write_key_file(own), own
+
+    def _keyring(self) -> Keyring:
+        try:
+            return read_keyring(self.key_file)
+        except (OSError, SettingsError, ValueError) as exc:
+            raise LaunchError(f"cluster key: {exc}") from exc
+
+    # --- key rotation ---
+
+    def _hangup(self) -> None:
+        """SIGHUP: reload the keys (:mod:`.rekey`), in an owned task; one at a time."""
+        tasks = getattr(self, "tasks", None)
+        if tasks is None:
+            log.warning("SIGHUP before the children started: their agents read the key file as "
+                        "they start")
+            return
+        if self.rekeying is not None and not self.rekeying.done():
+            log.warning("SIGHUP: a key reload is still in progress; send it again after it")
+            return
+        self.rekeying = tasks.create_task(self._reload_keys(), name="reload-keys")
+
+    async def _reload_keys(self) -> None:
+        """Read the key file; if it keeps a key shared with the keys in use, ask every running
+        child's agent to reload it and say, in one line, how many did."""
+        try:
+            new = read_keyring(self.key_file)
+        except (OSError, SettingsError, ValueError) as exc:
+            log.error("SIGHUP: key file not reloaded, the members keep %s: %s",
+                      describe_keys(self.keyring), exc)
+            return
+        refused = check_rotation(self.keyring, new)
+        if refused is not None:
+            log.error("SIGHUP: key file not reloaded: %s", refused)
+            return
+        token = shared_token(self.keyring, new)
+        asked = [c for c in self._running() if not c.stopped]
+        answers = await reload_children(self.session, [("127.0.0.1", c.spec.status_port)
+                                                      for c in asked], token)
+        self.keyring, self.token = new, http_token(new)
+        failed = []
+        for child, answer in zip(asked, answers, strict=True):
+            if isinstance(answer, str) or not answer.get("reloaded"):
+                why = answer if isinstance(answer, str) else answer.get("reason")
+                failed.append(f"{child.spec.name}: {why}")
+        log.info("key file reloaded: %s; %d of %d running process(es) reloaded it%s",
+                 describe_keys(new), len(asked) - len(failed), len(asked),
+                 "" if not failed else " (not: " + "; ".join(failed) + ")")
 
     def _plan(self) -> tuple[RunContext, list[ChildSpec]]:
         o = self.options
@@ -615,6 +674,11 @@ class _Supervisor:
     async def _maybe_respawn(self, dead: Child) -> None:
         o = self.options
         if not o.respawn:
+            return
+        if dead.process.returncode == EXIT_KEY_REFUSED:
+            log.warning("not respawning %s: the cluster refused its key (exit %d), and a "
+                        "respawn would read the same key file", dead.spec.name,
+                        EXIT_KEY_REFUSED)
             return
         if self.respawns >= o.max_respawns:
             log.warning("not respawning %s: %d respawn(s) used", dead.spec.name, self.respawns)

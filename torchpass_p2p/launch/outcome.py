@@ -29,7 +29,8 @@ spares that outnumber them may agree the job stopped); 128 + the signal number w
 stopped the launcher; :data:`EXIT_STOPPED` when, with no process exited 0, the job stopped
 because it cannot go on (a member stopped it: a rank nobody can fill, or no majority of its
 configuration left; or a majority of a configuration of the launcher's own children exited):
-resume it from its last checkpoint, as the reason says; 1 otherwise (every exit failed, or a
+resume it from its last checkpoint, as the reason says; :data:`EXIT_KEY_REFUSED` when, with no
+process exited 0, the cluster refused a child's key; 1 otherwise (every exit failed, or a
 failure after completion).
 Known limitation: a rank drained on purpose that exits 0 while roles are known makes the
 launcher believe its rank is finished; if every starting rank leaves that way, the spares that
@@ -47,8 +48,9 @@ from enum import StrEnum
 from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
-__all__ = ["EXIT_DRAINED", "EXIT_REMOVED", "EXIT_STOPPED", "JOB_STOPS", "ChildExit", "Verdict",
-           "decide", "describe_exit", "exit_code", "is_failure", "no_majority_left"]
+__all__ = ["EXIT_DRAINED", "EXIT_KEY_REFUSED", "EXIT_REMOVED", "EXIT_STOPPED", "JOB_STOPS",
+           "ChildExit", "Verdict", "decide", "describe_exit", "exit_code", "is_failure",
+           "no_majority_left"]
 
 EXIT_REMOVED = 3
 """What a member's script exits with once a decided configuration removed it
@@ -63,6 +65,11 @@ EXIT_STOPPED = 5
 nobody can fill, e.g. every holder of the state died at once; every member learns it from the
 agreement itself), or a spare reached no majority for its give-up time. The launcher neither
 reports nor respawns it; with no process exiting 0 the launch fails."""
+EXIT_KEY_REFUSED = 6
+"""What a process exits with once the cluster refused its key (:mod:`torchpass_p2p.agent.api`:
+its key file is older or newer than the members'; ``docs/running.md``, "Keys"). A failure, so
+the launcher reports it to the siblings, but never respawned: the same key file would be
+refused again."""
 JOB_STOPS = "the job stops: resume it from its last checkpoint"
 """What follows a reason the job cannot go on, in a member's last line and the launcher's."""
 
@@ -164,6 +171,9 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
                 "a member stopped the job: the agreement left a rank nobody can fill (every "
                 "holder of its state is gone, or no spare is left under policy 'stop'), or no "
                 "majority of its configuration was left for its give-up time; " + JOB_STOPS)
+        if any(e.returncode == EXIT_KEY_REFUSED for e in exits):
+            return EXIT_KEY_REFUSED, ("the cluster refused the key of this launcher's key file "
+                                      "(docs/running.md, \"Keys\")")
         return 1, "no process exited 0"
     for e in exits[first + 1:]:
         if (e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED)

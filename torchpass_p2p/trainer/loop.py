@@ -252,8 +252,12 @@ class Trainer:
         self.regroup_wait_s = regroup_wait_s
         self.give_up_s = give_up_s
         self.keeper = StoreKeeper(agent.address[0])
+        transfer_keys = TransferKeys.from_keyring(agent.settings.keyring)
+        # A reloaded key file reaches the state transfer too (docs/running.md, "Keys").
+        if hasattr(agent, "add_key_listener"):
+            agent.add_key_listener(transfer_keys.rekey)
         self.service = StateService(
-            TransferKeys.from_keyring(agent.settings.keyring), self._known_config_id,
+            transfer_keys, self._known_config_id,
             host=agent.address[0],
             on_served=self._served if self.faults.serving or self.history is not None
             else None)

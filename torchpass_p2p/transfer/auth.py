@@ -54,35 +54,52 @@ def derive(key: bytes) -> bytes:
 class TransferKeys:
     """Derived transfer keys: ``primary`` proves, every key (primary and accepted) verifies.
 
+    One object is shared by a member's server and client; :meth:`rekey` swaps its keys in place
+    (a reloaded key file) as one assignment, so a handshake on another thread sees the old
+    keys or the new ones, never a mix.
+
     Raises ``ValueError`` for a key that is not 32 bytes."""
 
-    __slots__ = ("primary_id", "_keys")
+    __slots__ = ("_state",)
 
     def __init__(self, primary: bytes, accepted: Sequence[bytes] = ()) -> None:
-        self._keys: dict[int, bytes] = {}
+        keys: dict[int, bytes] = {}
         for k in (primary, *accepted):
             if not isinstance(k, (bytes, bytearray)) or len(k) != KEY_BYTES:
                 raise ValueError(f"a cluster key must be {KEY_BYTES} bytes")
-            self._keys.setdefault(key_id(bytes(k)), derive(bytes(k)))
-        self.primary_id = key_id(bytes(primary))
+            keys.setdefault(key_id(bytes(k)), derive(bytes(k)))
+        self._state: tuple[int, dict[int, bytes]] = (key_id(bytes(primary)), keys)
 
     @classmethod
     def from_keyring(cls, keyring: Keyring) -> TransferKeys:
         """The transfer keys of a cluster ``Keyring`` (derived there, same ``INFO``)."""
         keys = cls.__new__(cls)
-        keys._keys = keyring.derive_secrets(INFO)
-        keys.primary_id = keyring.primary_id
+        keys.rekey(keyring)
         return keys
 
+    def rekey(self, keyring: Keyring) -> None:
+        """Prove and verify under ``keyring``'s keys from now on (class docstring)."""
+        self._state = (keyring.primary_id, keyring.derive_secrets(INFO))
+
+    @property
+    def primary_id(self) -> int:
+        return self._state[0]
+
     def get(self, kid: int) -> bytes | None:
-        return self._keys.get(kid)
+        return self._state[1].get(kid)
 
     @property
     def primary(self) -> bytes:
-        return self._keys[self.primary_id]
+        return self.proving()[1]
+
+    def proving(self) -> tuple[int, bytes]:
+        """``(primary_id, primary)`` of one state (the two properties read apart could straddle
+        a :meth:`rekey`)."""
+        primary_id, keys = self._state
+        return primary_id, keys[primary_id]
 
     def __repr__(self) -> str:
-        return f"TransferKeys(primary_id={self.primary_id}, key_ids={sorted(self._keys)})"
+        return f"TransferKeys(primary_id={self.primary_id}, key_ids={sorted(self._state[1])})"
 
 
 def _mac(key: bytes, label: bytes, nc: bytes, ns: bytes, config_id: int, tid: bytes) -> bytes:
@@ -99,8 +116,8 @@ async def client_handshake(conn: Conn, keys: TransferKeys, config_id: int,
     prove the key, ``bad_frame`` / ``closed`` / ``frame_too_large`` for garbage. The caller
     bounds the time."""
     nc = os.urandom(NONCE_BYTES)
-    k = keys.primary
-    await conn.send(encode_frame("hello", v=VERSION, key_id=keys.primary_id, nonce=nc,
+    kid, k = keys.proving()
+    await conn.send(encode_frame("hello", v=VERSION, key_id=kid, nonce=nc,
                                  config_id=config_id, transfer_id=transfer_id))
     msg = await conn.read_frame()
     if msg["op"] == "error":
