@@ -124,9 +124,9 @@ def place(
     scontrol: str | None = None,
 ) -> Placement:
     """``nodes``, ``node_rank`` and ``run_id`` as given (None or empty: not given), the rest
-    from Slurm's environment when this is a Slurm job step. ``scontrol``: its path (default:
-    found on ``PATH``; without it the node list is expanded here and each node name is its
-    address).
+    from Slurm's environment ``environ`` when this is a Slurm job step. ``scontrol``: its path,
+    run with ``environ`` (default: found on ``PATH``; ``""``: none, the node list is expanded
+    here and each node's name is its address).
 
     Outside Slurm, or in a step of one node, nothing is filled but the run id (node rank 0).
 
@@ -148,7 +148,7 @@ def place(
             sources.append(f"--node-rank {node_rank} (SLURM_NODEID)")
         return Placement(tuple(nodes), node_rank, run_id, tuple(sources))
     scontrol = scontrol if scontrol is not None else shutil.which("scontrol")
-    names = step_hostnames(step, scontrol)
+    names = step_hostnames(step, scontrol, environ)
     if len(names) < 2:
         return Placement((), node_rank or 0, run_id, tuple(sources))
     if step.step_id is None:
@@ -160,7 +160,7 @@ def place(
                          "one launcher per node, 'srun --ntasks-per-node=1'")
     if not 0 <= step.node_id < len(names):
         raise SlurmError(f"SLURM_NODEID={step.node_id} outside {step.nodelist}")
-    addresses = node_addresses(names, scontrol)
+    addresses = node_addresses(names, scontrol, environ)
     how = "NodeAddr, scontrol show node" if scontrol else "node names resolved"
     sources.append(f"--nodes {','.join(addresses)} ({step.nodelist_from}={step.nodelist}; {how})")
     if node_rank is None:
@@ -169,9 +169,10 @@ def place(
     return Placement(tuple(addresses), node_rank, run_id, tuple(sources))
 
 
-def step_hostnames(step: SlurmStep, scontrol: str | None) -> list[str]:
+def step_hostnames(step: SlurmStep, scontrol: str | None,
+                   env: Mapping[str, str] | None = None) -> list[str]:
     """The step's node names in Slurm's order: ``scontrol show hostnames`` when ``scontrol``
-    is given, else :func:`expand_hostlist`.
+    is given (run with ``env``, default this process's), else :func:`expand_hostlist`.
 
     Raises:
         SlurmError: the list does not parse, ``scontrol`` fails, or the count differs from the
@@ -179,7 +180,7 @@ def step_hostnames(step: SlurmStep, scontrol: str | None) -> list[str]:
     """
     try:
         if scontrol:
-            names = _scontrol(scontrol, "show", "hostnames", step.nodelist).split()
+            names = _scontrol(scontrol, env, "show", "hostnames", step.nodelist).split()
         else:
             names = expand_hostlist(step.nodelist)
     except ValueError as exc:
@@ -194,9 +195,11 @@ def step_hostnames(step: SlurmStep, scontrol: str | None) -> list[str]:
     return names
 
 
-def node_addresses(names: Sequence[str], scontrol: str | None) -> list[str]:
-    """Each node's IP address: its ``NodeAddr`` from ``scontrol show node`` (without
-    ``scontrol``, its name), resolved by :func:`resolve_address`.
+def node_addresses(names: Sequence[str], scontrol: str | None,
+                   env: Mapping[str, str] | None = None) -> list[str]:
+    """Each node's IP address: its ``NodeAddr`` from ``scontrol show node`` (run with ``env``,
+    default this process's; without ``scontrol``, its name), resolved by
+    :func:`resolve_address`.
 
     Raises:
         SlurmError: ``scontrol`` fails or omits a node, a name does not resolve, or a node name
@@ -207,7 +210,7 @@ def node_addresses(names: Sequence[str], scontrol: str | None) -> list[str]:
     addrs = {name: name for name in names}
     if scontrol:
         try:
-            text = _scontrol(scontrol, "show", "node", "--oneliner", ",".join(names))
+            text = _scontrol(scontrol, env, "show", "node", "--oneliner", ",".join(names))
         except ValueError as exc:
             raise SlurmError(str(exc)) from None
         found = dict(re.findall(r"(?:^|\s)NodeName=(\S+).*?\sNodeAddr=(\S+)", text, re.M))
@@ -309,9 +312,10 @@ def _number(environ: Mapping[str, str], names: Sequence[str]) -> int | None:
     return None
 
 
-def _scontrol(scontrol: str, *args: str) -> str:
+def _scontrol(scontrol: str, env: Mapping[str, str] | None, *args: str) -> str:
     try:
         done = subprocess.run([scontrol, *args], capture_output=True, text=True,
+                              env=None if env is None else dict(env),
                               timeout=SCONTROL_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ValueError(f"{scontrol} {' '.join(args)}: {exc}") from None
