@@ -15,6 +15,7 @@ every node is idle, and on exit cancels what is left and stops the daemons it st
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -36,6 +37,9 @@ EXECUTABLES = ("munged", "slurmctld", "slurmd", "srun", "scontrol", "sinfo", "sq
 START_TIMEOUT_S = 60.0
 """Longest wait for every node to register idle (a few seconds on two loaded cores)."""
 STOP_TIMEOUT_S = 15.0
+ENDED = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                   "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+"""Job states after which a job runs no more (squeue(1), JOB STATE CODES)."""
 
 
 def slurm_or_skip() -> None:
@@ -94,6 +98,28 @@ class SlurmCluster:
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._stop()
+
+    def wait(self, job: str, timeout_s: float) -> tuple[str, int]:
+        """Wait for batch job ``job`` to end; its final state (``COMPLETED``, ``FAILED``...)
+        and its batch script's exit code. Polled every 0.5 s (``sbatch --wait`` backs off to
+        half a minute between polls).
+
+        Raises:
+            AssertionError: still running after ``timeout_s`` seconds (the job is cancelled).
+        """
+        env = self.env(dict(os.environ))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            done = subprocess.run(["scontrol", "show", "job", "--oneliner", job], env=env,
+                                  capture_output=True, text=True, timeout=30, check=True)
+            found = re.search(r"\bJobState=(\S+).*?\bExitCode=(\d+):(\d+)", done.stdout)
+            if found and found[1] in ENDED:
+                return found[1], int(found[2])
+            if time.monotonic() > deadline:
+                subprocess.run(["scancel", job], env=env, timeout=30, check=False)
+                raise AssertionError(f"job {job} still {found and found[1]} after "
+                                     f"{timeout_s} s\n{self.logs()}")
+            time.sleep(0.5)
 
     def logs(self, chars: int = 3000) -> str:
         """The daemons' logs, each cut to its last ``chars`` characters (for a failure)."""

@@ -3,15 +3,17 @@
 
 Must hold: each launcher takes ``--nodes`` (each node's NodeAddr), ``--node-rank``
 (``SLURM_NODEID``) and ``--run-id`` (``slurm-<job>.<step>``) from the step's environment and
-says so; a step with two tasks on a node is refused; and the adopted DDP script, with rank 1
-(on the second node) SIGKILLed inside step 8's gradient reduction, finishes every step and
-ends with the model, optimizer, scheduler, scaler and data position of a fault-free run on one
-host, bit for bit, its own snapshot too.
+says so; a step with two tasks on a node is refused; and ``examples/slurm.sbatch`` running the
+adopted DDP script (through ``srun``), with rank 1 (on the second node) SIGKILLed inside step
+8's gradient reduction, finishes every step and ends with the model, optimizer, scheduler,
+scaler and data position of a fault-free run on one host, bit for bit, its own snapshot too.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ from torchpass_p2p.launch.slurm import place
 from torchpass_p2p.trainer.timeline import read_events
 
 SCRIPT = REPO / "examples" / "torchpass_ddp.py"
+SBATCH = REPO / "examples" / "slurm.sbatch"
 SCRIPT_ARGS = ("--epochs", "1", "--samples", "1024")  # 2 ranks, batches of 32: 16 steps
 STEPS = 16
 FAULT = "kill@8:grad:rank=1"
@@ -94,23 +97,30 @@ def test_two_launchers_on_one_node_are_refused(cluster: SlurmCluster, tmp_path: 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_srun_job_with_a_killed_rank_ends_bitwise_like_a_fault_free_run(
+def test_the_sbatch_example_with_a_killed_rank_ends_bitwise_like_a_fault_free_run(
         cluster: SlurmCluster, tmp_path: Path) -> None:
-    key = tmp_path / "key"
-    write_key_file(key)
     work = tmp_path / "slurm"
     (work / "logs").mkdir(parents=True)
+    (work / "bin").mkdir()
+    shim = work / "bin" / "torchpass-p2p"  # the command an installed package puts on PATH
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m torchpass_p2p.cli.main "$@"\n')
+    shim.chmod(0o755)
     snapshot = work / "snapshot.pt"
     base = free_ports_block(2, cluster.addresses)  # a rank and a spare on each node
-    env = clean_environ() | {"PYTHONPATH": str(REPO), "TORCHPASS_LOG_DIR": str(work / "logs"),
-                             "TORCHPASS_FAULTS": FAULT}
-    code, out, seconds = srun(cluster, [
-        "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-        sys.executable, "-m", "torchpass_p2p.cli.main", "launch", "--nproc", "1",
-        "--spares", "1", "--base-port", str(base), "--key-file", str(key), "--grace", "3",
-        str(SCRIPT), *SCRIPT_ARGS, "--snapshot", str(snapshot)], env)
-    faulty = Run(code, seconds, [], read_events(work / "logs"), out)
-    assert code == 0, f"{out[-4000:]}\n{cluster.logs()}"
+    env = clean_environ() | {
+        "PATH": f"{work / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": str(REPO),
+        "NPROC": "1", "SPARES": "1", "BASE_PORT": str(base),
+        "TORCHPASS_LOG_DIR": str(work / "logs"), "TORCHPASS_FAULTS": FAULT}
+    t0 = time.monotonic()
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--output={work / 'job.out'}", str(SBATCH), str(SCRIPT),
+         *SCRIPT_ARGS, "--snapshot", str(snapshot)],
+        cwd=work, env=cluster.env(env), capture_output=True, text=True, timeout=60, check=True)
+    state, code = cluster.wait(job.stdout.strip().split(";")[0], RUN_TIMEOUT_S)
+    out = (work / "job.out").read_text(errors="replace") if (work / "job.out").exists() else ""
+    faulty = Run(code, time.monotonic() - t0, [], read_events(work / "logs"), out)
+    assert (state, code) == ("COMPLETED", 0), f"{out[-4000:]}\n{cluster.logs()}"
+    assert not list(work.glob(".torchpass-*.key"))  # the job's key is gone with it
 
     # Each launcher said what it took from Slurm, and ran its node's part.
     placed = [x for x in out.splitlines() if "from Slurm:" in x]
@@ -119,7 +129,7 @@ def test_srun_job_with_a_killed_rank_ends_bitwise_like_a_fault_free_run(
                for x in placed)
     assert sorted(x.split("--node-rank ")[1][0] for x in placed) == ["0", "1"]
     [run_id] = {x.split("--run-id ")[1].split()[0] for x in placed}
-    assert run_id.startswith("slurm-") and run_id.endswith(".0")
+    assert re.fullmatch(r"slurm-\d+\.0", run_id)
 
     # The fault fired in rank 1 on the second node, and every step was committed once.
     assert [(r["kind"], r["step"], r["rank"]) for r in events(faulty, "fault")] == [
