@@ -1,6 +1,10 @@
 """``torchpass-p2p launch``: start N rank processes and S hot spares of a training script on
 this host and supervise them (:mod:`torchpass_p2p.launch`).
 
+Under Slurm, start one launcher per node (``srun --ntasks-per-node=1 torchpass-p2p launch
+...``): --nodes, --node-rank and --run-id not given come from the job step's environment
+(docs/running.md, "Slurm").
+
 Exit code: 0 when the job completed (some process exited 0 and none failed afterwards), 1 when
 it failed, 2 for a usage or setup error, 128 + N when signal N stopped the launcher.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 
 from torchpass_p2p.agent.settings import SettingsError, parse_address
@@ -24,6 +29,7 @@ from torchpass_p2p.launch.launcher import (
     launch,
 )
 from torchpass_p2p.launch.plan import parse_topology
+from torchpass_p2p.launch.slurm import SlurmError, place
 
 __all__ = ["add_parser", "run"]
 
@@ -69,12 +75,15 @@ def add_parser(
     p.add_argument("--nodes", type=_nodes, default=(), metavar="HOST,HOST,...",
                    help="a job over several hosts: every host's address, the same list on "
                         "every host; each host's launcher derives the same configuration 0 "
-                        "(needs --node-rank, --run-id, --base-port and a shared --key-file)")
-    p.add_argument("--node-rank", type=int, default=0, metavar="I",
-                   help="this host's position in --nodes (default: 0)")
-    p.add_argument("--run-id", default="", metavar="ID",
+                        "(needs --node-rank, --run-id, --base-port and a shared --key-file; "
+                        "default in a Slurm step over several nodes: the NodeAddr of each "
+                        "node of SLURM_STEP_NODELIST)")
+    p.add_argument("--node-rank", type=int, default=None, metavar="I",
+                   help="this host's position in --nodes (default: $SLURM_NODEID, else 0)")
+    p.add_argument("--run-id", default=None, metavar="ID",
                    help="a name for this run, the same on every host (member ids derive from "
-                        "it and the key, so use a new one for each run)")
+                        "it and the key, so use a new one for each run) (default in Slurm: "
+                        "slurm-$SLURM_JOB_ID.$SLURM_STEP_ID)")
     p.add_argument("script", metavar="SCRIPT", help="the Python training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments for the script")
@@ -86,17 +95,21 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="[torchpass-p2p launch] %(message)s")
     try:
+        placed = place(os.environ, nodes=args.nodes, node_rank=args.node_rank,
+                       run_id=args.run_id)
+        if placed.sources:
+            log.info("from Slurm: %s", "; ".join(placed.sources))
+        nodes, node_rank = placed.nodes, placed.node_rank
         options = LaunchOptions(
             script=args.script, script_args=tuple(args.script_args), nproc=args.nproc,
             spares=args.spares, base_port=args.base_port, seeds=args.seeds,
-            host=args.nodes[args.node_rank] if 0 <= args.node_rank < len(args.nodes)
-            else args.host,
-            nodes=args.nodes, node_rank=args.node_rank, run_id=args.run_id,
+            host=nodes[node_rank] if 0 <= node_rank < len(nodes) else args.host,
+            nodes=nodes, node_rank=node_rank, run_id=placed.run_id,
             topology=args.topology, key_file=args.key_file, profile=args.config,
             cluster=args.cluster, respawn=args.respawn, max_respawns=args.max_respawns,
             grace_s=args.grace)
         return asyncio.run(launch(options))
-    except LaunchError as exc:
+    except (LaunchError, SlurmError) as exc:
         log.error("error: %s", exc)
         return 2
 

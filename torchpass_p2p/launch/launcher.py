@@ -42,7 +42,8 @@ address), ``--run-id``, ``--base-port`` and key file, and each host's ``--node-r
 launcher derives the same configuration 0 (:func:`.plan.nodes_configuration`: member ids are
 keyed hashes of run id, node and index) and starts its own host's part, without a rendezvous
 host. To add hosts to a running job, run the launcher there with ``--seeds`` naming members of
-the job: its children join as spares.
+the job: its children join as spares. Under Slurm, ``srun --ntasks-per-node=1`` starts one
+launcher per node and the command line fills these options from the step (:mod:`.slurm`).
 """
 
 from __future__ import annotations
