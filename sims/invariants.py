@@ -198,7 +198,8 @@ class InvariantChecker:
         subject_sm = self.cluster.by_id.get(subject)
         if subject_sm is None:
             self._fail("minted-by-owner",
-                       f"{self._who(sm, event.at)} reported unknown member {subject:016x}")
+                       f"{self._who(sm, event.at)} reported unknown member "
+                       f"{format_member_id(subject)}")
             return
         if inc > subject_sm.core.incarnation:
             self._fail("minted-by-owner",

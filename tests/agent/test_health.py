@@ -20,7 +20,6 @@ import pynvml
 import pytest
 
 from torchpass_p2p.agent import health
-from torchpass_p2p.agent.fake_nvml import FakeNvml
 from torchpass_p2p.agent.health import (
     FATAL_XIDS,
     FaultKind,
@@ -29,6 +28,7 @@ from torchpass_p2p.agent.health import (
     Severity,
     resolve_device,
 )
+from torchpass_p2p.testing.fake_nvml import FakeNvml
 
 NOW = 100.0
 WAIT_S = 10.0  # upper bound for anything a thread should deliver; never a speed assertion

@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 
 from tests.agent.cluster import LocalCluster
-from torchpass_p2p.agent.fake_nvml import FakeNvml
 from torchpass_p2p.agent.health import HealthMonitor
 from torchpass_p2p.agent.runtime import AgentRuntime
+from torchpass_p2p.testing.fake_nvml import FakeNvml
 
 
 def with_fake_gpu(cluster: LocalCluster, member: int, nvml: FakeNvml, **monitor) -> None:

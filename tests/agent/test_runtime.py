@@ -96,8 +96,8 @@ async def test_drain_hands_the_rank_to_a_spare_and_the_drained_member_is_removed
 
 
 async def test_a_drain_with_no_spare_to_take_the_rank_is_refused():
-    # Found by a chaos run: accepted, it left the rank vacant and every rank waited (policy
-    # wait) up to its give-up time, with nothing said.
+    # Accepted, it would leave the rank vacant and every rank waiting (policy wait) up to its
+    # give-up time, with nothing said.
     cluster = LocalCluster(3, 0, seed=5)
     await cluster.start()
     try:
@@ -110,8 +110,8 @@ async def test_a_drain_with_no_spare_to_take_the_rank_is_refused():
 
 
 async def test_a_drain_of_the_last_holder_of_the_state_is_refused():
-    # Found by a chaos run: accepted, the plan counted the drained member's state as gone and
-    # stopped the job although that member still held it and a spare was free.
+    # Accepted, the plan would count the drained member's state as gone and stop the job
+    # although that member still holds it and a spare is free.
     cluster = LocalCluster(1, 1, seed=5)
     await cluster.start()
     try:
@@ -124,9 +124,9 @@ async def test_a_drain_of_the_last_holder_of_the_state_is_refused():
 
 
 async def test_a_spare_promoted_since_the_last_commit_does_not_count_as_a_holder():
-    # Found by a review: member 1's drain was accepted while the only other rank holder was a
-    # spare just promoted and still receiving the state from member 1; member 1 then stopped
-    # serving it and the job stopped ("no member holds the state").
+    # Member 1's drain is refused while the only other rank holder is a spare just promoted
+    # and still receiving the state from member 1: accepted, member 1 would stop serving it
+    # and the job would stop ("no member holds the state").
     cluster = LocalCluster(2, 2, seed=5)  # ranks: members 1, 2; spares: members 3, 4
     await cluster.start()
     try:
@@ -149,8 +149,8 @@ async def test_a_spare_promoted_since_the_last_commit_does_not_count_as_a_holder
 
 
 async def test_before_any_commit_only_the_ranks_started_with_count_as_holders():
-    # Found by a review: with no commit reported (a spare that just received the state, say)
-    # every live rank holder counted, spares promoted meanwhile included.
+    # With no commit reported (a spare that just received the state, say) not every live rank
+    # holder counts: spares promoted meanwhile do not.
     cluster = LocalCluster(2, 2, seed=5)
     await cluster.start()
     try:

@@ -31,8 +31,8 @@ def test_stale_votes_start_no_classic_round_and_decide_nothing_until_a_change_co
     for i in range(1, 7):
         fleet[i].receive(fleet.now, 2 if i != 2 else 3, stale)
     fleet.run_until(20.0)
-    # Before: a classic round 1.5-2.5 s later decided the empty cut (configuration 1, no
-    # change). Now the members that fall due defer their round: no Prepare, no decision.
+    # The members that fall due defer their classic round: no Prepare, no decision. A round
+    # run 1.5-2.5 s later would decide the empty cut (configuration 1, no change).
     assert [msg for _, _, _, msg in fleet.trace if isinstance(msg, Prepare)] == []
     assert all(_decisions(fleet, i) == [] for i in range(1, 7))
     assert sum(fleet[i].counters["classic_rounds_started"] for i in range(1, 7)) == 0

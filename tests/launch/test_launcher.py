@@ -539,7 +539,7 @@ asyncio.run(main())
 
 def test_a_member_stopping_alone_leaves_the_job_running(tmp_path: Path) -> None:
     # A member refused at its join (torchpass_p2p.JobMismatch) exits 5 while the others, with
-    # a spare in its place, train on. Before, the launcher stopped them all after the grace.
+    # a spare in its place, train on; the launcher must not stop them all after the grace.
     out = tmp_path / "out"
     out.mkdir()
     script = write_script(tmp_path, "child.py", A_MEMBER_STOPS_ALONE)
@@ -600,7 +600,7 @@ asyncio.run(main())
 def test_a_job_whose_majority_died_is_stopped_once_the_agents_are_fenced(
         tmp_path: Path, respawn: bool) -> None:
     # Rank 2 and the spare are 2 of the 4 members: no configuration can be decided again, so
-    # nothing will ever give them work. Before, the launcher waited for them until killed.
+    # nothing will ever give them work, and the launcher must not wait for them until killed.
     # Respawned spares change nothing: they could be admitted only by a majority.
     out = tmp_path / "out"
     out.mkdir()
@@ -717,8 +717,8 @@ asyncio.run(main())
 
 @pytest.mark.parametrize("respawn", [False, True], ids=["", "respawns-used"])
 def test_a_vacant_rank_no_spare_can_fill_is_said_once(tmp_path: Path, respawn: bool) -> None:
-    # Found by a chaos run: with --respawn on and its respawns used, nothing was said and the
-    # ranks waited in silence up to their give-up time.
+    # With --respawn on and its respawns used, the vacancy is said once: the ranks must not
+    # wait in silence up to their give-up time.
     out = tmp_path / "out"
     out.mkdir()
     script = write_script(tmp_path, "child.py", A_RANK_STAYS_VACANT)

@@ -343,9 +343,9 @@ def _first_decision_s(seed: int, victim: int, crash_at: float) -> float:
 
 @pytest.mark.parametrize("seed", range(1, 21))
 def test_check_end_reports_members_in_different_configurations(seed: int) -> None:
-    """Issue 32 item 6: a plain crash stopped just after the first decision, with
-    check_convergence, raised KeyError (a member in configuration 1 was asked about the crashed
-    member it no longer holds). Now the disagreement is a finding."""
+    """A plain crash stopped just after the first decision, with check_convergence: a member
+    in configuration 1 no longer holds the crashed member, and asking it about that member must
+    not raise KeyError; the disagreement is reported as a finding."""
     at = _first_decision_s(seed, 3, 2.0)
     data = {"name": "first_decision", "members": 10, "spares": 2, "seed": seed,
             "virtual_s": at, "count_bytes": False, "check_convergence": True,

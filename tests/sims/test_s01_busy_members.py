@@ -14,10 +14,10 @@ more than about 2.5 s (first alert >= 1.5 s in: M = 2 failed rounds; conviction
 ``suspicion_min_s`` = 1 s later). A verdict is only evidence. Nobody votes to remove a member
 sooner than ``refutation_window_s`` = 1.6 s after first hearing it accused, so no vote comes
 sooner than 3.1 s after the block began; the member wakes by 3 s, reads the alerts queued in its
-socket, refutes at once, and its higher incarnation reaches the voters first. Two causes of
-early alerts were removed on the way: failed rounds no longer carry over a subject's short wake
-between two blocks (its refutation resets them), and a waking observer reads its backlog before
-its expired timers convict.
+socket, refutes at once, and its higher incarnation reaches the voters first. Two rules keep
+alerts from coming early: failed rounds do not carry over a subject's short wake between two
+blocks (its refutation resets them), and a waking observer reads its backlog before its expired
+timers convict.
 Measured before the agreement layer (verdict = removal): 57/44/83 convicted pairs in 600 s for
 seeds 0/1/2, and every busy rank handed to a spare within 100 s.
 """

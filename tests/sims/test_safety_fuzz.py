@@ -50,22 +50,21 @@ def test_safety_over_seeds(batch: int) -> None:
 
 
 def test_a_suspicion_is_judged_by_the_rings_of_the_new_configuration() -> None:
-    """Seed 24 of the long run (10 members): #5 began suspecting crashed #0 in configuration 2,
-    where #0 had 2 observers; in configuration 4 it has 3 (#1, #5, #9). A suspicion carried
-    across the change used to keep its old observer count and timer, and #5 convicted #0 on 2
-    alerts. Member._rebase_suspicion now drops alerts from former observers and re-derives the
-    timeout; the CI seeds 34, 63, 84, 126 and 181 hit the same path."""
+    """Seed 24 of the long run (10 members): #5 begins suspecting crashed #0 in configuration 2,
+    where #0 has 2 observers; in configuration 4 it has 3 (#1, #5, #9). A suspicion carried
+    across the change is judged by the new rings: Member._rebase_suspicion drops alerts from
+    former observers and re-derives the timeout, so #5 cannot convict #0 on 2 alerts under the
+    old observer count and timer. The CI seeds 34, 63, 84, 126 and 181 take the same path."""
     r = safety_run(24)
     assert r.safety_violations == 0
     assert r.invariant_violations == 0, r.violations
 
 
 def test_an_alert_from_a_former_observer_never_reaches_its_subject_seed_1165() -> None:
-    """Seed 1165 of the long run: a probe round that outlived a configuration change failed,
-    its alert was rejected by its own observer's _merge_alert (no longer an observer), yet
-    _round_failed still sent it to the subject, which refuted an alert nobody had raised.
-    Rounds to former subjects are now dropped at the change, and an alert goes out only if its
-    observer accepted it."""
+    """Seed 1165 of the long run: a probe round that outlives a configuration change fails,
+    and its own observer's _merge_alert rejects its alert (it is no longer an observer). Rounds
+    to former subjects are dropped at the change, and an alert goes out only if its observer
+    accepted it: else the subject would refute an alert nobody raised."""
     r = safety_run(1165)
     assert r.safety_violations == 0
     assert r.invariant_violations == 0, r.violations

@@ -255,9 +255,8 @@ def test_a_late_spare_still_joining_waits_for_a_rank(trainer: Trainer, tmp_path:
 
 
 def test_a_drained_spare_ends_as_drained(trainer: Trainer, tmp_path: Path) -> None:
-    # Found by a new user: a spare drained while it waited for a rank ended as Removed, so its
-    # script exited 3 and the launcher respawned it (--respawn); Drained is exit 4, never
-    # respawned.
+    # A spare drained while it waits for a rank ends as Drained (exit 4, never respawned), not
+    # as Removed: its script would exit 3 and the launcher respawn it (--respawn).
     agent = trainer.agent
     agent.settings.configuration = agent.configuration = ZERO_AS_SPARE
     agent.role, agent.draining = "removed", True
@@ -471,10 +470,10 @@ def test_the_group_is_named_after_the_first_configuration_of_its_rank_map(
 
 def test_a_promoted_spare_whose_fetch_failed_stops_the_job_when_no_holder_is_left(
         trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Found by a chaos run: the only member holding the state died while this spare, just
-    promoted, was still fetching it. The survivors (this spare alone) reported no step, so the
-    next plan resumes at step 0: training on would roll back 41 steps, or spread the half
-    received state (it did, and the job exited 0 with other weights). The job stops instead."""
+    """The only member holding the state dies while this spare, just promoted, is still
+    fetching it. The survivors (this spare alone) report no step, so the next plan resumes at
+    step 0: training on would roll back 41 steps, or spread the half received state (the job
+    would exit 0 with other weights). The job stops instead."""
     trainer._holds_state = False  # started as the spare (``_begin``)
     promoted = change(ZERO_AS_SPARE, Cut(removed=(SPARE,)), 40)  # rank 1 -> this spare
     assert dict(promoted.plan.assignments) == {1: ME} and promoted.plan.resume_step == 41
@@ -501,7 +500,7 @@ def test_a_spare_promoted_and_orphaned_before_it_took_its_rank_stops_the_job(
         trainer: Trainer, tmp_path: Path) -> None:
     """As above, with both deaths decided before this spare took its rank: it is handed the
     promotion (resuming at 41) and then the change that resumes at 0, and enters only the
-    latter (found by the same chaos run)."""
+    latter."""
     promoted = change(ZERO_AS_SPARE, Cut(removed=(SPARE,)), 40)
     orphaned = change(promoted.configuration, Cut(removed=(PEER,)), -1)
     trainer.agent.assigned, trainer.agent.changes = promoted, [orphaned]
@@ -514,10 +513,10 @@ def test_a_spare_promoted_and_orphaned_before_it_took_its_rank_stops_the_job(
 
 def test_promoted_spares_without_the_state_stop_the_job_instead_of_waiting_for_each_other(
         trainer: Trainer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Found by a review: a spare promoted to rank 1 fetched from the member on rank 0, which
-    died; the spare promoted to rank 0 then fetched from the first, and the first from it,
-    each waiting for the other to announce the state until give_up_s (600 s). Each now
-    announces it serves none, and a member whose every source says so stops the job."""
+    """A spare promoted to rank 1 fetches from the member on rank 0, which dies; the spare
+    promoted to rank 0 then fetches from the first, and the first from it. Each announces it
+    serves none, and a member whose every source says so stops the job, instead of each
+    waiting for the other to announce the state until give_up_s (600 s)."""
     trainer._holds_state = False  # started as a spare (``_begin``)
     addresses = {m: ("127.0.0.1", 9000 + m) for m in (ME, PEER, SPARE, LATE)}
     start = Configuration(0, [PEER, SPARE], [ME, LATE], addresses)

@@ -164,7 +164,7 @@ def test_more_deaths_than_spares_wait_for_a_respawned_spare(tmp_path: Path, clea
     assert faulty.code == 0, faulty.diagnosis()
     waited = [r for r in faulty.events if r["event"] == "waiting_for_spare"]
     assert waited and all(r["vacant"] for r in waited)
-    # Each member waits once per such configuration (it used to re-enter it in a tight loop).
+    # Each member waits once per such configuration, never re-entering it in a tight loop.
     once = [(r["member"], r["config_id"]) for r in waited]
     assert len(once) == len(set(once)), once
     joined = {}
@@ -212,8 +212,8 @@ def test_a_survivor_dying_as_it_enters_the_recovery(tmp_path: Path, clean: Run) 
 @pytest.mark.parametrize("rank", [0, 1])  # 0 hosts the rendezvous of configuration 0
 def test_a_rank_dying_before_the_first_group_forms(tmp_path: Path, clean: Run,
                                                    rank: int) -> None:
-    # Found by a new user: a rank killed while the job started, before its first
-    # group formed, ended the job: the survivors' Superseded escaped the start-up entry.
+    # A rank killed while the job starts, before its first group forms, is replaced like any
+    # other: the survivors' Superseded must not escape the start-up entry and end the job.
     faulty = run_job(tmp_path / "faults", nproc=4, spares=1, steps=STEPS,
                      faults=f"kill@0:enter:rank={rank}", script_args=ARGS, timeout_s=200)
     assert faulty.code == 0, faulty.diagnosis()

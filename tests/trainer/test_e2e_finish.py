@@ -3,10 +3,10 @@
 Every rank passes one barrier after its last step, so that nobody leaves before all hold the
 final state. A rank SIGKILLed just before it (its peers inside it) is replaced like a rank
 lost in any step: the spare fetches the final state and passes the barrier with the
-survivors. Before, the survivors' barrier raised out of the trainer and the job failed (found
-by a review). A rank SIGSTOPped there for 3 s (past its lease) is replaced the same way; once
-woken it must not finish as if it still held its rank: it wrote a final state and exited 0
-while the survivors crashed.
+survivors; the survivors' barrier must not raise out of the trainer and fail the job. A rank
+SIGSTOPped there for 3 s (past its lease) is replaced the same way; once woken it must not
+finish as if it still held its rank (write a final state and exit 0 while the survivors
+crash).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ grace (``Params.start_grace_s``). Three ranks, no spare (a removed rank could no
 the job would wait for a spare), 2 CPU-bound processes beside them on the 2 cores; rank 1's
 script runs 3 s after both others' agents are up (``late_start.py``).
 
-Before: a fault-free run on a host with load average 14-19 had rank 1's process start 2.9 s
-after rank 0's; rank 1 was alerted 1.55 s and marked dead 2.55 s into the others' probing, before
-its script ran, then removed (exit 3), and the job waited for a spare for 6 minutes.
+Without that grace, a fault-free run on a host with load average 14-19 can start rank 1's
+process 2.9 s after rank 0's: rank 1 is alerted 1.55 s and marked dead 2.55 s into the others'
+probing, before its script runs, then removed (exit 3), and the job waits for a spare.
 """
 
 from __future__ import annotations

@@ -7,10 +7,10 @@ decide nothing (a majority is 2). Its agent is fenced once both peers are suspec
 lease is over; its collective never completes. Must hold: after its give-up time (10 s here,
 600 s by default) rank 0 stops with ``EXIT_STOPPED`` and one line that says how many of the
 configuration are left, the majority needed and that the job stops; the launcher says the same
-in one line, ends the paused ranks and exits ``EXIT_STOPPED``. Before, the survivor waited in
-its collective for the backend's 30-minute timeout, and would then have exited ``EXIT_REMOVED``
-("no new configuration ... after a collective failure"), which the launcher reads as a member
-to respawn.
+in one line, ends the paused ranks and exits ``EXIT_STOPPED``. The survivor must not wait in
+its collective for the backend's 30-minute timeout and then exit ``EXIT_REMOVED`` ("no new
+configuration ... after a collective failure"), which the launcher reads as a member to
+respawn.
 """
 
 from __future__ import annotations

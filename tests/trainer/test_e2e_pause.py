@@ -3,13 +3,13 @@
 * Still paused when the job completes. The rank is replaced once and the job completes
   without it; no exit told the launcher that a rank changed hands, but the spare's exit 0 did.
   Must hold: the same final state as the fault-free run, and the launcher ends the paused
-  member at once instead of waiting for it as a rank (it waited until killed before).
+  member at once instead of waiting for it as a rank (that wait lasts until it is killed).
 * Its waking decides the change. Three ranks and a spare; in the same step rank 0 is killed
   and rank 1 paused for 15 s: two of four members cannot decide anything, so the change that
   gives rank 0 to the spare is decided only when rank 1 wakes, and rank 1 may still be fenced
   at the next commit (its lease comes back with its first answered probe). Must hold: the
-  job trains on and ends with the fault-free run's state. Its veto used to make every rank
-  wait for a change that never came (600 s).
+  job trains on and ends with the fault-free run's state; its veto must not leave every rank
+  waiting for a change that never comes (600 s).
 """
 
 from __future__ import annotations

@@ -5,14 +5,15 @@ The spares are a majority and decide the change, but no survivor holds the state
 parallel: every rank is gone), so the plan stops the job (:mod:`torchpass_p2p.core.plan` rule
 3). Must hold: every spare learns it from the agreement, logs ``job_stopped`` and exits with
 ``EXIT_STOPPED``; nobody is promoted, nothing trains, no final state is written; the launcher
-exits ``EXIT_STOPPED`` too and says why. Before, the spares waited for a rank that was never
-given (the configuration was reported as waiting for a spare), and the job hung until killed.
+exits ``EXIT_STOPPED`` too and says why. Reported as waiting for a spare instead, the
+configuration would leave the spares waiting for a rank never given, and the job hung until
+killed.
 
 With fewer spares than ranks (two ranks, one spare) the spare alone is no majority: no
 configuration can be decided again, not even a stop. Must hold: the spare is fenced, the
 launcher sees that a majority of configuration 0 exited, stops the spare and exits
 ``EXIT_STOPPED`` saying so, and that the job stops (resume it from its last checkpoint).
-Before, the spare waited for a rank forever and the launch with it.
+Otherwise the spare waits for a rank forever, and the launch with it.
 
 The same under policy ``stop`` (rule 5) with no spare at all: three ranks, rank 2 killed; the
 two survivors stop (exit ``EXIT_STOPPED``) instead of waiting 600 s for a spare.

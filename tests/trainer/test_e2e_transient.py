@@ -11,9 +11,9 @@ process exits before the end; every rank regroups (attempt 1, then 2) and resume
 step, the one after the last step anyone committed (no step lost, none run twice); the end
 state is bitwise equal to the fault-free run's.
 
-Timings are not asserted (2 shared cores). The launch limit is what fails the old behaviour: a
-rank whose collective failed with nobody dead used to wait 600 s for a configuration change
-and then exit, far past :data:`RUN_LIMIT_S`.
+Timings are not asserted (2 shared cores). The launch limit is what catches a rank whose
+collective failed with nobody dead waiting 600 s for a configuration change and then exiting,
+far past :data:`RUN_LIMIT_S`.
 """
 
 from __future__ import annotations

@@ -201,8 +201,8 @@ def test_a_serve_fault_fires_once_past_its_fraction(monkeypatch: pytest.MonkeyPa
 
 def test_a_fault_fires_only_in_the_process_started_as_its_rank(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    # Found by a chaos run: under policy shrink the survivor renumbered to rank 1 redid step 20
-    # and fired rank 1's kill again, then the next one: three ranks died for one fault.
+    # Under policy shrink a survivor renumbered to rank 1 redoes step 20: were rank 1's kill
+    # armed in it, it would fire again, then in the next one: three ranks dead for one fault.
     kills: list[int] = []
     monkeypatch.setattr("torchpass_p2p.trainer.faults.os.kill", lambda pid, sig: kills.append(sig))
     monkeypatch.setenv("TORCHPASS_FAULTS", "kill@20:grad:rank=1")
@@ -257,9 +257,8 @@ def test_a_fetch_past_its_deadline_is_cancelled_and_fails_typed() -> None:
 
 
 def test_a_retried_fetch_holds_nothing_of_the_attempt_before() -> None:
-    """Each attempt of the trainer's fetch starts with the memory of the one before freed. Before:
-    the last error was kept with its traceback, whose frames held that attempt's target
-    (found by a review)."""
+    """Each attempt of the trainer's fetch starts with the memory of the one before freed: the
+    last error is kept with its traceback, whose frames must not hold that attempt's target."""
     targets: list[weakref.ref] = []
     alive_at_start = []
 

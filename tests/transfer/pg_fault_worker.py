@@ -53,8 +53,8 @@ SLOW_CHUNK_S = 1.0
 more than the 6 s a healthy source waits without a word from the receiver."""
 SLOWER_CHUNK_S = 1.6
 """``slower``: as ``slow``, at 0.8 T per chunk: a receiver taking chunks in posting order only
-heard from the healthy source's last chunks only after up to four of the victim's (a review:
-the healthy source concluded receiver_lost after 3T)."""
+hears from the healthy source's last chunks after up to four of the victim's, late enough for
+the healthy source to conclude receiver_lost after 3T."""
 GROUP_TIMEOUT_S = 600.0
 """Far above the transfer's own deadline: only ``progress_timeout_s`` may end a wait."""
 

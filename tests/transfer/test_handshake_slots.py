@@ -90,8 +90,8 @@ async def _flooded(snap, keys):
 
 
 async def test_a_flood_of_hellos_without_the_key_lets_a_fetch_through(snap, keys):
-    # Before, with every slot held by an answered hello, each new connection (nothing read
-    # yet) was the one evicted: every fetch failed at once, whatever the flood's rate.
+    # With every slot held by an answered hello, a new connection (nothing read yet) must not
+    # be the one evicted, or every fetch fails at once, whatever the flood's rate.
     server = await _flooded(snap, keys)
     held = []
     try:

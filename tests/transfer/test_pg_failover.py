@@ -180,8 +180,8 @@ def test_a_cancelled_receive_leaves_the_target_alone(device):
 def test_a_source_at_another_step_is_dropped_and_its_stripe_moves(device):
     # The plan asks for step 5; the victim serves step 6 (TCP sources refuse: step_mismatch).
     # It is dropped at its manifest, told so without waiting (it listens only once its stripe,
-    # which nobody receives, is sent: a wait timed out and gloo closed the whole group, the
-    # healthy source's connection too, found by a review), and its stripe comes from the other.
+    # which nobody receives, is sent: a wait would time out and gloo close the whole group,
+    # the healthy source's connection too), and its stripe comes from the other.
     report, codes = run("wrong_step", 3, device)
     assert report["failures"] == {"step_mismatch": 1}, report
     assert report["tensors_equal"] and report["fingerprint_equal"] and report["in_place"]
@@ -192,7 +192,8 @@ def test_a_source_at_another_step_is_dropped_and_its_stripe_moves(device):
 
 @pytest.mark.slow
 def test_a_healthy_source_waits_out_a_co_source_near_t_per_chunk(device, request):
-    # As above at SLOWER_CHUNK_S = 0.8 T per chunk (a review). The victim, still in its last
+    # As above at SLOWER_CHUNK_S = 0.8 T per chunk: the healthy source must not conclude
+    # receiver_lost (see pg_fault_worker.SLOWER_CHUNK_S). The victim, still in its last
     # chunk's pause when the others end, may be killed by ``run``.
     if device == "cpu-serial":
         request.applymarker(pytest.mark.xfail(
@@ -208,7 +209,7 @@ def test_a_healthy_source_waits_out_a_co_source_near_t_per_chunk(device, request
 def test_a_source_that_sent_a_bad_chunk_is_told_at_once(device):
     # Its chunk is fetched again from the other source, and it is told it was given up on,
     # so it ends now (receiver_aborted) instead of waiting 3T for a word from the receiver
-    # (receiver_lost: a review). The receiver waits for it to end.
+    # (receiver_lost). The receiver waits for it to end.
     report, codes = run("corrupt", 3, device)
     assert report.pop("victim") == "receiver_aborted"
     assert report["failures"] == {"bad_chunk": 1}, report

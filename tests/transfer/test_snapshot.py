@@ -225,7 +225,7 @@ def test_a_table_alone_is_a_valid_manifest():  # what the cases built with _rows
     ({"algo": ["xxh3"]}, "bad_manifest"),  # unhashable where a name goes
     ({"table": msgpack.packb([["w", ["float32"], [1], 4, 0]])}, "bad_manifest"),
     ({"table": msgpack.packb([["w", {"f": 1}, [1], 4, 0]])}, "bad_manifest"),
-    # Found by a review: each crashed or hung the receiver instead.
+    # Each below must be refused as a bad manifest, not crash or hang the receiver.
     ({"step": 1 << 63}, "bad_manifest"),  # msgpack uint64; the fingerprint packs int64
     (_rows(["w", "float32", [4], 16.0, 0.0]), "bad_manifest"),  # 16.0 == 16, but a slice
     # of a float fails in the receiving thread
@@ -394,9 +394,8 @@ def _by_name(snap: Snapshot) -> dict[str, torch.Tensor]:
 
 
 def test_target_views_that_overlap_are_not_both_received_into():
-    # Found by a review: the receiver's "a" and "e" were views of one buffer, both received
-    # in place; e's bytes overwrote a's tail and the fetch still reported the agreed
-    # fingerprint.
+    # The receiver's "a" and "e" are views of one buffer: were both received in place, e's
+    # bytes would overwrite a's tail and the fetch still report the agreed fingerprint.
     source = Snapshot.capture({"m": {"a": torch.arange(1000.0), "e": torch.full((300,), 7.0)}},
                               step=1)
     m = decode_manifest(encode_manifest(source, "xxh3"), 1 << 30)
@@ -417,8 +416,8 @@ def test_target_views_that_overlap_are_not_both_received_into():
 
 @pytest.mark.parametrize("view", [torch.conj, torch._neg_view])
 def test_a_conjugate_or_negative_view_is_captured_as_its_values(view):
-    # Found by a review: x.conj() shared x's table entry (the same memory) and came back as
-    # x; captured first, it raised RuntimeError instead of a named error or its values.
+    # x.conj() shares x's memory but must not share its table entry (and come back as x),
+    # nor, captured first, raise RuntimeError instead of a named error or its values.
     x = torch.tensor([1 + 2j, 3 - 4j])
     for order in (("x", "v"), ("v", "x")):
         tensors = {"x": x, "v": view(x)}

@@ -254,8 +254,8 @@ async def test_an_extra_connection_that_never_opens_delays_nothing(snap, keys):
     (server,) = await serving(snap, keys, TransferServer)
     proxy, address, accepted = await _one_connection_proxy(server.address)
     try:
-        # Before: the extra connection was awaited before the first chunk, so this waited for
-        # connect_timeout_s (here an hour).
+        # The first chunk does not wait for the extra connection: if it did, this would wait
+        # for connect_timeout_s (here an hour).
         res = await asyncio.wait_for(
             fetch([address], keys, CONFIG, streams=2, connect_timeout_s=3600), 60)
         assert received_fingerprint(res) == snap.fingerprint()
@@ -280,9 +280,9 @@ async def _silent_source():
 
 @pytest.mark.parametrize("expected", [False, True], ids=["majority", "expected"])
 async def test_a_source_that_never_opens_delays_nothing(snap, keys, expected):
-    # Found by a chaos run: the transfer began only once every source had opened or timed out,
-    # so a source stopped as the fetch began cost connect_timeout_s (5 s by default). Without
-    # an expected fingerprint two of three sources are a majority; with one, one is enough.
+    # The transfer begins without waiting for every source to open or time out, else a
+    # source stopped as the fetch begins costs connect_timeout_s (5 s by default). Without an
+    # expected fingerprint two of three sources are a majority; with one, one is enough.
     servers = await serving(snap, keys, *[TransferServer] * (1 if expected else 2))
     silent, address, accepted = await _silent_source()
     want = snap.fingerprint() if expected else None
@@ -381,9 +381,8 @@ class HeldOpenServer(TransferServer):
 @pytest.mark.parametrize("expected", [False, True], ids=["majority", "expected"])
 async def test_a_source_still_opening_carries_the_transfer_when_the_first_fail(
         snap, keys, expected):
-    # Found by a review: once every running connection had failed, the transfer ended and
-    # cancelled the good source still opening (no_sources_left); before the early start it
-    # was among the sources from the beginning and served everything.
+    # A source still opening carries the transfer when every running connection has failed:
+    # the transfer must not end (no_sources_left) and cancel the good source while it opens.
     corrupt = [CorruptServer] * (1 if expected else 2)
     *bad, good = await serving(snap, keys, *corrupt, HeldOpenServer)
     good.released = lambda: all(s.stats["chunks"] for s in bad)  # each has served one
@@ -400,8 +399,8 @@ async def test_a_source_still_opening_carries_the_transfer_when_the_first_fail(
 
 @pytest.mark.usefixtures("streams_for_small_states")
 async def test_streams_bound_the_connections_counting_sources_still_opening(snap, keys):
-    # Found by a review: extra connections were planned from the sources open when the
-    # transfer began, so a source joining later made three connections of streams=2.
+    # Extra connections are planned counting the sources still opening: planned from those
+    # open when the transfer begins, a source joining later would make three of streams=2.
     first, held = await serving(snap, keys, TransferServer, HeldOpenServer)
     held.released = lambda: bool(first.stats["chunks"])
     try:
@@ -417,8 +416,8 @@ async def test_streams_bound_the_connections_counting_sources_still_opening(snap
 @pytest.mark.usefixtures("streams_for_small_states")
 async def test_a_bug_in_one_receiving_thread_ends_the_others(snap, keys, monkeypatch):
     """``_pump`` catches every Exception; should one escape it anyway, the transfer shuts the
-    other connections down before it raises. Before, the thread pool's exit waited for them
-    with the event loop blocked (here: an hour of ``progress_timeout_s``)."""
+    other connections down before it raises, so that the thread pool's exit does not wait for
+    them with the event loop blocked (here: an hour of ``progress_timeout_s``)."""
     pump = client._Transfer._pump
 
     def buggy(self, s, first):
@@ -741,9 +740,9 @@ async def test_a_stragglers_chunk_handed_to_a_dead_idle_source_still_arrives(sna
     """The straggler rule offers a slow source's chunk to an idle source that died while idle
     (its host gone: the request is never answered); the slow source kept its claim and
     delivers it, and the dead one, holding only a copy of a chunk that is in, is left
-    uncounted. Before: the slow one was dropped ``too_slow`` as its chunk moved, the dead one
-    failed ``no_progress`` on it, and the fetch failed ``no_sources_left`` (found by a review,
-    with a dead source whose connection closed)."""
+    uncounted. Were the slow one dropped ``too_slow`` as its chunk moves, the dead one would
+    fail ``no_progress`` on it and the fetch fail ``no_sources_left`` (as it would with a dead
+    source whose connection closed)."""
     held, handed = asyncio.Event(), asyncio.Event()
 
     class Slow(TransferServer):
@@ -779,7 +778,7 @@ async def test_a_stragglers_chunk_handed_to_a_dead_idle_source_still_arrives(sna
 async def test_refetched_chunks_counts_the_offered_chunks_another_source_took(keys):
     """Two stragglers' chunks are offered at once; the idle source takes the first, and the
     second straggler delivers its own before anyone takes it. ``refetched_chunks`` counts the
-    hand-overs, not the offers (it counted 2 for 1, found by a review)."""
+    hand-overs, not the offers (here 1 hand-over for 2 offers)."""
     snap = Snapshot.capture({"m": {"a": torch.arange(40 * 4096, dtype=torch.uint8)}}, 1,
                             chunk_bytes=4096)
     asked, done = asyncio.Event(), asyncio.Event()
@@ -861,9 +860,9 @@ class DiesAfterTwoChunks(TransferServer):
 
 
 async def test_a_failed_fetch_holds_none_of_its_tensors(snap, keys, monkeypatch):
-    """The exception of a failed fetch keeps nothing it allocated to receive into alive. Before:
-    its traceback's frames held the receive target, so the trainer's next attempt (which keeps
-    the last exception) held two states (found by a review)."""
+    """The exception of a failed fetch keeps nothing it allocated to receive into alive: were
+    the receive target held by its traceback's frames, the trainer's next attempt (which keeps
+    the last exception) would hold two states."""
     allocated: list[weakref.ref] = []
     allocate = Manifest.allocate
 
@@ -950,8 +949,8 @@ async def test_receives_in_place(keys):
 
 async def test_a_sole_source_trickling_bytes_is_kept_to_the_end(keys):
     # "No progress for T" means no byte for T. A receive that moved fewer bytes than its
-    # piece returns them only when the kernel's timeout ends it, and the watchdog, at T too,
-    # raced that: a review saw such a source dropped no_progress after 3 s, 9 s, or never.
+    # piece returns them only when the kernel's timeout ends it; a watchdog at T too would race
+    # that and drop such a source no_progress after 3 s, 9 s, or never, by luck.
     weights = torch.arange(8, dtype=torch.float32)  # 32 bytes: ~6 s at 0.2 s a byte
     source = Snapshot.capture({"m": {"w": weights}}, step=1)
     (server,) = await serving(source, keys, TrickleServer)
@@ -964,8 +963,8 @@ async def test_a_sole_source_trickling_bytes_is_kept_to_the_end(keys):
 
 
 def test_a_refusal_reason_no_server_sends_is_counted_refused():
-    # Any msgpack value can come from a peer without the key: a list or a map raised
-    # TypeError (unhashable) and was counted internal_error, with a traceback (a review).
+    # Any msgpack value can come from a peer without the key: a list or a map must be counted
+    # refused, not raise TypeError (unhashable) and be counted internal_error with a traceback.
     assert Refused.of({"op": "error", "reason": "stale_config"}).reason == "stale_config"
     for reason in ("made_up", ["stale_config"], {"k": 1}, 7, None, b"stale_config"):
         assert Refused.of({"op": "error", "reason": reason}).reason == "refused"
@@ -1064,8 +1063,8 @@ async def test_a_key_holder_past_the_connection_limit_is_told(snap, keys):
 
 async def test_an_unexpected_error_in_a_receiving_thread_fails_only_its_source(snap, keys,
                                                                               monkeypatch):
-    # Before, the thread ended without handing its chunks back and the other source's thread
-    # waited for them forever: fetch never returned.
+    # The failing thread hands its chunks back: if it ended without, the other source's
+    # thread would wait for them forever and fetch never return.
     segments, raised = Snapshot.segments, []
 
     def once(self, index):  # in the first receiving thread only (servers run in this process)
@@ -1108,9 +1107,9 @@ async def test_a_state_that_cannot_be_allocated_fails_the_transfer(snap, keys, m
 
 
 async def test_a_refusal_reaches_a_receiver_with_requests_in_flight(keys):
-    # Before, the server closed with the receiver's pipelined requests unread: that sends a
-    # reset, which threw away what the server had not yet sent (the rest of a chunk and the
-    # error frame), and the receiver counted "closed".
+    # The server must not close with the receiver's pipelined requests unread: that sends a
+    # reset, which throws away what the server has not yet sent (the rest of a chunk and the
+    # error frame), and the receiver would count "closed".
     snap = Snapshot.capture({"m": {"w": torch.rand(1 << 20)}}, 1, copy=True, chunk_bytes=1 << 20)
     (server,) = await serving(snap, keys, TransferServer)
     sock = socket.socket()

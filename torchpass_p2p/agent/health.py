@@ -310,7 +310,7 @@ _Found = list[tuple[tuple[Any, ...], HealthFault]]  # (dedup key, fault) found b
 class HealthMonitor:
     """Watches one GPU through NVML; see the module docstring.
 
-    ``nvml`` is the ``pynvml`` module or a :class:`~torchpass_p2p.agent.fake_nvml.FakeNvml`;
+    ``nvml`` is the ``pynvml`` module or a :class:`~torchpass_p2p.testing.fake_nvml.FakeNvml`;
     ``None`` imports ``pynvml`` lazily (first poll). ``device_index`` ``None`` picks the device
     from ``LOCAL_RANK`` and ``CUDA_VISIBLE_DEVICES`` in ``env`` (default ``os.environ``), see
     :func:`resolve_device`. ``clock`` only stamps faults and polls; waits use real time.

@@ -283,7 +283,8 @@ class AgentRuntime:
                                        self._pulse_secrets, self._on_silent, clock=self._clock,
                                        key_for=self.transport.peer_key_id)
             await self._prober.start(self.address[0])
-        self._driver = asyncio.create_task(self._drive(), name=f"agent-{self.member_id:016x}")
+        self._driver = asyncio.create_task(self._drive(),
+                                           name=f"agent-{format_member_id(self.member_id)}")
         self._driver.add_done_callback(self._driver_ended)
         self._flush()
 
@@ -770,7 +771,7 @@ class AgentRuntime:
         """
         address = self.configuration.addresses.get(member) or self._joiner_addresses.get(member)
         if address is None:
-            raise TransportError(f"no address for member {member:016x}")
+            raise TransportError(f"no address for member {format_member_id(member)}")
         if member == self.member_id:
             address = self.address or address
         deadline = self._clock() + timeout_s
@@ -778,8 +779,8 @@ class AgentRuntime:
             left = deadline - self._clock()
             hold_s = min(SERVICE_HOLD_S, left - SERVICE_RETRY_S)  # answered before our deadline
             if hold_s <= 0:  # (not a flurry of ever shorter holds at the end)
-                raise TransportError(f"member {member:016x} serves no {name!r} for config "
-                                     f"{config_id} after {timeout_s} s")
+                raise TransportError(f"member {format_member_id(member)} serves no {name!r} "
+                                     f"for config {config_id} after {timeout_s} s")
             body = msgpack.packb([name, config_id, hold_s])
             try:
                 kind, reply = await self.transport.request(address, Kind.SERVICE_REQUEST, body,
@@ -791,8 +792,8 @@ class AgentRuntime:
             if type(port) is int and 0 < port < 65536:
                 return address[0], port
             if type(port) is int and port == 0:
-                raise NotServed(f"member {member:016x} does not serve {name!r} for config "
-                                f"{config_id}")
+                raise NotServed(f"member {format_member_id(member)} does not serve {name!r} "
+                                f"for config {config_id}")
 
     # ------------------------------------------------------------------ keys
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from torchpass_p2p.config import ConfigError, params_from_mapping
 from torchpass_p2p.core.configuration import Address, Configuration
-from torchpass_p2p.core.messages import MAX_MEMBER_ID, MemberId, Topology
+from torchpass_p2p.core.messages import MAX_MEMBER_ID, MemberId, Topology, format_member_id
 from torchpass_p2p.core.params import Params
 from torchpass_p2p.core.plan import Policy
 from torchpass_p2p.core.seal import KEY_BYTES, Keyring
@@ -108,7 +108,8 @@ class AgentSettings:
         if self.configuration is None and not self.seeds:
             raise SettingsError("a joining member needs seeds (TORCHPASS_SEEDS)")
         if self.configuration is not None and self.member_id not in self.configuration:
-            raise SettingsError(f"member {self.member_id:016x} is not in configuration 0")
+            raise SettingsError(f"member {format_member_id(self.member_id)} is not in "
+                                "configuration 0")
         if self.hang_timeout_s is not None and not self.hang_timeout_s > 0:
             raise SettingsError("hang_timeout_s must be positive")
 

@@ -40,6 +40,8 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from torchpass_p2p.core.messages import format_member_id
+
 from .reduce import divide, from_shards, sum_in_rank_order, to_shards
 from .rendezvous import STORE_TIMEOUT_S, ServiceDirectory, StoreKeeper, connect_store
 
@@ -121,7 +123,7 @@ class GroupSpec:
         """
         rank = configuration.rank_of(member_id)
         if rank is None:
-            raise ValueError(f"member {member_id:016x} holds no rank in configuration "
+            raise ValueError(f"member {format_member_id(member_id)} holds no rank in configuration "
                              f"{configuration.config_id}")
         if configuration.vacant_ranks:
             raise ValueError(f"configuration {configuration.config_id} has vacant ranks "

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
+from torchpass_p2p.core.messages import format_member_id
+
 from .data import DataLoader, DistributedSampler
 from .model import DistributedDataParallel
 from .session import JobMismatch, Session, current, install
@@ -78,7 +80,8 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
     if seed is None:
         seed = int(os.environ.get("TORCHPASS_SEED", "0"))
     log_dir = os.environ.get("TORCHPASS_LOG_DIR")
-    log_path = None if not log_dir else os.path.join(log_dir, f"{agent.member_id:016x}.jsonl")
+    log_path = (None if not log_dir
+                else os.path.join(log_dir, f"{format_member_id(agent.member_id)}.jsonl"))
     session = Session(agent, seed=seed, exact=exact, backend=backend, log_path=log_path,
                       state_transport=state_transport)
     install(session)

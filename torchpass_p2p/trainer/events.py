@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torchpass_p2p.core.messages import format_member_id
+
 __all__ = ["EventLog"]
 
 
@@ -27,7 +29,7 @@ class EventLog:
 
     def __init__(self, path: str | os.PathLike[str] | None, member: int, *,
                  sink: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.member = f"{member:016x}"
+        self.member = format_member_id(member)
         self._sink = sink
         self._file = None
         if path is not None:

@@ -91,6 +91,7 @@ from torchpass_p2p.collective import (
     unflatten_into,
 )
 from torchpass_p2p.collective.rendezvous import store_service
+from torchpass_p2p.core.messages import format_member_id
 from torchpass_p2p.core.params import Params
 from torchpass_p2p.launch.outcome import JOB_STOPS, no_majority_left
 from torchpass_p2p.launch.plan import format_address
@@ -889,7 +890,8 @@ class Trainer:
             assert last is not None
             raise last
         return self._restored(result, config_id, time.monotonic() - t0, len(addresses),
-                              {f"{found[a]:016x}": n for a, n in result.bytes_by_source.items()})
+                              {format_member_id(found[a]): n
+                               for a, n in result.bytes_by_source.items()})
 
     def _fetch_progress(self, config_id: int, step: int
                         ) -> Callable[[int, int], None] | None:
@@ -992,9 +994,9 @@ class Trainer:
         self.log("change", config_id=change.configuration.config_id,
                  plan_hash=f"{plan.hash:016x}", decided_at=change.decided_at,
                  ready_at=change.ready_at,
-                 resume_step=plan.resume_step, removed=[f"{m:016x}" for m in plan.removed],
-                 joined=[f"{m:016x}" for m in plan.joined],
-                 assignments=[[r, f"{m:016x}"] for r, m in plan.assignments],
+                 resume_step=plan.resume_step, removed=[format_member_id(m) for m in plan.removed],
+                 joined=[format_member_id(m) for m in plan.joined],
+                 assignments=[[r, format_member_id(m)] for r, m in plan.assignments],
                  same_ranks=same_ranks, alerts_at=alerts)
 
     # ------------------------------------------------------------------ the end

@@ -13,7 +13,7 @@ Scripting, all thread-safe::
     nvml.gpu.ecc_uncorrected = 2           # volatile uncorrectable ECC count
     nvml.gpu.remapped_rows = (0, 1, 1, 0)  # (correctable, uncorrectable, pending, failure)
     nvml.gpu.remapped_rows = None          # pre-Ampere: NotSupported, use retired pages
-    nvml.gpu.recovery_action = 4           # field 230 (GPU.md: 4 = drain and reset)
+    nvml.gpu.recovery_action = 4           # field 230 (4: NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET)
     nvml.gpu.clocks_event_reasons = 0x40   # HwThermalSlowdown
     nvml.gpu.lost = True                   # every call on this GPU raises NVMLError_GpuIsLost
     nvml.push_xid(79)                      # an XID event for every registered event set
