@@ -212,7 +212,8 @@ class FaultInjector:
     def arrivals(self, rate_per_gpu_hour: float, start: float, until: float) -> int:
         """Crash members at the times of a Poisson process with the fleet's total rate
         (``rate_per_gpu_hour`` * members / 3600 per second). Returns how many were scheduled.
-        Rates come from shared/data/failure_rates.json (e.g. Llama 3: 1.973e-5 per GPU-hour)."""
+        Rates come from sims/fleetmodel/data/failure_rates.json (e.g. Llama 3: 1.973e-5 per
+        GPU-hour)."""
         members = list(self.cluster.members)
         total_per_s = rate_per_gpu_hour * len(members) / 3600.0
         if total_per_s <= 0:

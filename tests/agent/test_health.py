@@ -32,8 +32,8 @@ from torchpass_p2p.testing.fake_nvml import FakeNvml
 
 NOW = 100.0
 WAIT_S = 10.0  # upper bound for anything a thread should deliver; never a speed assertion
-HANG_DETAIL = ("did not return within 0.2 s and is still blocked (GPU.md: a missed NVML "
-               "deadline is a health failure in itself)")
+HANG_DETAIL = ("did not return within 0.2 s and is still blocked (a missed NVML deadline is "
+               "a health failure in itself)")
 
 
 def clock() -> float:

@@ -1,4 +1,4 @@
-"""S18 and S05 with live agents and a fake NVML (shared/scenarios/SCENARIOS.md).
+"""S18 and S05 with live agents and a fake NVML (docs/scenarios.md).
 
 S18: NVML reports an uncorrectable ECC error on a GPU that still runs: its member drains and a
 spare takes its rank proactively. S05: every NVML call of one member blocks; the hang is reported

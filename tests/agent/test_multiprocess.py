@@ -1,4 +1,4 @@
-"""Scenarios with real processes under the real launcher (shared/scenarios/SCENARIOS.md, MP).
+"""Scenarios with real processes under the real launcher (docs/scenarios.md, MP).
 
 Every member is its own Python process started by ``torchpass-p2p launch`` running
 ``tests/agent/mp_member.py``: an agent in a background thread and a stand-in training loop that

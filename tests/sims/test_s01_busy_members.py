@@ -1,4 +1,4 @@
-"""S01 busy members (shared/scenarios/SCENARIOS.md), in the simulator.
+"""S01 busy members (docs/scenarios.md), in the simulator.
 
 32 ranks + 4 spares at 1 % loss. Three ranks spend half their time with the event loop blocked in
 chunks of 0.8-3 s (FaultInjector.busy, duty 0.5). Must hold: no spare promoted, no process group

@@ -1,4 +1,4 @@
-"""S02 a sick accuser (shared/scenarios/SCENARIOS.md), in the simulator.
+"""S02 a sick accuser (docs/scenarios.md), in the simulator.
 
 16 ranks + 2 spares at 1 % loss. One rank is overloaded and about to leave: from t = 10 s its
 NIC drops 30 % of its datagrams both ways (gray failure), its loop is starved in short chunks

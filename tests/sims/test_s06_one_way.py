@@ -1,4 +1,4 @@
-"""S06 one-way isolation (shared/scenarios/SCENARIOS.md), in the simulator.
+"""S06 one-way isolation (docs/scenarios.md), in the simulator.
 
 12 ranks + 2 spares at 1 % loss, training 1 s steps. At t = 30 s one rank loses one direction of
 its network: ``deaf`` (it can send but receives nothing) or ``mute`` (it receives but every send

@@ -1,4 +1,4 @@
-"""S08 halves (shared/scenarios/SCENARIOS.md), in the simulator.
+"""S08 halves (docs/scenarios.md), in the simulator.
 
 8 ranks + 2 spares at 1 % loss, training 1 s steps. At t = 20 s the network splits in two,
 4 | 4+2 or 5+1 | 3+1, for 60 s, then heals. A removed process comes back, as its launcher would

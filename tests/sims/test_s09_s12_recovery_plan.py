@@ -1,4 +1,4 @@
-"""S09 same plan for everyone and S12 two at once (shared/scenarios/SCENARIOS.md), the parts that
+"""S09 same plan for everyone and S12 two at once (docs/scenarios.md), the parts that
 run in the simulator: which configuration, which plan, which step. The multi-process halves (real
 collectives, no hang) belong to the runtime's end-to-end tests.
 

@@ -1,4 +1,4 @@
-"""S14 throttled GPU (shared/scenarios/SCENARIOS.md), in the simulator.
+"""S14 throttled GPU (docs/scenarios.md), in the simulator.
 
 16 ranks + 2 spares at 1 % loss, 1 s steps with +-10 % per-step jitter on every rank. From
 t = 20 s one rank's step time ramps linearly to 3x over 180 s (thermal throttling: no error).

@@ -6,7 +6,7 @@ A :class:`HealthMonitor` watches one GPU. Every NVML call goes through :class:`_
 single daemon thread executes the call while the asking thread waits at most the call's
 deadline. A call that misses it is the fault ``nvml_hang`` at once, although the runner thread
 stays inside the call (NVML calls can block indefinitely, even unkillably, on a failing GPU;
-GPU.md, NVML section, last item). While that call is stuck nothing new is sent to NVML, so stuck
+docs/gpu.md, NVML health, a hung call). While that call is stuck nothing new is sent to NVML, so stuck
 threads never pile up; once it returns, polling resumes by itself.
 
 Latency of a hang (S05): reported ``call_deadline_s`` after the stuck call began. With XID
@@ -21,8 +21,8 @@ directly. :meth:`HealthMonitor.start` runs a daemon worker thread that polls eve
 an asyncio loop: ``on_fault`` runs on the worker (or on whichever thread called ``poll_once``),
 and the agent marshals it with ``loop.call_soon_threadsafe``.
 
-What is read, and why (all from shared/GPU.md, "NVML health", which follows NVIDIA's NVML API
-reference and XID catalog):
+What is read, and why (docs/gpu.md, "NVML health", which follows NVIDIA's NVML API reference
+and XID catalog):
 
 - XID events: ``nvmlEventSetCreate``, ``nvmlDeviceRegisterEvents(h,
   nvmlEventTypeXidCriticalError, set)``, ``nvmlEventSetWait_v2`` (``eventData`` is the XID).
@@ -79,7 +79,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# --- facts from shared/GPU.md (NVIDIA XID catalog, NVML API reference) -----------------------
+# --- facts from docs/gpu.md (NVIDIA XID catalog, NVML API reference) -------------------------
 
 FATAL_XIDS: frozenset[int] = frozenset(
     {46, 48, 62, 64, 74, 79, 95, 109, 110, 119, 120, 136, 140, *range(143, 151), 155, 156, 158,
@@ -115,10 +115,10 @@ _VALUE_ATTR: dict[int, str] = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4
 
 DEFAULT_INIT_DEADLINE_S = 30.0
 """``nvmlInit`` touches every GPU and is slow without persistence mode; NVIDIA's own health
-monitor allows 45 s per probe, cheap queries 5-10 s (GPU.md)."""
+monitor allows 45 s per probe, cheap queries 5-10 s (docs/gpu.md)."""
 
 DEFAULT_EVENT_WAIT_S = 1.0
-"""One ``nvmlEventSetWait_v2`` wait (GPU.md: ~1 s); it is clamped to half the call deadline so
+"""One ``nvmlEventSetWait_v2`` wait (docs/gpu.md: ~1 s); it is clamped to half the call deadline so
 that a hang inside the wait is still reported within ``call_deadline_s``."""
 
 MAX_EVENTS_PER_DRAIN = 64
@@ -429,8 +429,8 @@ class HealthMonitor:
                 self._stuck = {"call": hung.call, "since": self._clock()}
             found.append(((FaultKind.NVML_HANG,), self._fault(
                 FaultKind.NVML_HANG, Severity.MIGRATE,
-                f"{hung} and is still blocked (GPU.md: a missed NVML deadline is a health "
-                f"failure in itself)")))
+                f"{hung} and is still blocked (a missed NVML deadline is a health failure in "
+                f"itself)")))
         except (_Busy, _Closed):
             pass  # the stuck call was reported when it missed its deadline
         except Exception as exc:

@@ -615,9 +615,10 @@ class PgTransport(Transport):
         :meth:`_staged_lane`): gloo reports a receive complete only once it is waited on, so
         one thread waiting in posting order would hear of a healthy source's last chunks only
         after a slow source's window, and with chunks slower than ~0.75 T the healthy source,
-        waiting 3T for a word, would conclude receiver_lost (test_pg_failover's ``slower``). Over NCCL one thread posts every receive (a communicator is not for use
-        from several threads at once) and takes first those that report completion (a CUDA
-        event): :meth:`_staged_serial`."""
+        waiting 3T for a word, would conclude receiver_lost (test_pg_failover's ``slower``).
+        Over NCCL one thread posts every receive (a communicator is not for use from several
+        threads at once) and takes first those that report completion (a CUDA event):
+        :meth:`_staged_serial`."""
         if not self.staged_lanes():
             self._staged_serial(staging, assign, alive, target, tag, timeout_s, drop, speak,
                                 stop)
