@@ -5,8 +5,8 @@ Theory of operation
 A :class:`HealthMonitor` watches one GPU. Every NVML call goes through :class:`_CallRunner`: a
 single daemon thread executes the call while the asking thread waits at most the call's
 deadline. A call that misses it is the fault ``nvml_hang`` at once, although the runner thread
-stays inside the call (NVML calls can block indefinitely, even unkillably, on a failing GPU;
-docs/gpu.md, NVML health, a hung call). While that call is stuck nothing new is sent to NVML, so stuck
+stays inside the call (NVML calls can block indefinitely, even unkillably, on a failing GPU:
+docs/gpu.md, "NVML health"). While that call is stuck nothing new is sent to NVML, so stuck
 threads never pile up; once it returns, polling resumes by itself.
 
 Latency of a hang (S05): reported ``call_deadline_s`` after the stuck call began. With XID
