@@ -12,7 +12,7 @@ import torch
 
 from torchpass_p2p.checkpoint import CheckpointSettings, Every, NotSameJob
 from torchpass_p2p.checkpoint.store import DCP_METADATA, MARKER, checkpoint_path, steps_on_disk
-from torchpass_p2p.checkpoint.writer import CheckpointError, Checkpointer, load
+from torchpass_p2p.checkpoint.writer import Checkpointer, CheckpointError, load
 from torchpass_p2p.transfer import Snapshot
 
 JOB = {"model": "mlp", "epochs": 3, "world_size": 2}

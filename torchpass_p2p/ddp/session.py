@@ -150,6 +150,14 @@ class Session(Trainer):
         """Where and how often rank 0 saves (``docs/checkpoints.md``); None: no checkpoints."""
         self.checkpointer: Checkpointer | None = None
         self.service.start()
+        resume = None if self.checkpoint_settings is None else self.checkpoint_settings.resume_step
+        if resume and not self._started_as_spare():
+            # A rank resuming at step k holds every step before it as committed, from its
+            # agent's start on: a change decided before the checkpoint is loaded (a member
+            # suspected during the start-up) must not plan a resume at step 0, which nobody
+            # holds (seen once under load: "no state source for configuration 1"). If the
+            # load fails, this member stops (exit 5) and holds no rank any more.
+            agent.report_progress(resume - 1)
         if self._started_as_spare():
             # What the script does once a spare holds a rank is on the recovery's critical
             # path; torch's DDP constructor imports torch._dynamo (seconds), so a spare
