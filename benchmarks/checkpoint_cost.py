@@ -8,7 +8,9 @@ One job of :mod:`benchmarks.checkpoint_worker` (an MLP of about 3.2M parameters,
 alternate blocks of ``--block`` steps, so both sides share the process, the data and the
 machine's load. A block's figure is its *mean* step time (a save's cost lands in a few steps:
 a median would hide it); ``ratio`` is, per pair of adjacent blocks (on, then off), the on
-block's over the off block's, and the figure printed is the median of those ratios.
+block's over the off block's, and the figure printed is the median of those ratios; the same
+for rank 0's CPU time per step (all its threads: the writer's too), less disturbed than wall
+time where the machine is shared.
 
 The default ``--every 10`` saves every 10 steps, far more often than the default interval
 (Young's ``sqrt(2 C M)``): the measured ratio is an upper bound. ``extra_per_save_s`` (what one
@@ -62,30 +64,45 @@ def run(work: Path, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict
     return json.loads(out.read_text()), saved
 
 
+def compare(per_step: list[float], on: list[bool], block: int, saves_per_block: int
+            ) -> dict[str, Any]:
+    """Per pair of adjacent blocks (on, then off): the ratio of their mean step times, and
+    what one save added (seconds); medians over the pairs."""
+    blocks = [(on[start], statistics.fmean(per_step[start:start + block]))
+              for start in range(0, len(per_step), block)]
+    pairs = [(a[1], b[1]) for a, b in zip(blocks[::2], blocks[1::2], strict=False)
+             if a[0] and not b[0]]
+    ratios = [a / b for a, b in pairs]
+    return {"ratio": statistics.median(ratios), "ratios": ratios,
+            "on_s": statistics.median(a for a, _ in pairs),
+            "off_s": statistics.median(b for _, b in pairs),
+            "extra_per_save_s": statistics.median((a - b) * block / saves_per_block
+                                                  for a, b in pairs)}
+
+
 def figures(timings: dict[str, Any], saved: list[dict[str, Any]],
             args: argparse.Namespace) -> dict[str, Any]:
-    step_s, on = timings["step_s"], timings["on"]
-    blocks: list[tuple[bool, float]] = []
-    for start in range(0, len(step_s), args.block):
-        block = step_s[start:start + args.block]
-        blocks.append((on[start], statistics.fmean(block)))
-    ratios = [a[1] / b[1] for a, b in zip(blocks[::2], blocks[1::2], strict=False)
-              if a[0] and not b[0]]
-    on_s = statistics.median(m for o, m in blocks if o)
-    off_s = statistics.median(m for o, m in blocks if not o)
     saves_per_block = args.block // args.every
-    extra = statistics.median((a[1] - b[1]) * args.block / saves_per_block
-                              for a, b in zip(blocks[::2], blocks[1::2], strict=False))
+    wall = compare(timings["step_s"], timings["on"], args.block, saves_per_block)
+    cpu = compare(timings["cpu_step_s"], timings["on"], args.block, saves_per_block)
     stage_s = statistics.median(r["stage_s"] for r in saved)
     young_s = young_interval_s(stage_s, DEFAULT_MTBF_S)
+
+    def at_young(extra: float) -> float:
+        return max(extra, 0.0) / young_s if young_s > 0 else 0.0
+
     return {
-        "ratio": statistics.median(ratios), "ratios": ratios, "target_ratio": TARGET_RATIO,
-        "mean_step_on_s": on_s, "mean_step_off_s": off_s, "every_steps": args.every,
-        "saves": len(saved), "state_bytes": timings["state_bytes"],
+        "ratio": wall["ratio"], "ratios": wall["ratios"], "target_ratio": TARGET_RATIO,
+        "mean_step_on_s": wall["on_s"], "mean_step_off_s": wall["off_s"],
+        "cpu_ratio": cpu["ratio"], "cpu_ratios": cpu["ratios"],
+        "cpu_step_on_s": cpu["on_s"], "cpu_step_off_s": cpu["off_s"],
+        "every_steps": args.every, "saves": len(saved), "state_bytes": timings["state_bytes"],
         "parameters": timings["parameters"],
         "stage_s": stage_s, "save_s": statistics.median(r["save_s"] for r in saved),
-        "extra_per_save_s": extra, "young_interval_s": young_s,
-        "young_fraction": max(extra, 0.0) / young_s if young_s > 0 else None,
+        "extra_per_save_s": wall["extra_per_save_s"],
+        "cpu_per_save_s": cpu["extra_per_save_s"], "young_interval_s": young_s,
+        "young_fraction": at_young(wall["extra_per_save_s"]),
+        "young_cpu_fraction": at_young(cpu["extra_per_save_s"]),
         "mtbf_s": DEFAULT_MTBF_S, "machine": {"cpus": os.cpu_count(),
                                               "load_average": os.getloadavg()},
     }
@@ -120,12 +137,16 @@ def main() -> int:
           f"{result['mean_step_off_s'] * 1e3:.1f} ms; median ratio on/off "
           f"{result['ratio']:.4f} (target <= {TARGET_RATIO}); ratios "
           + ", ".join(f"{r:.3f}" for r in result["ratios"]))
+    print(f"  CPU time of rank 0 a step: on {result['cpu_step_on_s'] * 1e3:.1f} ms, off "
+          f"{result['cpu_step_off_s'] * 1e3:.1f} ms; median ratio {result['cpu_ratio']:.4f}")
     print(f"  a save: {result['stage_s'] * 1e3:.1f} ms on the training thread, "
           f"{result['save_s'] * 1e3:.0f} ms to its commit; it added "
-          f"{result['extra_per_save_s'] * 1e3:.1f} ms to its block")
+          f"{result['extra_per_save_s'] * 1e3:.1f} ms of wall time to its block, "
+          f"{result['cpu_per_save_s'] * 1e3:.1f} ms of CPU time")
     print(f"  at the default interval (Young, MTBF {DEFAULT_MTBF_S:g} s: every "
           f"{result['young_interval_s']:.1f} s) that is {result['young_fraction'] * 100:.3f} % "
-          f"of training time; load average {result['machine']['load_average'][0]:.1f} on "
+          f"of training time ({result['young_cpu_fraction'] * 100:.3f} % in CPU time); load "
+          f"average {result['machine']['load_average'][0]:.1f} on "
           f"{result['machine']['cpus']} CPUs")
     return 0
 

@@ -7,6 +7,8 @@ both sides) and times every step.
 Rank 0 reads ``time.perf_counter()`` before the first batch and after every
 ``optimizer.step()``; a step's time is the difference of consecutive readings. It writes
 ``--out`` as one JSON object: ``step_s`` (seconds per step, the ``--warmup`` steps dropped),
+``cpu_step_s`` (the CPU time of rank 0's process in each, all its threads: the checkpoint
+writer's too),
 ``on`` (per timed step, whether checkpoints were on), ``parameters``, ``state_bytes`` and the
 arguments. The first block after the warm-up is "on"; blocks alternate from there.
 """
@@ -61,7 +63,7 @@ def main() -> int:
     ddp = tp.DistributedDataParallel(model)
     tp.track(optimizer)
     session = current()
-    ends, on = [time.perf_counter()], []
+    ends, cpu, on = [time.perf_counter()], [time.process_time()], []
     for epoch in tp.epochs(0, 1):
         loader.sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
@@ -73,14 +75,16 @@ def main() -> int:
             F.cross_entropy(ddp(x), y).backward()
             optimizer.step()
             ends.append(time.perf_counter())
+            cpu.append(time.process_time())
             on.append(enabled)
     if rank == 0:
         step_s = [b - a for a, b in zip(ends, ends[1:], strict=False)][args.warmup:]
+        cpu_s = [b - a for a, b in zip(cpu, cpu[1:], strict=False)][args.warmup:]
         state_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         state_bytes += sum(t.numel() * t.element_size() for s in optimizer.state.values()
                            for t in s.values() if isinstance(t, torch.Tensor))
         Path(args.out).write_text(json.dumps({
-            "step_s": step_s, "on": on[args.warmup:], "world_size": world,
+            "step_s": step_s, "cpu_step_s": cpu_s, "on": on[args.warmup:], "world_size": world,
             "parameters": sum(p.numel() for p in model.parameters()),
             "state_bytes": state_bytes, "args": vars(args)}))
     tp.destroy_process_group()
