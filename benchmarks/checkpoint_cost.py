@@ -1,16 +1,17 @@
 """Fault-free cost of last-resort checkpoints: step time with checkpoints on against off, in
 one run, interleaved.
 
-Run ``python -m benchmarks.checkpoint_cost [--json] [--every 10] [--blocks 10] [--block 20]``.
+Run ``python -m benchmarks.checkpoint_cost [--json] [--every 10] [--blocks 16] [--block 20]``.
 One job of :mod:`benchmarks.checkpoint_worker` (an MLP of about 3.2M parameters, AdamW: about
 38 MB of state; 2 ranks, gloo, one thread each) runs under ``torchpass-p2p launch
 --checkpoint-every EVERY``; its rank 0, the one that writes, switches checkpoints on and off in
-alternate blocks of ``--block`` steps, so both sides share the process, the data and the
-machine's load. A block's figure is its *mean* step time (a save's cost lands in a few steps:
-a median would hide it); ``ratio`` is, per pair of adjacent blocks (on, then off), the on
-block's over the off block's, and the figure printed is the median of those ratios; the same
-for rank 0's CPU time per step (all its threads: the writer's too), less disturbed than wall
-time where the machine is shared.
+blocks of ``--block`` steps (on, off, off, on, on, off, ...: pairs in alternate order, against a
+drift of the load), so both sides share the process, the data and the machine's load. A
+block's figure is its *mean* step time (a save's cost lands in a few steps: a median would hide
+it); ``ratio`` is, per pair of adjacent blocks (one of each, in either order), the on block's
+over the off block's, and the figure printed is the median of those ratios; the same for rank
+0's CPU time per step (all its threads: the writer's too), less disturbed than wall time where
+the machine is shared.
 
 The default ``--every 10`` saves every 10 steps, far more often than the default interval
 (Young's ``sqrt(2 C M)``): the measured ratio is an upper bound. ``extra_per_save_s`` (what one
@@ -66,12 +67,14 @@ def run(work: Path, args: argparse.Namespace) -> tuple[dict[str, Any], list[dict
 
 def compare(per_step: list[float], on: list[bool], block: int, saves_per_block: int
             ) -> dict[str, Any]:
-    """Per pair of adjacent blocks (on, then off): the ratio of their mean step times, and
-    what one save added (seconds); medians over the pairs."""
+    """Per pair of adjacent blocks (one on, one off, in either order): the ratio of their mean
+    step times, and what one save added (seconds); medians over the pairs."""
     blocks = [(on[start], statistics.fmean(per_step[start:start + block]))
               for start in range(0, len(per_step), block)]
-    pairs = [(a[1], b[1]) for a, b in zip(blocks[::2], blocks[1::2], strict=False)
-             if a[0] and not b[0]]
+    pairs = []
+    for a, b in zip(blocks[::2], blocks[1::2], strict=False):
+        if a[0] != b[0]:
+            pairs.append((a[1], b[1]) if a[0] else (b[1], a[1]))
     ratios = [a / b for a, b in pairs]
     return {"ratio": statistics.median(ratios), "ratios": ratios,
             "on_s": statistics.median(a for a, _ in pairs),
@@ -111,15 +114,16 @@ def figures(timings: dict[str, Any], saved: list[dict[str, Any]],
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--every", type=int, default=10, help="steps between saves (default 10)")
-    ap.add_argument("--blocks", type=int, default=10, help="blocks, half on (default 10)")
+    ap.add_argument("--blocks", type=int, default=16,
+                    help="blocks, half on, a multiple of 4 (default 16)")
     ap.add_argument("--block", type=int, default=20, help="steps a block (default 20)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args()
-    if args.block % args.every or args.blocks % 2:
-        ap.error("--block must be a multiple of --every, --blocks even")
+    if args.block % args.every or args.blocks % 4:
+        ap.error("--block must be a multiple of --every, --blocks a multiple of 4")
     with tempfile.TemporaryDirectory(prefix="checkpoint-cost-") as tmp:
         try:
             timings, saved = run(Path(tmp), args)
@@ -131,7 +135,7 @@ def main() -> int:
         print(json.dumps(result))
         return 0
     print(f"checkpoint cost: {result['parameters']:,} parameters, {result['state_bytes']:,} "
-          f"bytes of state, 2 ranks, a save every {args.every} steps in alternate blocks of "
+          f"bytes of state, 2 ranks, a save every {args.every} steps in blocks of "
           f"{args.block} steps ({result['saves']} saves)")
     print(f"  mean step on {result['mean_step_on_s'] * 1e3:.1f} ms, off "
           f"{result['mean_step_off_s'] * 1e3:.1f} ms; median ratio on/off "

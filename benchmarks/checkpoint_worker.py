@@ -1,6 +1,6 @@
 """The training script of :mod:`benchmarks.checkpoint_cost`: an adopted DDP script (an MLP,
 AdamW, a DataLoader with a DistributedSampler) run under ``torchpass-p2p launch`` with
-``--checkpoint-every``, whose rank 0 switches its checkpoints on and off in alternate blocks of
+``--checkpoint-every``, whose rank 0 switches its checkpoints on and off in blocks of
 ``--block`` steps (``Checkpointer.enabled``: the same process, model, data and machine load on
 both sides) and times every step.
 
@@ -10,7 +10,9 @@ Rank 0 reads ``time.perf_counter()`` before the first batch and after every
 ``cpu_step_s`` (the CPU time of rank 0's process in each, all its threads: the checkpoint
 writer's too),
 ``on`` (per timed step, whether checkpoints were on), ``parameters``, ``state_bytes`` and the
-arguments. The first block after the warm-up is "on"; blocks alternate from there.
+arguments. After the warm-up, blocks go on, off, off, on, on, off, off, on, ...: each pair of
+blocks has one of each, the pairs in alternate order, so a drift of the machine's load over the
+run reaches both sides alike.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def main() -> int:
         loader.sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
             timed = i - args.warmup
-            enabled = timed >= 0 and (timed // args.block) % 2 == 0
+            enabled = timed >= 0 and (timed // args.block) % 4 in (0, 3)
             if session.checkpointer is not None:
                 session.checkpointer.enabled = enabled
             optimizer.zero_grad()
