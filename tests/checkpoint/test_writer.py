@@ -146,10 +146,13 @@ def test_one_save_at_a_time_and_the_newest_kept(tmp_path: Path) -> None:
     for k in range(1, 9):
         train(objects, 1)
         step[0] = k
+        if k % 2 == 0:
+            writer.close()  # this boundary finds none in flight: it saves
+        busy = writer.busy  # only this thread starts saves: busy cannot become True meanwhile
         if writer.maybe_save(k):
             started.append(k)
-        if k % 2 == 0:
-            writer.close()  # the next boundary finds none in flight
+        else:
+            assert busy and k % 2 == 1  # due at every step: skipped only while one is in flight
     writer.close()
     assert writer.saves == len(started) and {2, 4, 6, 8} <= set(started)
     assert steps_on_disk(tmp_path) == started[-2:]
