@@ -9,6 +9,8 @@ script uses (``tests/ddp/test_features.py`` runs it under the launcher, 3 ranks 
 * ``--dcp DIR``: at the end of each epoch every rank saves the model and optimizer with
   ``torch.distributed.checkpoint`` (no process group: ``no_dist=True``) to
   ``DIR/epoch{E}/rank{R}``;
+* ``--sleep S``: sleep ``S`` seconds after each optimizer step (a slower job, so that a test
+  can act while it trains);
 * ``--odd-epochs N``: the process started as rank 2 (``RANK=2`` in its environment at start)
   runs ``N`` epochs instead of ``--epochs``: another job, refused at its join.
 
@@ -20,6 +22,7 @@ fingerprint of the whole tracked state (model, optimizer, scheduler, data positi
 
 import argparse
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +87,7 @@ def main():
     ap.add_argument("--compile", default="")
     ap.add_argument("--dcp", default="")
     ap.add_argument("--odd-epochs", type=int)
+    ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--state-transport", default="auto")
     args = ap.parse_args()
     stop = args.epochs
@@ -121,6 +125,8 @@ def main():
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad()
+                if args.sleep:
+                    time.sleep(args.sleep)
             else:
                 with model.no_sync():
                     loss = F.cross_entropy(model(x), y) / args.accum

@@ -18,6 +18,7 @@ import os
 import sys
 
 from torchpass_p2p.agent.settings import SettingsError, parse_address
+from torchpass_p2p.checkpoint import DEFAULT_KEEP, DEFAULT_MTBF_S
 from torchpass_p2p.cli import plain
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import Topology
@@ -82,8 +83,23 @@ def add_parser(
                    help="this host's position in --nodes (default: $SLURM_NODEID, else 0)")
     p.add_argument("--run-id", default=None, metavar="ID",
                    help="a name for this run, the same on every host (member ids derive from "
-                        "it and the key, so use a new one for each run) (default in Slurm: "
+                        "it and the key, so use a new one for each run; a resume from "
+                        "--checkpoint-dir needs the run's own) (default in Slurm: "
                         "slurm-$SLURM_JOB_ID.$SLURM_STEP_ID)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="last-resort checkpoints (torch.distributed.checkpoint) go there; a "
+                        "launch with the same --run-id and DIR resumes from the newest "
+                        "complete one (docs/checkpoints.md; needs --run-id)")
+    p.add_argument("--checkpoint-every", default="auto", metavar="N|Ts|auto",
+                   help="steps (200) or seconds (90s, 15m, 2h) between checkpoints; auto: "
+                        "Young's sqrt(2 x save cost x --mtbf-correlated), the cost measured "
+                        "at the first save (default: auto)")
+    p.add_argument("--checkpoint-keep", type=int, default=DEFAULT_KEEP, metavar="K",
+                   help=f"complete checkpoints kept (default: {DEFAULT_KEEP})")
+    p.add_argument("--mtbf-correlated", type=float, default=DEFAULT_MTBF_S, metavar="SECONDS",
+                   help="mean time between failures in-memory recovery cannot cover (launcher "
+                        "or host lost, no majority left), for auto (default: "
+                        f"{DEFAULT_MTBF_S:g}, a placeholder: set your cluster's)")
     p.add_argument("script", metavar="SCRIPT", help="the Python training script")
     p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
                    help="arguments for the script")
@@ -107,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
             nodes=nodes, node_rank=node_rank, run_id=placed.run_id,
             topology=args.topology, key_file=args.key_file, profile=args.config,
             cluster=args.cluster, respawn=args.respawn, max_respawns=args.max_respawns,
-            grace_s=args.grace)
+            grace_s=args.grace, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every, checkpoint_keep=args.checkpoint_keep,
+            mtbf_correlated_s=args.mtbf_correlated)
         return asyncio.run(launch(options))
     except (LaunchError, SlurmError) as exc:
         log.error("error: %s", exc)

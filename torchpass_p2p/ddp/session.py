@@ -33,20 +33,27 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
+from torchpass_p2p.checkpoint import CheckpointSettings, NotSameJob
 from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, exit_process
 from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
 from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
 from torchpass_p2p.trainer.seeding import seed_step
+from torchpass_p2p.transfer import Snapshot
 
 from .reduction import Layout, StepReduction, flat_tensors, unflat_into
 from .stragglers import ArrivalWatch, policy_from_env
 
 if TYPE_CHECKING:
+    from torchpass_p2p.checkpoint.writer import Checkpointer
+
     from .data import DataLoader
 
 __all__ = ["JobMismatch", "Session", "current", "install"]
 
 T = TypeVar("T")
+EXIT_SAVE_WAIT_S = 5.0
+"""How long a member that stops waits for its checkpoint in flight to commit: within the
+launcher's grace (``DEFAULT_GRACE_S``) before SIGKILL."""
 _SESSION: Session | None = None
 
 
@@ -144,7 +151,18 @@ class Session(Trainer):
         self.step_figures: list[list[float]] = []
         """Every rank's ``[compute_s, wait_s]`` of the last vote, by rank (seconds, each on
         that rank's clock; :data:`~.stragglers.UNMEASURED` where not measured)."""
+        self.checkpoint_settings = CheckpointSettings.from_env(os.environ)
+        """Where and how often rank 0 saves (``docs/checkpoints.md``); None: no checkpoints."""
+        self.checkpointer: Checkpointer | None = None
         self.service.start()
+        resume = None if self.checkpoint_settings is None else self.checkpoint_settings.resume_step
+        if resume and not self._started_as_spare():
+            # A rank resuming at step k holds every step before it as committed, from its
+            # agent's start on: a change decided before the checkpoint is loaded (a member
+            # suspected during the start-up) must not plan a resume at step 0, which nobody
+            # holds (seen once under load: "no state source for configuration 1"). If the
+            # load fails, this member stops (exit 5) and holds no rank any more.
+            agent.report_progress(resume - 1)
         if self._started_as_spare():
             # What the script does once a spare holds a rank is on the recovery's critical
             # path; torch's DDP constructor imports torch._dynamo (seconds), so a spare
@@ -253,12 +271,59 @@ class Session(Trainer):
                 self._enter_as_spare(self._first_change)
             else:
                 started_in = self.agent.settings.configuration
-                self.faults.at(0, "enter", started_in.rank_of(self.me))
+                resume = self._resume(started_in)
+                self.faults.at(resume, "enter", started_in.rank_of(self.me))
                 self._enter_configuration(started_in, group_id=started_in.config_id,
-                                          resume=0, fetch_from=None)
+                                          resume=resume, fetch_from=None)
         except (CollectiveError, Superseded) as exc:
             self._recover(exc)
         self._set_env()
+        if self.checkpoint_settings is not None:
+            from torchpass_p2p.checkpoint.writer import Checkpointer
+
+            self.checkpointer = Checkpointer(
+                self.checkpoint_settings, self.step, capture=self._copy, job=self.describe,
+                log=self.log)
+
+    def _resume(self, configuration: Any) -> int:
+        """A rank of configuration 0 started by a launcher that found a complete checkpoint
+        (``TORCHPASS_RESUME_STEP``): load it into the live objects and return its step; 0
+        when there is none. Every rank loads the same one, from the same directory; the
+        fingerprint check that follows (every configuration's entry) proves they hold the
+        same state.
+
+        Raises:
+            JobMismatch: the checkpoint is of another run id, world size or job (exit code 5).
+            Stopped: it cannot be read back as saved.
+        """
+        settings = self.checkpoint_settings
+        if settings is None or settings.resume_step is None:
+            return 0
+        from torchpass_p2p.checkpoint.writer import CheckpointError, load
+
+        self._ranks = tuple(configuration.ranks)  # describe() counts them
+        try:
+            marker = load(settings, settings.resume_step, self.objects,
+                          world_size=len(self._ranks), job=self.describe())
+        except NotSameJob as exc:
+            raise JobMismatch(f"{exc}: resume with the job that wrote it, or start afresh "
+                              "with another --checkpoint-dir or --run-id") from None
+        except (CheckpointError, ValueError) as exc:
+            raise Stopped(f"cannot resume from the checkpoint: {exc}") from None
+        self.step = marker.step
+        mine = self._fingerprint().hex()
+        if mine != marker.fingerprint:
+            raise Stopped(f"the state restored from the checkpoint of step {marker.step} is not "
+                          "the one saved (its fingerprint differs)")
+        if marker.step > 0:  # it holds every step before as committed (as after a fetch)
+            self.agent.report_progress(marker.step - 1)
+        self.log("resumed", step=marker.step, epoch=self.epoch, fingerprint=mine,
+                 directory=settings.directory)
+        return marker.step
+
+    def _copy(self) -> Snapshot:
+        """A copy of the state at this step boundary: what a spare would receive."""
+        return Snapshot.capture(self.objects, self.step, self._metadata(), copy=True)
 
     def _set_env(self) -> None:
         """``RANK`` and ``WORLD_SIZE`` as torchrun sets them, for scripts that read them."""
@@ -282,6 +347,8 @@ class Session(Trainer):
                     self._recover(exc)
 
         self.guard(barrier)
+        if self.checkpointer is not None:
+            self.checkpointer.close()
         self._close()
 
     def guard(self, fn: Callable[[], T]) -> T:
@@ -301,6 +368,8 @@ class Session(Trainer):
         sys.stderr.write(f"torchpass_p2p: member {self.log.member}: {exc}; exit code {code}\n")
         sys.stderr.flush()
         try:
+            if self.checkpointer is not None:  # the last checkpoint in flight may be needed
+                self.checkpointer.close(EXIT_SAVE_WAIT_S)
             self._close()
             self.agent.stop(leave=False, timeout_s=2.0)
         finally:
@@ -342,6 +411,8 @@ class Session(Trainer):
         self._open = True
         self.guard(self._catch_up)
         k, rank = self.step, self.rank
+        if self.checkpointer is not None and rank == 0:
+            self.checkpointer.maybe_save(k)
         self.log("step_started", step=k, rank=rank, config_id=self.config_id,
                  epoch=self.epoch, positions=self._frozen)
         self.faults.at(k, "compute", rank)

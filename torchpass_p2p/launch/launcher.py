@@ -65,6 +65,15 @@ import aiohttp
 
 from torchpass_p2p.agent.bootstrap import write_configuration
 from torchpass_p2p.agent.settings import SettingsError, parse_key, read_keyring
+from torchpass_p2p.checkpoint import DEFAULT_KEEP, DEFAULT_MTBF_S, CheckpointSettings, Every
+from torchpass_p2p.checkpoint.settings import VARIABLES as CHECKPOINT_VARIABLES
+from torchpass_p2p.checkpoint.store import (
+    NotSameJob,
+    checkpoint_path,
+    newest_complete,
+    same_job,
+    steps_on_disk,
+)
 from torchpass_p2p.config import ConfigError, load_params
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId, Topology, format_member_id
@@ -154,6 +163,10 @@ class LaunchOptions:
     ``topology``: ``None`` is this host's name with no domain. ``grace_s`` in seconds.
     ``nodes``: every host's address, the same list on every host, for a job over several hosts
     (this one is ``nodes[node_rank]``; needs ``base_port``, a shared ``key_file`` and ``run_id``).
+    ``checkpoint_dir``: last-resort checkpoints there (``docs/checkpoints.md``; needs
+    ``run_id``), every ``checkpoint_every`` (:class:`~torchpass_p2p.checkpoint.Every`), keeping
+    ``checkpoint_keep``; ``mtbf_correlated_s``: seconds between correlated failures, for
+    Young's interval.
     """
 
     script: str
@@ -173,6 +186,10 @@ class LaunchOptions:
     nodes: tuple[str, ...] = ()
     node_rank: int = 0
     run_id: str = ""
+    checkpoint_dir: str | None = None
+    checkpoint_every: str = "auto"
+    checkpoint_keep: int = DEFAULT_KEEP
+    mtbf_correlated_s: float = DEFAULT_MTBF_S
     python: str = field(default=sys.executable)
 
     def __post_init__(self) -> None:
@@ -195,6 +212,22 @@ class LaunchOptions:
             if self.base_port is None or not self.run_id or self.key_file is None:
                 raise LaunchError("--nodes needs --base-port, --run-id and --key-file, the "
                                   "same on every host")
+        if self.checkpoint_dir is not None:
+            if not self.run_id:
+                raise LaunchError("--checkpoint-dir needs --run-id: a resume checks that the "
+                                  "checkpoints are of the same run")
+            try:
+                self.checkpoints(None)
+            except ValueError as exc:
+                raise LaunchError(str(exc)) from None
+
+    def checkpoints(self, resume_step: int | None) -> CheckpointSettings:
+        """The children's checkpoint settings. Raises ``ValueError`` for a bad interval, keep
+        count or MTBF."""
+        assert self.checkpoint_dir is not None
+        return CheckpointSettings(os.path.abspath(self.checkpoint_dir), self.run_id,
+                                  Every.parse(self.checkpoint_every), self.checkpoint_keep,
+                                  self.mtbf_correlated_s, resume_step)
 
     @property
     def joining(self) -> bool:
@@ -232,7 +265,8 @@ class _Signalled:
 class _Supervisor:
     def __init__(self, options: LaunchOptions, environ: dict[str, str]) -> None:
         self.options = options
-        self.environ = environ
+        # The checkpoint settings come from the options alone (_checkpoints).
+        self.environ = {k: v for k, v in environ.items() if k not in CHECKPOINT_VARIABLES}
         self.events: asyncio.Queue[_Exited | _Signalled] = asyncio.Queue()
         # Unbounded but finite: at most one exit per child (N + S + max_respawns) plus the
         # signals a person sends.
@@ -275,6 +309,7 @@ class _Supervisor:
             self.token = http_token(key)
             self.keyring = self._keyring()
             self.run_context, specs = self._plan()
+            self._checkpoints()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, self.events.put_nowait, _Signalled(sig))
             loop.add_signal_handler(signal.SIGHUP, self._hangup)
@@ -369,6 +404,53 @@ class _Supervisor:
         log.info("key file reloaded: %s; %d of %d running process(es) reloaded it%s",
                  describe_keys(new), len(asked) - len(failed), len(asked),
                  "" if not failed else " (not: " + "; ".join(failed) + ")")
+
+    def _checkpoints(self) -> None:
+        """Say where checkpoints go and whether the job resumes, and from which step: the
+        newest complete checkpoint in ``--checkpoint-dir``, when it is of this run id and
+        world size (the ranks check the rest of the job when they load it).
+
+        Raises:
+            LaunchError: the directory cannot be made or read, or its newest complete
+                checkpoint is of another run or world size.
+        """
+        o = self.options
+        if o.checkpoint_dir is None:
+            return
+        settings = o.checkpoints(None)
+        directory = settings.directory
+        try:
+            os.makedirs(directory, exist_ok=True)
+            marker = newest_complete(directory)
+            on_disk = steps_on_disk(directory)
+        except OSError as exc:
+            raise LaunchError(f"--checkpoint-dir: {exc}") from exc
+        log.info("checkpoints: to %s %s, keeping the newest %d", directory,
+                 settings.every.describe(settings.mtbf_s), settings.keep)
+        skipped = [s for s in on_disk if marker is None or s > marker.step]
+        if skipped:
+            log.warning("ignoring %d incomplete checkpoint(s) in %s (step(s) %s): no marker, "
+                        "never resumed from", len(skipped), directory,
+                        ", ".join(map(str, skipped)))
+        if marker is None:
+            log.info("no complete checkpoint in %s: run %s starts at step 0", directory,
+                     o.run_id)
+        elif o.joining:
+            log.info("joining through --seeds: the members hold the state; the checkpoint of "
+                     "step %d is not loaded", marker.step)
+            marker = None
+        else:
+            try:
+                same_job(marker, run_id=o.run_id, world_size=self.run_context.world_size)
+            except NotSameJob as exc:
+                raise LaunchError(f"--checkpoint-dir {directory}: {exc}; use another "
+                                  "--checkpoint-dir, or the run's own --run-id and size") from None
+            log.info("resuming run %s at step %d from %s (saved %s, %d bytes)", o.run_id,
+                     marker.step, checkpoint_path(directory, marker.step),
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(marker.saved_at)),
+                     marker.total_bytes)
+        settings = o.checkpoints(None if marker is None else marker.step)
+        self.environ.update(settings.to_env())
 
     def _plan(self) -> tuple[RunContext, list[ChildSpec]]:
         o = self.options

@@ -201,14 +201,25 @@ class Snapshot:
                                 f"{type(sd).__qualname__}")
             objs[name] = enc.encode(sd, name)
         tree = enc.finish(step, objs, enc.encode(dict(metadata or {}), "metadata"))
-        table, offset = [], 0
         tensors = enc.tensors
-        for name, t in zip(enc.names, tensors, strict=True):
+        if copy:
+            tensors = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
+        return cls.of_tensors(step, enc.names, tensors, tree, chunk_bytes)
+
+    @classmethod
+    def of_tensors(cls, step: int, names: list[str], tensors: list[torch.Tensor], tree: bytes,
+                   chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Snapshot:
+        """The snapshot whose table names ``tensors`` (CPU, contiguous) ``names`` in this
+        order, laid out end to end, with ``tree`` (as :meth:`capture` encoded it): how a
+        snapshot saved as its named tensors and tree is put together again
+        (:mod:`torchpass_p2p.checkpoint`). Raises ``ValueError`` when the counts differ."""
+        if len(names) != len(tensors):
+            raise ValueError(f"{len(names)} names for {len(tensors)} tensors")
+        table, offset = [], 0
+        for name, t in zip(names, tensors, strict=True):
             n = t.numel() * t.element_size()
             table.append(TensorEntry(name, DTYPE_NAMES[t.dtype], tuple(t.shape), n, offset))
             offset += n
-        if copy:
-            tensors = [t.clone(memory_format=torch.contiguous_format) for t in tensors]
         return cls(step, table, tensors, tree, chunk_bytes)
 
     # -- reading ----------------------------------------------------------------------------
