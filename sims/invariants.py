@@ -39,7 +39,7 @@ Accusation and conviction (Rapid section 4.1, Lifeguard section IV-B):
   that incarnation.
 * [removed-by-decision] ``SelfRemoved`` comes right after the member's own
   ``ConfigurationDecided`` for a configuration that does not hold it: a verdict alone removes
-  nobody (DESIGN section 5); the agreement rules live in :mod:`sims.safety`.
+  nobody (docs/design.md section 5); the agreement rules live in :mod:`sims.safety`.
 * [left-by-self] ``MemberLeft`` names a member that did leave, or whose process exited and
   whose launcher reported it (``Cluster.report_exited`` of a crashed member).
 

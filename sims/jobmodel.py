@@ -1,6 +1,6 @@
 """A training-step model on top of a simulated fleet: how long a fault stalls training.
 
-The ranks of ``cluster.configuration.ranks`` run a synchronous data-parallel loop (DESIGN
+The ranks of ``cluster.configuration.ranks`` run a synchronous data-parallel loop (docs/design.md
 section 6). Every step each rank computes for ``step_time_s`` x its slowdown x a small seeded
 jitter, then all ranks meet in an all-reduce: the step completes when the last rank finished
 computing, plus ``allreduce_s``. The all-reduce needs every rank of the world, so it cannot
@@ -9,15 +9,16 @@ or a cut link to another rank); it waits, and completes as soon as that ends (a 
 
 Replacement follows the agreement layer: the world is the ranks of the newest configuration any
 member decided. The first decision of a new configuration abandons the step in flight (the commit
-rule redoes it, DESIGN section 6); the new world trains ``replace_s`` after every one of its rank
-holders holds that configuration (group rebuild and state transfer). A vacant rank (no spare left,
-policy ``wait``) keeps the job waiting.
+rule redoes it, docs/design.md section 6); the new world trains ``replace_s`` after every one of its
+rank holders holds that configuration (group rebuild and state transfer). A vacant rank (no spare
+left, policy ``wait``) keeps the job waiting.
 
 Stragglers: each rank's figures of a step (its compute time, and its wait in the all-reduce:
 from its own arrival to the slowest rank's plus ``allreduce_s``), which the runtime carries in
 the commit vote, go through :class:`torchpass_p2p.core.straggler.StragglerDetector`. With
 ``policy="migrate"`` a flagged rank leaves gracefully at the next step boundary, so agreement
-hands its rank to a spare (proactive: the slow member is its own state source, DESIGN section 4).
+hands its rank to a spare (proactive: the slow member is its own state source, docs/design.md
+section 4).
 
 Times are virtual seconds of the cluster's engine; nothing here reads a clock.
 """
@@ -87,8 +88,8 @@ class TrainingJob:
         cluster: the fleet; its ranks train, its spares wait.
         step_time_s: nominal compute time of one step on a healthy rank (seconds).
         replace_s: from the decision to replace a rank until the job trains again: group
-            rebuild plus state transfer (seconds; DESIGN section 13 measured a 4-rank gloo group
-            re-forming in ~0.2 s after a kill, state transfer of a large model takes longer).
+            rebuild plus state transfer (seconds; docs/design.md section 13 measured a 4-rank gloo
+            group re-forming in ~0.2 s after a kill, state transfer of a large model takes longer).
         allreduce_s: the all-reduce after the slowest rank finished (seconds).
         jitter: each step's compute time is scaled by a uniform draw in [1 - jitter, 1 + jitter]
             (seeded from the cluster's seed, not its generator, so adding a job does not change

@@ -1,4 +1,5 @@
-"""Agreement safety, checked on every decision event as the simulation runs (DESIGN sections 5, 6).
+"""Agreement safety, checked on every decision event as the simulation runs (docs/design.md sections
+5, 6).
 
 A :class:`SafetyChecker` joins ``cluster.listeners`` and keeps the global history of decided
 configurations. Each rule's name starts its violation message:

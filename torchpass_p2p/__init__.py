@@ -1,7 +1,7 @@
 """torchpass_p2p: keep PyTorch training jobs running through hardware faults.
 
-Layers (DESIGN section 3): ``core`` is the sans-IO protocol (membership, wire format), driven by
-the simulator in ``sims`` and by the agent runtime in ``agent`` (:func:`start`).
+Layers (docs/design.md section 3): ``core`` is the sans-IO protocol (membership, wire format),
+driven by the simulator in ``sims`` and by the agent runtime in ``agent`` (:func:`start`).
 """
 
 from ._native import drop_stale_extensions, prefer_sources

@@ -907,7 +907,8 @@ def test_a_graceful_leave_is_decided_as_a_configuration_without_the_leaver():
 
 
 def test_dead_about_self_is_evidence_and_gets_refuted():
-    # Only a decided configuration removes a member (DESIGN section 5); a verdict is refuted.
+    # Only a decided configuration removes a member (docs/design.md section 5); a verdict is
+    # refuted.
     m = make_member(SUBJECT, CONFIG)
     m.receive(0.1, 1, Gossip((Dead(SUBJECT, 0, 1),)))
     assert not m.removed and m.incarnation == 1

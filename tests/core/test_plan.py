@@ -1,4 +1,5 @@
-"""The plan (DESIGN sections 5 and 6): exact replacements on a hand-built job, and properties.
+"""The plan (docs/design.md sections 5 and 6): exact replacements on a hand-built job, and
+properties.
 
 The job: 8 ranks (members 0x10..0x17) and 3 spares (0x20..0x22).
 

@@ -1,4 +1,5 @@
-"""The core stays sans-IO (DESIGN section 3): no event loop, socket, thread, clock, OS or torch.
+"""The core stays sans-IO (docs/design.md section 3): no event loop, socket, thread, clock, OS or
+torch.
 
 Two checks:
 
@@ -122,7 +123,7 @@ def test_core_has_modules() -> None:
 def test_core_module_is_sans_io(path: Path) -> None:
     rel = path.relative_to(REPO)
     bad = [f"{rel}:{line}: {msg}" for line, msg in violations(path.read_text())]
-    assert bad == [], "core must stay sans-IO (DESIGN section 3):\n" + "\n".join(bad)
+    assert bad == [], "core must stay sans-IO (docs/design.md section 3):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize(

@@ -35,7 +35,8 @@ __all__ = [
 ]
 
 MAX_MEMBERS = 131_072
-"""Largest configuration accepted from data: above DESIGN section 1's 100k GPUs plus spares."""
+"""Largest configuration accepted from data: above docs/design.md section 1's 100k GPUs plus
+spares."""
 _MAX_LABEL = 64  # bytes of a host name or topology label, as the wire codec allows
 
 

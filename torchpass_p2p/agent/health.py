@@ -42,9 +42,9 @@ and XID catalog):
   to slowdown): status only (thermal slowdown itself shows up as a throttle bit).
 
 A ``migrate`` fault means the member should ask to be replaced proactively: it is still alive,
-so it serves its own state (DESIGN section 4). ``warn`` is information for the straggler policy.
-Each distinct fault (kind plus XID number, recovery value or throttle reason) is reported once
-for the monitor's life. A check that the GPU or driver does not support (``NotSupported``,
+so it serves its own state (docs/design.md section 4). ``warn`` is information for the straggler
+policy. Each distinct fault (kind plus XID number, recovery value or throttle reason) is reported
+once for the monitor's life. A check that the GPU or driver does not support (``NotSupported``,
 ``FunctionNotFound``) is dropped and listed under ``unsupported`` in :meth:`status`.
 
 No ``pynvml``, no driver, no GPU, or a GPU hidden by ``CUDA_VISIBLE_DEVICES``: the monitor is

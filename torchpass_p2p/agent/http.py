@@ -1,4 +1,4 @@
-"""The HTTP status server of one agent (DESIGN section 10), bound to loopback by default.
+"""The HTTP status server of one agent (docs/design.md section 10), bound to loopback by default.
 
 =========  ==============  ======  =============================================================
 method     path            token   answer

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one agent (DESIGN section 10), served as text by :mod:`.http`.
+"""Prometheus metrics of one agent (docs/design.md section 10), served as text by :mod:`.http`.
 
 Each :class:`AgentMetrics` owns its own ``CollectorRegistry``: tests run several agents in one
 process, and the global registry would make their metrics collide (or raise on the second

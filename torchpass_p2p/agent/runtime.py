@@ -108,7 +108,7 @@ connections by reason (``TransferServer.refusals``)."""
 
 
 class Phase:
-    """Where the training loop is within a step (``report_progress``), DESIGN section 6."""
+    """Where the training loop is within a step (``report_progress``), docs/design.md section 6."""
 
     COMPUTE = "compute"
     """Forward and backward: no peer involved; a hang here is this process's fault."""
@@ -383,7 +383,7 @@ class AgentRuntime:
 
     def report_progress(self, step: int, phase: str = Phase.COMMITTED) -> None:
         """The training loop is at ``step`` in ``phase`` (:class:`Phase`); a committed step goes
-        into this member's vote and progress report (DESIGN section 6)."""
+        into this member's vote and progress report (docs/design.md section 6)."""
         self.step = max(self.step, step) if phase == Phase.COMMITTED else self.step
         self.phase = phase
         self._progress_at = self._clock()
@@ -747,8 +747,8 @@ class AgentRuntime:
 
     def register_service(self, name: str, config_id: int, port: int) -> None:
         """Announce that this process serves ``name`` for ``config_id`` on ``port`` of this
-        member's host (e.g. the rendezvous store of a configuration; DESIGN section 8). Peers
-        find it with :meth:`lookup_service`, over the authenticated TCP port; requests that
+        member's host (e.g. the rendezvous store of a configuration; docs/design.md section 8).
+        Peers find it with :meth:`lookup_service`, over the authenticated TCP port; requests that
         were waiting for it are answered at once. ``port`` 0 says this member will not serve
         ``name`` for ``config_id`` (a promoted spare that holds no state yet): lookups then
         raise :class:`NotServed` at once instead of waiting; a later registration replaces it."""

@@ -2,7 +2,7 @@
 
 Precedence, highest first: keyword arguments to :func:`load_settings`, the environment (what the
 launcher sets), the TOML file, defaults. The cluster key never comes from a command line (it would
-show in ``ps``): a key file or an environment variable (DESIGN section 9).
+show in ``ps``): a key file or an environment variable (docs/design.md section 9).
 
 Environment (the launcher's contract with the processes it starts):
 

@@ -1,4 +1,4 @@
-"""The collective per configuration (DESIGN section 8, issue #7 part 1).
+"""The collective per configuration (docs/design.md section 8, issue #7 part 1).
 
 * ``rendezvous``: where the store of configuration ``c`` lives (the holder of rank 0 in ``c``
   hosts it and announces it through its agent) and the per-configuration key namespace;

@@ -1,4 +1,4 @@
-"""Rendezvous per configuration: no fixed host (DESIGN section 8).
+"""Rendezvous per configuration: no fixed host (docs/design.md section 8).
 
 The member holding rank 0 in configuration ``c`` hosts a ``TCPStore`` on an ephemeral port and
 announces it as service ``"store"`` of ``c`` through its agent; every other member of ``c``

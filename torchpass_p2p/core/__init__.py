@@ -1,7 +1,7 @@
 """The sans-IO protocol core: membership, wire codec and sealing, parameters.
 
 Nothing here reads a clock, touches a socket, starts a thread or draws global randomness
-(DESIGN section 3): every entry point takes ``now`` and randomness is injected.
+(docs/design.md section 3): every entry point takes ``now`` and randomness is injected.
 """
 
 from .configuration import Address, Configuration

@@ -3,9 +3,9 @@
 Theory of operation
 -------------------
 Every configuration ``c`` gets exactly one successor, decided by the members of ``c`` without a
-coordinator (DESIGN section 5; Rapid, Suresh et al., ATC 2018, section 5; Lamport, "Fast Paxos",
-Distributed Computing 19(2), 2006). One :class:`Consensus` object holds one member's side of the
-decision for one configuration; the membership core owns it, feeds it messages and pulls output.
+coordinator (docs/design.md section 5; Rapid, Suresh et al., ATC 2018, section 5; Lamport, "Fast
+Paxos", Distributed Computing 19(2), 2006). One :class:`Consensus` object holds one member's side of
+the decision for one configuration; the membership core owns it, feeds it messages and pulls output.
 
 Fast round (round 0). When a member's cut detector settles on a cut it votes for it once. A vote
 is one bit in a bitmap over the configuration's sorted member tuple, keyed by (round, cut). Members

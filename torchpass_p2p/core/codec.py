@@ -116,13 +116,13 @@ UPDATE_TAGS: dict[type, int] = {Alive: 1, Alert: 2, Dead: 3, Left: 4}
 # --- hard limits ------------------------------------------------------------------------------
 
 MAX_U64 = (1 << 64) - 1
-"""Member ids, ``config_id`` and ``digest`` are unsigned 64-bit (DESIGN section 2)."""
+"""Member ids, ``config_id`` and ``digest`` are unsigned 64-bit (docs/design.md section 2)."""
 MAX_U32 = (1 << 32) - 1
 """Incarnations, ``seq`` and ``Digest.entries`` are unsigned 32-bit: 4e9 refutations or probes
 per process start, or members per view, are far beyond any job."""
 MAX_PAGE = 65535
 """``page``/``pages`` of a :class:`SyncState`: 64 entries a page times 65,535 pages covers 4.2
-million entries, 40 times the largest job in DESIGN section 1."""
+million entries, 40 times the largest job in docs/design.md section 1."""
 MAX_UPDATES = 64
 """Updates per message: what a hostile body can make a receiver build. Senders piggyback
 ``Params.max_piggyback`` (24); 64 of the largest updates make a 1.6 kB body, so at the default
@@ -145,8 +145,8 @@ longer fully qualified name must be given as an address. Bounds what one joiner 
 and to keep (three labels: 3 * 66 bytes on the wire)."""
 SEGMENT_BYTES = 256
 """Bytes of one :class:`Vote` bitmap segment (``bits``; shorter is allowed, never longer):
-2,048 members per segment, so the 16,384-member job of DESIGN section 1 is 8 segments. A full
-segment is 259 bytes on the wire, small enough that a vote with a typical cut rides in one
+2,048 members per segment, so the 16,384-member job of docs/design.md section 1 is 8 segments. A
+full segment is 259 bytes on the wire, small enough that a vote with a typical cut rides in one
 1,400-byte datagram, large enough that a few datagrams carry a whole configuration's votes."""
 MAX_SEGMENT = 255
 """``Vote.segment``: 256 segments of 2,048 members cover 524,288 members, 32 times the

@@ -1,14 +1,15 @@
 """The agreed configuration and the observer rings derived from it.
 
-A :class:`Configuration` is the numbered, agreed view of the job (DESIGN section 2): which member
-holds each rank, the ordered spare pool, every member's address and topology (host, NVLink
+A :class:`Configuration` is the numbered, agreed view of the job (docs/design.md section 2): which
+member holds each rank, the ordered spare pool, every member's address and topology (host, NVLink
 domain). Configuration 0 is the launcher's initial member list; later ones are decided by the
 agreement layer and computed by :func:`torchpass_p2p.core.plan.next_configuration`.
 Configurations are immutable values, equal when their contents are equal, so one object can be
 shared by every member that holds it (the simulator relies on this to run 16k members without 16k
 copies of the member table).
 
-A rank whose holder was removed and that no spare could take (policy ``wait``, DESIGN section 5)
+A rank whose holder was removed and that no spare could take (policy ``wait``, docs/design.md
+section 5)
 is :data:`VACANT`: it keeps its place in ``ranks`` (the world size does not change) but has no
 member, so it is in no ring and observes nothing.
 
@@ -34,7 +35,8 @@ VACANT: Final = None
 """The holder of a rank that nobody holds (its member was removed and no spare was left)."""
 
 Role: TypeAlias = Literal["rank", "spare"]
-"""A member's role (DESIGN section 2): it holds a rank of the training world, or is a spare."""
+"""A member's role (docs/design.md section 2): it holds a rank of the training world, or is a
+spare."""
 
 _UNKNOWN_TOPOLOGY: Final = Topology()
 
@@ -43,7 +45,7 @@ class Configuration:
     """An immutable, agreed view of the job.
 
     Args:
-        config_id: the configuration number, the fencing token (DESIGN section 5).
+        config_id: the configuration number, the fencing token (docs/design.md section 5).
         ranks: member id holding rank ``r`` at index ``r``, or :data:`VACANT`; ``len(ranks)`` is
             the world size.
         spares: the ordered spare pool.
@@ -156,7 +158,7 @@ class Configuration:
         return None if rank < 0 else rank
 
     def role_of(self, member: MemberId) -> Role | None:
-        """``"rank"`` or ``"spare"`` (DESIGN section 2), or None for a stranger."""
+        """``"rank"`` or ``"spare"`` (docs/design.md section 2), or None for a stranger."""
         rank = self._role_table().get(member)
         if rank is None:
             return None

@@ -1,5 +1,5 @@
 """Errors the core raises. Only local misuse raises; a peer's fault is an event or a counted drop
-(DESIGN section 3; h11's ``LocalProtocolError`` / ``RemoteProtocolError`` split)."""
+(docs/design.md section 3; h11's ``LocalProtocolError`` / ``RemoteProtocolError`` split)."""
 
 from __future__ import annotations
 

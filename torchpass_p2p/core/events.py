@@ -2,7 +2,7 @@
 
 Each event carries ``at``, the ``now`` (seconds) of the call that produced it, so a host or the
 simulator can build timelines without reading a clock. A peer's failure is an event, never an
-exception (DESIGN section 3).
+exception (docs/design.md section 3).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class SelfRefuted:
 class SelfRemoved:
     """A decided configuration no longer holds this member (it was declared dead, it left, or
     it lost a partition): it must stop training and may come back only as a new member id
-    (DESIGN section 5)."""
+    (docs/design.md section 5)."""
 
     at: float
     incarnation: int
@@ -107,7 +107,7 @@ class ConfigurationDecided:
 @dataclass(frozen=True, slots=True)
 class PlanReady:
     """Every surviving rank holder reported its last committed step: ``plan.resume_step`` is
-    fixed, and ``plan.hash`` is the same on every member (DESIGN section 6)."""
+    fixed, and ``plan.hash`` is the same on every member (docs/design.md section 6)."""
 
     at: float
     plan: Plan

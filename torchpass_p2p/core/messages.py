@@ -9,7 +9,7 @@ Two kinds of value live here:
   it comes from the authenticated datagram header (or, in the simulator, from the envelope).
 
 Member ids are unsigned 64-bit integers drawn fresh for every process start and never reused
-(DESIGN section 2), so a restarted process is a new member. Incarnations are unsigned 32-bit
+(docs/design.md section 2), so a restarted process is a new member. Incarnations are unsigned 32-bit
 (SWIM section 4.2: a member raises its own incarnation to refute a suspicion of itself).
 
 They are values: nothing mutates one after construction (they are shared between the outbox, the
@@ -33,7 +33,7 @@ from enum import IntEnum
 from typing import TypeAlias
 
 MemberId: TypeAlias = int
-"""A member's id: unsigned 64-bit, random per process start (DESIGN section 2)."""
+"""A member's id: unsigned 64-bit, random per process start (docs/design.md section 2)."""
 
 MAX_MEMBER_ID = (1 << 64) - 1
 MAX_INCARNATION = (1 << 32) - 1
@@ -84,7 +84,7 @@ class Alert:
     pulse responder, a native thread that answers while the process runs at all, even with its
     event loop blocked (``agent/pulse_wire.py``). A subject that all the observers its removal
     needs find silent is not merely stalled, so it is owed no refutation window (scenario S01
-    is about stalled loops; DESIGN section 4).
+    is about stalled loops; docs/design.md section 4).
     """
 
     observer: MemberId
@@ -241,7 +241,7 @@ class SyncState:
 
 @dataclass(frozen=True, slots=True)
 class Topology:
-    """Where a member runs, for the spare-to-rank affinity of the plan (DESIGN section 5).
+    """Where a member runs, for the spare-to-rank affinity of the plan (docs/design.md section 5).
 
     ``host`` names the machine; ``domain`` the NVLink (or PCIe switch) domain within or across
     hosts. Empty strings mean unknown and match nothing.
@@ -279,7 +279,7 @@ class Vote:
     Receivers OR segments together; a bitmap with a quorum of bits (fast quorum for round 0,
     majority for classic rounds) is the decision's certificate, checkable by anyone.
     ``max_step`` is the highest training step any voter in this bitmap reported committed (-1
-    when none), the roll-forward input of DESIGN section 6.
+    when none), the roll-forward input of docs/design.md section 6.
     """
 
     config_id: int
@@ -358,8 +358,8 @@ class Join:
 @dataclass(slots=True, init=False)
 class Progress:
     """Who of ``config_id``'s members reported their last committed training step, and the
-    highest such step (DESIGN section 6). Bits and segments as in :class:`Vote`; receivers OR
-    the bits and take the max. Complete once every surviving rank holder's bit is set."""
+    highest such step (docs/design.md section 6). Bits and segments as in :class:`Vote`; receivers
+    OR the bits and take the max. Complete once every surviving rank holder's bit is set."""
 
     config_id: int
     segment: int

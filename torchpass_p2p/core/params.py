@@ -70,7 +70,7 @@ class Params:
     """A timer that fires this much late means our own loop stalled: void open rounds."""
     self_suspect_after_s: float = 1.0
     """No ack and no relay's nack from anyone for this long while probing >= 2 subjects: suspect
-    ourselves, accuse nobody (DESIGN section 4). Shorter than the M failed rounds an alert
+    ourselves, accuse nobody (docs/design.md section 4). Shorter than the M failed rounds an alert
     needs, so an isolated member always knows it before it could accuse; a healthy member hears
     an ack every probe_interval / subjects, or nacks from relays when its subjects are dead, so
     a false self-suspicion (which only silences us) is rare."""
@@ -141,7 +141,7 @@ class Params:
     by a hash of (config_id, attempt, member), so coordinators rarely collide."""
     lease_s: float = 5.0
     """A member that believes fewer than a majority of its configuration reachable for this
-    long stops training on its own (DESIGN section 5, fencing)."""
+    long stops training on its own (docs/design.md section 5, fencing)."""
     join_retry_s: float = 1.0
     """A joining process re-sends its Join to the next seed this often until admitted."""
     certificate_log: int = 16

@@ -1,10 +1,10 @@
-"""The plan: what a decided configuration change implies (DESIGN sections 5 and 6).
+"""The plan: what a decided configuration change implies (docs/design.md sections 5 and 6).
 
 Theory of operation. Agreement (Rapid, Suresh et al., ATC 2018, section 4.2) decides one
 :class:`~torchpass_p2p.core.messages.Cut` per ``config_id``: members removed, spares admitted.
 Every member then calls :func:`next_configuration` on the same (configuration, cut, policy) and
-gets the same next configuration and :class:`Plan` without talking to anyone (DESIGN section 5:
-"the replacement is a pure function of the decided configuration and cut, computed identically by
+gets the same next configuration and :class:`Plan` without talking to anyone (docs/design.md section
+5: "the replacement is a pure function of the decided configuration and cut, computed identically by
 everyone"). Nothing here reads a clock, draws randomness or iterates a set or dict in an order
 that could differ between machines: every input is sorted first, and ties are broken by
 :func:`~torchpass_p2p.core.hashing.mix_pair`, which every machine computes identically.
@@ -14,7 +14,8 @@ The rules, in the order they are applied:
 1. Removed members leave their rank (now vacant) or the spare pool. A removal naming someone who
    is not in the configuration is ignored (counted in the reason); so is a joiner who is already
    a member, is named twice, or is also named as removed.
-2. Joiners are admitted as spares at the end of the pool, in member-id order (DESIGN section 5:
+2. Joiners are admitted as spares at the end of the pool, in member-id order (docs/design.md section
+5:
    "a recovered or new process joins as a spare").
 3. If a vacant rank's state has no surviving replica (data parallel: every rank holder was
    removed; sharded: every holder of that shard), nobody can hand it to a spare: ``stop``.
@@ -28,7 +29,7 @@ The rules, in the order they are applied:
 6. Each promoted spare's state sources are the surviving rank holders that hold a replica of
    that rank's state, ordered by affinity to the spare, then ``mix_pair(config_id, member)``.
 7. ``resume_step`` stays None until the votes' committed steps are known; then
-   :func:`with_resume_step` fixes it by the roll-forward-or-redo rule (DESIGN section 6).
+   :func:`with_resume_step` fixes it by the roll-forward-or-redo rule (docs/design.md section 6).
 
 The model is torchft's lighthouse ``quorum_compute``: sorted inputs, a pure function, and a
 reason string that tests assert on.
@@ -60,7 +61,7 @@ changes, so hashes of the old and new encodings never collide by construction.""
 
 
 class Policy(StrEnum):
-    """What to do with a vacant rank when no spare is left (DESIGN section 5)."""
+    """What to do with a vacant rank when no spare is left (docs/design.md section 5)."""
 
     WAIT = "wait"
     """Keep the rank vacant and pause training until a joiner takes it."""
@@ -72,7 +73,7 @@ class Policy(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What a decided configuration change implies (DESIGN section 2, "plan").
+    """What a decided configuration change implies (docs/design.md section 2, "plan").
 
     Every tuple is sorted as stated, so equal decisions are equal values with equal :attr:`hash`.
     Ranks in ``assignments``, ``vacant`` and ``sources`` are ranks of the new configuration
@@ -175,7 +176,7 @@ def next_configuration(
 ) -> tuple[Configuration, Plan, str]:
     """The configuration and plan that follow ``config`` once ``cut`` is decided.
 
-    A pure function (DESIGN section 5; rules 1-6 of this module's docstring): every member
+    A pure function (docs/design.md section 5; rules 1-6 of this module's docstring): every member
     computes the same result from the same arguments, whatever the order of ``cut.removed`` and
     ``cut.joined``.
 
@@ -343,7 +344,7 @@ def next_configuration(
 
 
 def with_resume_step(plan: Plan, max_committed_step: int) -> Plan:
-    """``plan`` with ``resume_step = max_committed_step + 1`` (DESIGN section 6).
+    """``plan`` with ``resume_step = max_committed_step + 1`` (docs/design.md section 6).
 
     ``max_committed_step`` is the highest step any member of the new configuration reported as
     committed in its vote (``Vote.max_step``; -1 when none has committed any step). Why the

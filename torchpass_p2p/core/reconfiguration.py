@@ -7,7 +7,7 @@ Sans-IO, like :mod:`.membership`, whose :class:`~.membership.Member` creates one
 generator, the outbox and the events; this object owns what changes the configuration, and reads
 and sends through its member (composition, not a mixin: both are compiled by mypyc as one group).
 
-Removing a member and promoting a spare are decided, never assumed (DESIGN section 5). A
+Removing a member and promoting a spare are decided, never assumed (docs/design.md section 5). A
 :class:`~.messages.Dead` verdict is evidence for the cut detector (:mod:`.cut`), not a removal.
 Whenever the member's view changes it asks for a cut (:meth:`Reconfiguration.consider_cut`);
 once the proposal has been stable for ``cut_settle_s`` (and every accused member had
@@ -317,9 +317,9 @@ class Reconfiguration:
     def _ripe_at(self, now: float, cut: Cut, silenced: tuple[MemberId, ...] = ()) -> float:
         """When we may vote for ``cut``: it settled for ``cut_settle_s`` (``exit_settle_s`` if
         it only removes members that left, exited or went silent), and every member it removes
-        that did not leave had ``refutation_window_s`` since we first heard it accused (DESIGN
-        section 4: a stalled member must get to refute first), unless its observers found its
-        whole process silent (``silenced``, from :func:`propose_cut`; see
+        that did not leave had ``refutation_window_s`` since we first heard it accused
+        (docs/design.md section 4: a stalled member must get to refute first), unless its observers
+        found its whole process silent (``silenced``, from :func:`propose_cut`; see
         ``Member.report_silent``: a stalled loop still answers pulses, so there is nobody to
         wait for)."""
         m = self._member
@@ -668,7 +668,7 @@ class Reconfiguration:
     # ------------------------------------------------------------------ fencing
 
     def check_lease(self, now: float) -> None:
-        """Fencing (DESIGN section 5): a member that believes fewer than a majority of its
+        """Fencing (docs/design.md section 5): a member that believes fewer than a majority of its
         configuration reachable for ``lease_s`` must stop training until that changes: its
         view holds too many members suspect or worse, or too few of its neighbours were heard
         from lately. Runs when either changes; the lease itself is a deadline, not a poll."""

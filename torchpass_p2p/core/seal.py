@@ -12,7 +12,7 @@ Datagram layout (big-endian)::
     18+n    16    tag           (Poly1305)
 
 * **Nonce** (12 bytes) = ``sender`` (8) || ``counter`` (4). It never repeats under one key: a
-  member id belongs to one process start only (DESIGN section 2) and its counter only grows.
+  member id belongs to one process start only (docs/design.md section 2) and its counter only grows.
   When the counter would wrap, :meth:`Sealer.seal` raises ``OverflowError``: the process must
   restart under a new member id (at 1,000 datagrams/s that is after 49 days).
 * **Associated data** = the cluster name (UTF-8) || the 18-byte header. A datagram of another
@@ -59,7 +59,7 @@ _WINDOW_MASK = (1 << REPLAY_WINDOW) - 1
 
 DEFAULT_MAX_SENDERS = 1 << 17
 """Senders whose replay window is kept (least recently heard ones are evicted first). 131,072 is
-above the largest job in DESIGN section 1 (100k GPUs plus spares), so a real cluster never
+above the largest job in docs/design.md section 1 (100k GPUs plus spares), so a real cluster never
 evicts; only keyed senders get an entry, so the bound is against a key holder cycling member
 ids. About 350 bytes an entry (measured): 46 MB at the bound. An evicted sender's window
 restarts empty: its datagrams from before the eviction would be accepted once more."""

@@ -5,8 +5,8 @@ arrived on the socket. ``open`` never raises: a bad datagram is a peer's fault (
 attacker's), so it is dropped, counted in ``rejected[reason]`` and returns ``None``.
 
 :class:`NullWire` has the same interface and the same datagram layout and size, with a zero tag
-instead of encryption and no replay window: the simulator uses it at scale (DESIGN section 11).
-Never use it on a real network.
+instead of encryption and no replay window: the simulator uses it at scale (docs/design.md section
+11). Never use it on a real network.
 
 Rejection reasons (keys of ``rejected``):
 

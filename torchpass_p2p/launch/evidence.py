@@ -1,5 +1,5 @@
 """Fast evidence: tell live siblings at once that a child died, instead of letting them wait
-for their failure detector (DESIGN section 4).
+for their failure detector (docs/design.md section 4).
 
 ``POST http://<status address>/evidence`` with ``Authorization: Bearer <token>``
 (:func:`.keyfile.http_token` of the primary key) and the JSON body

@@ -1,7 +1,7 @@
 """The private run directory, the cluster key file and the status-page bearer token.
 
-The cluster key never appears on a command line or in a child's environment (DESIGN section 9):
-children get the *path* of a key file (``TORCHPASS_KEY_FILE``) inside a directory only this user
+The cluster key never appears on a command line or in a child's environment (docs/design.md section
+9): children get the *path* of a key file (``TORCHPASS_KEY_FILE``) inside a directory only this user
 can read. Key file format (:func:`torchpass_p2p.agent.settings.read_keyring`): 64 hex digits per
 line, the primary key first; lines starting with ``#`` are comments.
 

@@ -1,7 +1,8 @@
 """Pure decisions of the supervisor: keep running, finish, stop; and the launcher's exit code.
 
 Theory of operation. The launcher cannot see which member holds which rank once the agents have
-replaced one (that is agreed among the agents, DESIGN section 5), so it reasons from exits only:
+replaced one (that is agreed among the agents, docs/design.md section 5), so it reasons from exits
+only:
 
 - *Roles are known* while this launcher wrote configuration 0 and every exit so far was a clean
   exit (code 0) of a process started as a rank: no rank was vacated, so no spare was promoted,

@@ -2,9 +2,9 @@
 
 Nothing here touches a socket, a file or the clock; :mod:`.launcher` supplies the ports and paths.
 Process ``i`` of ``N + S`` holds rank ``i`` when ``i < N`` and is spare ``i - N`` otherwise;
-configuration 0 lists the ranks in that order and the spares in start order (DESIGN section 2).
-A child started later (a respawn) or on a host that joins through seeds is a spare that joins: it
-gets ``TORCHPASS_SEEDS`` and no ``TORCHPASS_CONFIGURATION`` (``AgentSettings.joining``).
+configuration 0 lists the ranks in that order and the spares in start order (docs/design.md section
+2). A child started later (a respawn) or on a host that joins through seeds is a spare that joins:
+it gets ``TORCHPASS_SEEDS`` and no ``TORCHPASS_CONFIGURATION`` (``AgentSettings.joining``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def new_member_ids(
     randbits: Callable[[int], int] = secrets.randbits,
 ) -> list[MemberId]:
     """``count`` fresh random 64-bit member ids, distinct from each other and from ``taken``
-    (member ids are never reused, DESIGN section 2)."""
+    (member ids are never reused, docs/design.md section 2)."""
     seen = set(taken)
     ids: list[MemberId] = []
     while len(ids) < count:

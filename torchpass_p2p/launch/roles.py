@@ -121,8 +121,8 @@ def majority_lost(views: Sequence[StatusView | None], gone: frozenset[str],
     process exited. A member id never comes back (a respawned process is a new member), so once
     fewer members of a configuration than its classic quorum (``floor(N/2) + 1``,
     :func:`~torchpass_p2p.core.agreement.classic_quorum`) are left, that configuration decides
-    nothing more: no join, no replacement, no stop (DESIGN section 5). The configuration is the
-    one every answer names, and only while every answer is fenced (no majority heard for a
+    nothing more: no join, no replacement, no stop (docs/design.md section 5). The configuration is
+    the one every answer names, and only while every answer is fenced (no majority heard for a
     lease); a missing answer or a mixed view says nothing. Answers of members still joining
     (``role == "joining"``, a respawned spare) are left out: they belong to no configuration.
     Only a configuration whose members are all this launcher's counts: elsewhere a newer

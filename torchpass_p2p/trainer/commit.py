@@ -1,4 +1,4 @@
-"""The roll-forward-or-redo rule (DESIGN section 6), as a pure function.
+"""The roll-forward-or-redo rule (docs/design.md section 6), as a pure function.
 
 A member of the new configuration holds the state after ``applied`` steps (it runs step
 ``applied`` next) and maybe the averaged gradient of step ``reduced`` (its gradient all-reduce

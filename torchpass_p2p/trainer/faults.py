@@ -26,8 +26,8 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
                                  as if gloo had raised (:class:`InjectedReset`, a
                                  ``CollectiveError``); the trainer abandons the group like after
                                  any failed collective, and the dropped references close its
-                                 connections, so its peers' operations fail too (DESIGN 13).
-                                 No member is suspected: the ranks regroup in the same
+                                 connections, so its peers' operations fail too (docs/design.md
+                                 section 13). No member is suspected: the ranks regroup in the same
                                  configuration (:mod:`.regroup`)
 
 Points: ``compute`` (before forward), ``grad`` (forward and backward done, peers already in the

@@ -6,7 +6,7 @@ an operation that errored on one rank). Then no configuration change ever comes:
 suspected, so the agreement has nothing to decide. Theory of operation:
 
 1. A rank whose collective failed abandons its group (its peers' operations fail in turn: the
-   dropped references close the connections, DESIGN section 13) and waits
+   dropped references close the connections, docs/design.md section 13) and waits
    :func:`regroup_wait_s` for a configuration with another rank map. If one comes, a member
    really failed: the normal recovery (the plan's ``resume_step``) runs.
 2. Otherwise the ranks form the group of the *same* configuration again, attempt

@@ -1,4 +1,4 @@
-"""Per-rank randomness derived from ``(seed, rank, step)`` (DESIGN section 6).
+"""Per-rank randomness derived from ``(seed, rank, step)`` (docs/design.md section 6).
 
 Every random draw of step ``k`` on rank ``r`` comes from generators seeded by
 :func:`step_seed` ``(seed, r, k)`` at the start of the step, so a replacement of rank ``r``

@@ -1,5 +1,5 @@
-"""State transfer (DESIGN section 7): a promoted spare receives a rank's exact training state
-peer-to-peer from surviving replicas.
+"""State transfer (docs/design.md section 7): a promoted spare receives a rank's exact training
+state peer-to-peer from surviving replicas.
 
 * ``snapshot``: the state as a table of tensors plus plain metadata (``Snapshot.capture``,
   ``restore``, ``RNGState``); ``tree``: that metadata's bounded msgpack codec;

@@ -45,13 +45,14 @@ receiver has said nothing for ``STATUS_WAIT_FACTOR * T`` (a slow co-source or a 
 does not count: the receiver keeps speaking), or as soon as the receiver's connection closes.
 
 Cancelling ``receive``: it closes the group's connections (``close_connections``: gloo cannot
-withdraw a posted receive, DESIGN section 13) and waits, at most ``CANCEL_WAIT_FACTOR * T``,
+withdraw a posted receive, docs/design.md section 13) and waits, at most ``CANCEL_WAIT_FACTOR * T``,
 for its worker threads to end before the ``CancelledError`` propagates. Then no receive into
 target memory is posted any more and nothing writes there; what the target holds is
 undefined (part of the state). The group is unusable afterwards, as after ``no_progress``,
 and the sources fail at once (``send_failed`` / ``receiver_lost``).
 
-Limits: gloo operations cannot be aborted (DESIGN section 13). A receive given up on may stay
+Limits: gloo operations cannot be aborted (docs/design.md section 13). A receive given up on may
+stay
 posted: should its source resume, its bytes can still land in the target; they are the same
 bytes (the same agreed state) that a repair round writes there. To be rid of them, drop the
 group (every reference) before receiving into the same memory by other means.

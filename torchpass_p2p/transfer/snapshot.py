@@ -44,8 +44,8 @@ from .errors import SnapshotChanged
 from .tree import DTYPE_NAMES, TreeEncoder, decode_tree, pack
 
 DEFAULT_CHUNK_BYTES = 16 << 20
-"""16 MiB, the top of DESIGN section 7's 4-16 MiB. Per-chunk costs (a header, a tag, a thread
-hand-off) vanish against ~8 ms of loopback transfer; a lost source still costs little
+"""16 MiB, the top of docs/design.md section 7's 4-16 MiB. Per-chunk costs (a header, a tag, a
+thread hand-off) vanish against ~8 ms of loopback transfer; a lost source still costs little
 re-sending. Measured (benchmarks.transfer, 1 GiB, quiet 2-core machine): one source ran at the
 same 0.83 of a raw socket as with 8 MiB, two sources went from 0.93 to 1.14 of one source.
 Every member must use the same value: the fingerprint covers the chunk layout."""

@@ -1,4 +1,4 @@
-"""One transport interface, two implementations (DESIGN section 7).
+"""One transport interface, two implementations (docs/design.md section 7).
 
 A transfer has sources (every one holds the same snapshot) and one receiver. The source side
 calls :meth:`Transport.provide`, the receiver :meth:`Transport.receive`; both take the same
