@@ -1,5 +1,8 @@
 """torchpass_p2p against checkpoint-restart (torchrun) and torchft on the same job and faults.
 
+Why one module of this size: the three methods share the job, the fault schedule and the
+report, so that every figure is measured the same way in the same run.
+
 Run ``python -m benchmarks.vs_restart [--json] [--steps 120] [--faults SPEC] [--repeats 1]``.
 The job is ``examples/char_lm.py`` (same seed, same steps, 4 ranks); the faults are one
 ``TORCHPASS_FAULTS`` spec (:mod:`torchpass_p2p.trainer.faults`) fired at the same (step, point,

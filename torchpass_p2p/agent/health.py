@@ -1,5 +1,9 @@
 """GPU health of this member from NVML, read off the event loop, every call under a deadline.
 
+Why one module of this size: the NVML facts, the call runner that puts every call under a
+deadline, and the monitor's checks are read together when a fault is classified; the test
+stand-in lives apart (:mod:`torchpass_p2p.testing.fake_nvml`).
+
 Theory of operation
 -------------------
 A :class:`HealthMonitor` watches one GPU. Every NVML call goes through :class:`_CallRunner`: a

@@ -1,5 +1,11 @@
 """One live agent on an asyncio loop: the sans-IO core driven by sockets and a real clock.
 
+Why one module of this size: :class:`AgentRuntime` is where every input of the core meets
+asyncio, and the services it starts (timers, pulse, health, fast evidence, the service
+directory) hand their results back to the core on its one driving task (``_drive``); the parts with
+a job of their own live apart (:mod:`.transport`, :mod:`.http`, :mod:`.metrics`, :mod:`.history`,
+:mod:`.pulse`, :mod:`.health`).
+
 :class:`AgentRuntime` is the async API. Many of them can share one loop (the tests run 16);
 :func:`torchpass_p2p.start` runs one in a background thread of a training process.
 

@@ -1,5 +1,8 @@
 """Sockets of one agent: UDP datagrams for gossip, TCP frames for what does not fit and requests.
 
+Why one module of this size: UDP and TCP share the port, the keys, the per-peer key choice and
+the drop counters; both paths must seal, open and count the same way.
+
 Both listen on the same port number. A core message whose sealed datagram fits
 ``max_datagram_bytes`` (1,400: no IP fragmentation) goes by UDP; a larger one (a full
 ``SyncState``, a ``Vote`` with a full cut) goes as one TCP frame to the same address. A joining

@@ -1,5 +1,8 @@
 """Wire codec of the membership core: message dataclasses <-> msgpack bodies.
 
+Why one module of this size: one encoder and one decoder per message type, side by side, so
+that every limit is checked where the field is read and a reviewer sees both directions at once.
+
 A body is one msgpack array ``[tag, field, ...]``; updates nest as ``[utag, field, ...]``. The
 membership messages (tags 1..7) hold only non-negative integers, booleans and arrays. The
 agreement messages (tags 8..13) add, in named fields only: UTF-8 strings (host names and

@@ -1,5 +1,9 @@
 """The agreement side of one member: from its view of the cluster to an installed configuration.
 
+Why one module of this size: cut proposal, votes, the classic round, certificates and joins
+are one state machine over one configuration; :mod:`.cut`, :mod:`.agreement` and :mod:`.plan`
+hold the parts that are pure functions of it.
+
 Theory of operation
 -------------------
 Sans-IO, like :mod:`.membership`, whose :class:`~.membership.Member` creates one

@@ -1,5 +1,10 @@
 """The supervisor: start the children, watch them, report deaths, respawn, stop, clean up.
 
+Why one module of this size: every step of the lifecycle below runs in the one ``TaskGroup``
+of ``_Supervisor`` and reads the same children table; the parts that need no part of it live
+apart (:mod:`.plan`, :mod:`.children`, :mod:`.evidence`, :mod:`.outcome`, :mod:`.roles`,
+:mod:`.rekey`, :mod:`.slurm`).
+
 Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
 
 1. *Setup.* A private run directory (mode 0700) receives the key file (mode 0600, unless one is

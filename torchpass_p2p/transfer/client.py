@@ -1,5 +1,9 @@
 """The receiving side: pull one snapshot from several sources at once, exactly.
 
+Why one module of this size: opening, planning, the per-source threads, failover and the
+straggler rule all read and write one transfer's chunk table under one condition variable; split,
+each piece would have to expose that table and its locking rule.
+
 ``await fetch(sources, keys, config_id, into=...)``:
 
 1. **Open** every source concurrently (connect, handshake, manifest), each dropped after

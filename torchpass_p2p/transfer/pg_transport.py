@@ -1,5 +1,8 @@
 """State transfer over a process group's send/recv (gloo here; NCCL where GPUs are linked).
 
+Why one module of this size: the sending and receiving sides share one frame schedule (the
+order of status words and chunks on the group) that must change in both at once.
+
 Imports on CPU-only machines (torch.distributed is always present in torch wheels). The group
 is the one the members built for the current ``config_id``: membership gating happened when it
 formed, so no handshake is run here, and the data plane is gloo's, unauthenticated (README,

@@ -1,5 +1,8 @@
 """The transfer server: every member serves the snapshot of its last committed step.
 
+Why one module of this size: the handshake slots, the served snapshot and the per-connection
+senders share the server's accounting of connections and refusals.
+
 Lifecycle: ``server = TransferServer(keys, current_config_id)``, ``await server.start()``,
 ``server.publish(snapshot)`` (the trainer: when it enters a configuration, where it waits for
 the members that fetch; ``None`` once they have all joined), ``await server.close()``
