@@ -97,8 +97,8 @@ def rank_batches(dataset: Windows, args: argparse.Namespace, world_size: int, ra
     job's shuffled ``DistributedSampler`` (torch's order of indices, seeded by ``--seed``) and
     a DataLoader of ``--batch`` hand that rank. For loops that keep their own data position
     (the baselines)."""
-    sampler = tud.DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                     seed=args.seed)
+    sampler: tud.DistributedSampler[int] = tud.DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     indices = list(sampler)
     for k in range(start, len(indices) // args.batch):
         yield torch.stack([dataset[i] for i in indices[k * args.batch:(k + 1) * args.batch]])
