@@ -433,6 +433,8 @@ class Session(Trainer):
                 self._close_step(k, results)
                 return
             except (CollectiveError, Superseded, RuntimeError) as exc:
+                if isinstance(exc, Removed | Stopped):  # the last resort (_watch): no retry
+                    raise
                 if not isinstance(exc, CollectiveError | Superseded):
                     if self.group is None or self.group.state == "ready":
                         raise
