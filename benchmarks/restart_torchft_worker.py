@@ -37,7 +37,15 @@ from torchft import Manager, ProcessGroupGloo
 from torchft.manager import WorldSizeMode
 
 from benchmarks.restart_worker import Log, OnceFaults
-from examples.char_lm import add_job_args, batch_loss, build, corpus, weights_digest
+from examples.char_lm import (
+    add_job_args,
+    batch_loss,
+    build,
+    corpus,
+    rank_batches,
+    weights_digest,
+    windows,
+)
 from torchpass_p2p.collective.reduce import flatten, unflatten_into
 from torchpass_p2p.trainer.faults import parse_faults
 from torchpass_p2p.trainer.seeding import seed_step
@@ -63,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     text = corpus(args.corpus_kib << 10)
+    dataset = windows(text, args, args.active)
     model, optimizer, scheduler = build(args)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
@@ -98,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         if rank is None:  # a spare: torchft zeroes its contribution, so it computes none
             flat = torch.zeros(numel)
         else:
+            tokens = next(rank_batches(dataset, args, args.active, rank, k))
             seed_step(args.seed, rank, k)
-            batch_loss(model, text, args, k, rank).backward()
+            batch_loss(model, tokens).backward()
             flat = flatten(params)
         faults.at(k, "grad")
         manager.allreduce(flat).wait()

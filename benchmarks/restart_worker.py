@@ -4,10 +4,12 @@ checkpoint every ``--every`` steps and resume from the newest one after a restar
 :mod:`benchmarks.vs_restart`.
 
 Same model, data, seed, schedule and step as the example under torchpass_p2p: step ``k`` of
-rank ``r`` seeds every generator from ``(seed, r, k)`` (:func:`~torchpass_p2p.trainer.seed_step`),
-draws the same batch, averages the flattened gradient summed in rank order with the trainer's own
-``ManagedGroup.mean_in_rank_order`` over the plain gloo group (so a fault-free run here ends with
-the same bits, at the same speed),
+rank ``r`` takes the batch the example's DistributedSampler deals that rank
+(:func:`~examples.char_lm.rank_batches`), seeds every generator from ``(seed, r, k)``
+(:func:`~torchpass_p2p.trainer.seed_step`, as the example's DDP forward does), averages the
+flattened gradient summed in rank order with ``ManagedGroup.mean_in_rank_order`` over the plain
+gloo group (the element-wise arithmetic of the example's reduction: so a fault-free run here
+ends with the same bits),
 does the same tiny second all-reduce (mean loss), then the optimizer and scheduler step.
 
 Checkpoint (rank 0 only, every rank holds the same state): model, optimizer, scheduler, step,
@@ -51,7 +53,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from examples.char_lm import add_job_args, batch_loss, build, corpus, weights_digest
+from examples.char_lm import (
+    add_job_args,
+    batch_loss,
+    build,
+    corpus,
+    rank_batches,
+    weights_digest,
+    windows,
+)
 from torchpass_p2p.collective import GroupSpec, ManagedGroup
 from torchpass_p2p.collective.reduce import flatten, unflatten_into
 from torchpass_p2p.trainer.faults import Fault, parse_faults
@@ -145,7 +155,7 @@ def measure_checkpoint(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     text = corpus(args.corpus_kib << 10)
     model, optimizer, scheduler = build(args)
-    batch_loss(model, text, args, 0, 0).backward()
+    batch_loss(model, next(rank_batches(windows(text, args, 4), args, 4, 0))).backward()
     optimizer.step()
     scheduler.step()
     directory = Path(args.measure_checkpoint)
@@ -213,6 +223,7 @@ def train(args: argparse.Namespace) -> int:
             raise RuntimeError(f"{path}: saved for another world size")
         log("restored", step=step, path=path.name, seconds=time.monotonic() - t0)
     faults = OnceFaults(parse_faults(args.faults), Path(args.marker_dir), rank, log)
+    batches = rank_batches(windows(text, args, world), args, world, rank, step)
 
     log("ready", step=step)
     try:
@@ -221,7 +232,7 @@ def train(args: argparse.Namespace) -> int:
             faults.at(k, "compute")
             seed_step(args.seed, rank, k)
             optimizer.zero_grad(set_to_none=True)
-            loss = batch_loss(model, text, args, k, rank)
+            loss = batch_loss(model, next(batches))
             loss.backward()
             flat = flatten(params)
             faults.at(k, "grad")

@@ -1,29 +1,35 @@
 """A character-level transformer language model on the text of Python's own standard library,
-trained data-parallel under torchpass_p2p: run it with the launcher,
+trained data-parallel under torchpass_p2p with its DDP API (``docs/training.md``): the script's
+own loop over a DataLoader, run with the launcher,
 
     python -m torchpass_p2p.cli.main launch --nproc 4 --spares 2 examples/char_lm.py --out OUT
 
-Every process (ranks and spares) builds the model first; spares then wait for a rank inside
-``Trainer.run``. The data needs no download: the ``.py`` files of the running interpreter's
+Every process (ranks and spares) reads the corpus and builds the model first; a spare then waits
+inside ``init_process_group`` until it holds a rank, and receives the state where the loop
+starts (``epochs``). The data needs no download: the ``.py`` files of the running interpreter's
 standard library (sorted by name, first ``--corpus-kib`` KiB, bytes above 127 mapped to ``?``).
-Rank ``r``'s batch of step ``k`` is ``--batch`` windows of ``--context + 1`` characters at
-offsets drawn from a generator seeded by ``(seed, r, k)``. Each rank writes
-``OUT/final-<member>.json`` (rank, steps, state fingerprint, weights digest, loss curve) when
-training ends. A member removed from the job exits with code 3, one drained (``torchpass-p2p
-drain``: it trains until a spare holds its rank) with 4, and every member with 5 once the
-agreement stops the job (a vacant rank nobody can fill: every holder of its state died).
+The dataset is ``--steps * --batch * world size`` windows of ``--context + 1`` characters at
+offsets drawn once from a generator seeded by ``--seed`` (:class:`Windows`): one epoch, which a
+shuffled ``DistributedSampler`` deals out as ``--steps`` batches of ``--batch`` windows per rank.
+The step count is the LR scheduler's (``last_epoch``): it moves to a spare with the scheduler.
+
+Each member that finishes writes ``OUT/final-<member>.json``: its member id (the launcher's
+``TORCHPASS_MEMBER_ID``), rank, steps, the model's weights digest and the losses of its rank's
+batches for the steps this member trained. A member out of the job stops inside the library's
+call where it learns it (exit codes in ``docs/training.md``: 3 removed, 4 drained, 5 stopped).
 
 The model's size is ``--dim``, ``--heads`` and ``--layers`` (default 64, 4, 2: 0.1M parameters,
 1.3 MB of state with AdamW); ``--dim 512 --layers 8 --batch 2`` is the scale of issue #7's
 reference job (25.4M parameters, 305 MB of state, about 1.5 s a step with 4 ranks on 2 cores).
-:func:`add_job_args`, :func:`build` and :func:`batch_loss` are shared with the baselines in
-``benchmarks/``, so every method trains exactly this job.
+:func:`add_job_args`, :func:`build`, :func:`windows`, :func:`rank_batches` and
+:func:`batch_loss` are shared with the baselines in ``benchmarks/``, so every method trains
+exactly this job.
 
-``--extra-state-mb N`` adds N MiB of ballast to the training state (a :class:`Ballast` among the
-trainer's ``extra`` objects): deterministic bytes drawn from ``--seed``, never changed by a step,
-but part of every snapshot, transfer and state fingerprint like the weights. It makes a small
-model's state as large as a real one's, so a transfer lasts long enough for faults to land in
-its middle (S10). It costs nothing per step: the state is captured only when a spare needs it.
+``--extra-state-mb N`` adds N MiB of ballast to the training state (a :class:`Ballast`, given to
+``track``): deterministic bytes drawn from ``--seed``, never changed by a step, but part of every
+snapshot, transfer and state fingerprint like the weights. It makes a small model's state as
+large as a real one's, so a transfer lasts long enough for faults to land in its middle (S10).
+It costs nothing per step: the state is captured only when a spare needs it.
 """
 
 from __future__ import annotations
@@ -33,19 +39,16 @@ import hashlib
 import json
 import math
 import os
-import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import torch.utils.data as tud
 from torch import nn
 
-import torchpass_p2p
-from torchpass_p2p.collective import exit_process
-from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
-from torchpass_p2p.trainer import Drained, Removed, Stopped, Trainer, step_generator
-from torchpass_p2p.trainer.regroup import GIVE_UP_S
+import torchpass_p2p as tp
 
 VOCAB = 128
 
@@ -62,6 +65,43 @@ def corpus(max_bytes: int) -> torch.Tensor:
             break
     raw = torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8)
     return torch.where(raw < VOCAB, raw, ord("?")).long()
+
+
+class Windows(tud.Dataset):  # type: ignore[type-arg]
+    """``count`` windows ``[context + 1] int64`` of ``text``, at offsets drawn once from a
+    generator seeded by ``seed`` (the same in every process): item ``i`` is the window at
+    offset ``i``; a window's first ``context`` characters are the input, the last
+    ``context`` the targets."""
+
+    def __init__(self, text: torch.Tensor, context: int, count: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.text, self.context = text, context
+        self.starts = torch.randint(0, len(text) - context - 1, (count,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        s = int(self.starts[i])
+        return self.text[s:s + self.context + 1]
+
+
+def windows(text: torch.Tensor, args: argparse.Namespace, world_size: int) -> Windows:
+    """The job's dataset: one epoch of ``--steps`` batches of ``--batch`` windows per rank."""
+    return Windows(text, args.context, args.steps * args.batch * world_size, args.seed)
+
+
+def rank_batches(dataset: Windows, args: argparse.Namespace, world_size: int, rank: int,
+                 start: int = 0) -> Iterator[torch.Tensor]:
+    """``[batch, context + 1]`` token batches of rank ``rank`` from step ``start`` on: what the
+    job's shuffled ``DistributedSampler`` (torch's order of indices, seeded by ``--seed``) and
+    a DataLoader of ``--batch`` hand that rank. For loops that keep their own data position
+    (the baselines)."""
+    sampler: tud.DistributedSampler[int] = tud.DistributedSampler(
+        dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    indices = list(sampler)
+    for k in range(start, len(indices) // args.batch):
+        yield torch.stack([dataset[i] for i in indices[k * args.batch:(k + 1) * args.batch]])
 
 
 class Block(nn.Module):
@@ -99,7 +139,7 @@ class CharLM(nn.Module):
 
 class Ballast:
     """``[mib * 2**17] int64`` of deterministic bytes (a generator seeded by ``seed``), Stateful
-    (``state_dict`` / ``load_state_dict``), so the trainer captures, transfers and fingerprints
+    (``state_dict`` / ``load_state_dict``), so the library captures, transfers and fingerprints
     it with the rest of the state."""
 
     def __init__(self, mib: int, seed: int) -> None:
@@ -143,7 +183,7 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer,
                                               torch.optim.lr_scheduler.LRScheduler]:
     """The model (the same initial weights in every process: seeded by ``--seed``), AdamW
     (weight decay 0.01) and a schedule of linear warmup over the first 10 % of the steps, then
-    cosine decay to 0."""
+    cosine decay to 0, stepped once per optimizer step."""
     torch.manual_seed(args.seed)
     model = CharLM(args.context, args.dim, args.heads, args.layers)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
@@ -157,68 +197,68 @@ def build(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer,
     return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
 
 
-def batch_loss(model: nn.Module, text: torch.Tensor, args: argparse.Namespace, step: int,
-               rank: int) -> torch.Tensor:
-    """Rank ``rank``'s mean cross-entropy at step ``step`` (a scalar float32 tensor): ``--batch``
-    windows at offsets drawn from a generator seeded by ``(seed, rank, step)``."""
-    g = step_generator(args.seed, rank, step, salt=1)
-    starts = torch.randint(0, len(text) - args.context - 1, (args.batch,), generator=g)
-    window = torch.stack([text[s:s + args.context + 1] for s in starts.tolist()])
-    logits = model(window[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, VOCAB), window[:, 1:].reshape(-1))
+def batch_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The mean next-character cross-entropy of a ``[batch, context + 1]`` token batch (a
+    scalar float32 tensor)."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for final-<member>.json")
-    ap.add_argument("--log-dir", help="directory for the trainers' timelines")
+    ap.add_argument("--log-dir", help="directory for the members' timelines (default: "
+                                      "TORCHPASS_LOG_DIR)")
     add_job_args(ap)
+    ap.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     ap.add_argument("--extra-state-mb", type=int, default=0,
                     help="MiB of ballast in the training state (module docstring)")
     ap.add_argument("--state-transport", choices=("auto", "tcp", "pg"), default="auto",
                     help="how a spare gets the state: TCP before the group forms, or over "
                          "the new process group (auto: pg over NCCL, tcp over gloo)")
-    ap.add_argument("--give-up-s", type=float, default=GIVE_UP_S,
-                    help="the trainer's last resort: seconds fenced (or a failure unrepaired) "
-                         "before a member stops (default %(default)g)")
+    ap.add_argument("--give-up-s", type=float,
+                    help="the last resort: seconds fenced (or a failure unrepaired) before a "
+                         "member stops (default: the library's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-
-    agent = torchpass_p2p.start()
-    text = corpus(args.corpus_kib << 10)
-    model, optimizer, scheduler = build(args)
-    me = f"{agent.member_id:016x}"
-    log_path = None
     if args.log_dir:
-        os.makedirs(args.log_dir, exist_ok=True)
-        log_path = os.path.join(args.log_dir, f"{me}.jsonl")
-    extra = {"ballast": Ballast(args.extra_state_mb, args.seed)} if args.extra_state_mb else {}
-    trainer = Trainer(model, optimizer, agent=agent, scheduler=scheduler, seed=args.seed,
-                      extra=extra, state_transport=args.state_transport, log_path=log_path,
-                      give_up_s=args.give_up_s)
+        os.environ["TORCHPASS_LOG_DIR"] = args.log_dir
+    text = corpus(args.corpus_kib << 10)  # before a spare waits: off the recovery's path
+    model, optimizer, scheduler = build(args)
+    tp.init_process_group("gloo", seed=args.seed, state_transport=args.state_transport,
+                          give_up_s=args.give_up_s)
+    dataset = windows(text, args, tp.get_world_size())
+    sampler = tp.DistributedSampler(dataset, shuffle=True, seed=args.seed)
+    loader = tp.DataLoader(dataset, batch_size=args.batch, num_workers=args.workers,
+                           sampler=sampler)
+    ddp = tp.DistributedDataParallel(model)
+    tp.track(optimizer, scheduler)
+    if args.extra_state_mb:
+        tp.track(ballast=Ballast(args.extra_state_mb, args.seed))
 
-    def loss_fn(step: int, rank: int) -> torch.Tensor:
-        return batch_loss(model, text, args, step, rank)
-
-    try:
-        result = trainer.run(loss_fn, args.steps)
-    except (Removed, Stopped) as exc:
-        print(f"member {me}: {exc}; exiting", file=sys.stderr, flush=True)
-        agent.stop(leave=False, timeout_s=2.0)
-        return (EXIT_STOPPED if isinstance(exc, Stopped) else
-                EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED)
+    losses: dict[int, float] = {}
+    for epoch in tp.epochs(0, 1):
+        sampler.set_epoch(epoch)
+        for tokens in loader:
+            step = scheduler.last_epoch
+            loss = batch_loss(ddp, tokens)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            losses[step] = loss.item()
+    rank, steps = tp.get_rank(), scheduler.last_epoch
+    tp.destroy_process_group()  # every member holds the final state; out of the job: exits
+    me = os.environ.get("TORCHPASS_MEMBER_ID", f"rank{rank}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"final-{me}.json").write_text(json.dumps({
-        "member": me, "rank": result.rank, "steps": result.steps,
-        "fingerprint": result.fingerprint.hex(), "weights_sha256": weights_digest(model),
-        "recoveries": result.recoveries,
-        "losses": {str(k): v for k, v in sorted(result.losses.items())},
+        "member": me, "rank": rank, "steps": steps, "weights_sha256": weights_digest(model),
+        "losses": {str(k): v for k, v in sorted(losses.items())},
     }))
-    agent.stop(leave=False, timeout_s=2.0)
     return 0
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    raise SystemExit(main())

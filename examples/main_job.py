@@ -7,7 +7,8 @@ per fault). Faults (``--faults``, see :mod:`torchpass_p2p.trainer.faults`), by d
 of rank 1 in the middle of step 40 (epoch 1, its peers already inside the gradient reduction),
 and later a SIGSTOP of rank 2 at step 75 before the commit vote, held 8 s (past the 5 s lease),
 then SIGCONT. ``--job char_lm`` runs the character-level language model of
-``examples/char_lm.py`` instead (120 steps; faults at steps 37 and 80).
+``examples/char_lm.py`` instead, a script of the same API with its own step loop (120 steps;
+faults at steps 37 and 80).
 
 Prints the loss, one recovery timeline per fault (seconds after the fault: detected, decided,
 state transferred, group rebuilt, training resumed), steps lost, and whether every rank's final
@@ -87,11 +88,20 @@ def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = ""
     ``launch_args``: more launcher options, e.g. ``--respawn``; ``settings``: agent settings
     by environment variable, e.g. ``{"TORCHPASS_POLICY": "stop"}``). A launch
     still running after ``timeout_s`` seconds is killed (code -9) after its children printed
-    their stacks into ``output`` (:meth:`Run.diagnosis`)."""
-    return launch(work, SCRIPT, ("--out", str(work / "out"), "--log-dir", str(work / "logs"),
-                                 "--steps", str(steps), *script_args),
-                  nproc=nproc, spares=spares, faults=faults, timeout_s=timeout_s,
-                  launch_args=launch_args, settings=settings)
+    their stacks into ``output`` (:meth:`Run.diagnosis`).
+
+    Each final state (``final-<member>.json``: rank, steps, weights digest, losses) gets the
+    ``fingerprint`` of the whole state its member held at the end (model, optimizer,
+    scheduler, data position, tracked objects) from that member's ``finished`` record, or
+    None if it logged none."""
+    run = launch(work, SCRIPT, ("--out", str(work / "out"), "--log-dir", str(work / "logs"),
+                                "--steps", str(steps), *script_args),
+                 nproc=nproc, spares=spares, faults=faults, timeout_s=timeout_s,
+                 launch_args=launch_args, settings=settings)
+    prints = {r["member"]: r["fingerprint"] for r in run.events if r["event"] == "finished"}
+    for final in run.finals:
+        final["fingerprint"] = prints.get(final["member"])
+    return run
 
 
 def launch(work: Path, script: Path, script_args: tuple[str, ...], *, nproc: int, spares: int,
@@ -151,11 +161,14 @@ def _stacks_then_kill(proc: subprocess.Popen[bytes], chunks: list[bytes]) -> Non
         remove_run_dir(found.group(1))
 
 
-def loss_curve(finals: list[dict[str, Any]], points: int = 8) -> str:
-    """``points`` steps of the mean loss over ranks, which every rank logs alike for the steps
-    it trained: merged over the finals, as a spare that took a rank logged only the steps
-    after it joined."""
-    by_step = {int(k): v for final in finals for k, v in final["losses"].items()}
+def loss_curve(finals: list[dict[str, Any]], points: int = 8, rank: int = 0) -> str:
+    """``points`` steps of the loss of rank ``rank``'s batches: merged over the finals of
+    that rank, as a spare that took the rank logged only the steps after it joined (a member
+    that died wrote none: its steps are missing)."""
+    by_step = {int(k): v for final in finals if final["rank"] == rank
+               for k, v in final["losses"].items()}
+    if not by_step:
+        return "(none)"
     steps = sorted(by_step)
     n = len(steps)
     marks = sorted({round(i * (n - 1) / (points - 1)) for i in range(points)})
@@ -188,9 +201,9 @@ def report(clean: Run, faulty: Run, steps: int) -> tuple[list[str], bool]:
                      f"{len(run.finals)} ranks finished")
         ok &= run.code == 0 and len(run.finals) > 0
     if clean.finals:
-        lines.append("loss (fault-free, mean over ranks): " + loss_curve(clean.finals))
+        lines.append("loss of rank 0's batches (fault-free): " + loss_curve(clean.finals))
     if faulty.finals:
-        lines.append("loss (with faults):                 " + loss_curve(faulty.finals))
+        lines.append("loss of rank 0's batches (with faults): " + loss_curve(faulty.finals))
     more, timelines = timeline_lines(faulty)
     lines += more
     lost = sum(f.steps_lost for f in timelines)
@@ -201,9 +214,11 @@ def report(clean: Run, faulty: Run, steps: int) -> tuple[list[str], bool]:
     prints = {r["fingerprint"] for r in clean.finals} | {r["fingerprint"] for r in faulty.finals}
     weights = ({r["weights_sha256"] for r in clean.finals}
                | {r["weights_sha256"] for r in faulty.finals})
-    equal = len(prints) == 1 and len(weights) == 1 and bool(clean.finals) and bool(faulty.finals)
-    lines.append(f"final state bitwise equal to the fault-free run on every rank: {equal} "
-                 f"(fingerprints {sorted(p[:16] for p in prints)}, weights sha256 "
+    equal = (len(prints) == 1 and None not in prints and len(weights) == 1
+             and bool(clean.finals) and bool(faulty.finals))
+    lines.append("final state (model, optimizer, scheduler, data position) bitwise equal to "
+                 f"the fault-free run on every rank: {equal} "
+                 f"(fingerprints {sorted(str(p)[:16] for p in prints)}, weights sha256 "
                  f"{sorted(w[:16] for w in weights)})")
     ok &= equal
     return lines, ok

@@ -26,6 +26,8 @@ def clean_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Run]:
                           steps=steps, script_args=key[1], timeout_s=CLEAN_TIMEOUT_S)
             assert run.code == 0, run.diagnosis()
             assert len(run.finals) == nproc and all(r["steps"] == steps for r in run.finals)
+            # The state's fingerprint is each member's "finished" record's (run_job).
+            assert all(r["fingerprint"] for r in run.finals)
             assert len({r["fingerprint"] for r in run.finals}) == 1
             runs[key] = run
         return runs[key]

@@ -43,8 +43,9 @@ def test_a_survivor_without_a_majority_says_so_and_stops_the_job(tmp_path: Path)
     events = run.events
     ranks = {r["member"]: r["rank"] for r in events if r["event"] == "start"}
     (survivor,) = [m for m, rank in ranks.items() if rank == 0]
-    # The survivor's one line (char_lm prints the trainer's reason) and its exit code.
-    line = f"member {survivor}: {LOST}; fenced for {GIVE_UP_S} s, {STOPS}; exiting"
+    # The survivor's one line (the library's, from inside char_lm's step) and its exit code.
+    line = (f"torchpass_p2p: member {survivor}: {LOST}; fenced for {GIVE_UP_S} s, {STOPS}; "
+            f"exit code {EXIT_STOPPED}")
     assert line in run.output, run.diagnosis()
     assert f"rank 0 ({survivor}) exited with {EXIT_STOPPED}" in run.output, run.diagnosis()
     assert [(r["member"], r["reason"]) for r in events if r["event"] == "gave_up"] == [

@@ -320,7 +320,11 @@ def _state(pid: int) -> str:
 def test_the_main_jobs_loss_curve_merges_the_ranks_and_labels_real_steps() -> None:
     from examples.main_job import loss_curve
 
-    spare = {"losses": {"2": 3.0, "3": 2.0}}  # took a rank at step 2: listed first, say
-    rank = {"losses": {"0": 5.0, "1": 4.0, "2": 3.0}}
-    assert loss_curve([spare, rank], points=4) == (
+    # Each final logs its own rank's losses, for the steps its member trained.
+    spare = {"rank": 0, "losses": {"2": 3.0, "3": 2.0}}  # took rank 0 at step 2: listed first
+    rank = {"rank": 0, "losses": {"0": 5.0, "1": 4.0, "2": 3.0}}
+    other = {"rank": 1, "losses": {"0": 9.0, "1": 9.0, "2": 9.0, "3": 9.0, "4": 9.0}}
+    assert loss_curve([spare, other, rank], points=4) == (
         "step 0: 5.000  step 1: 4.000  step 2: 3.000  step 3: 2.000")
+    assert loss_curve([spare, other, rank], points=2, rank=1) == "step 0: 9.000  step 4: 9.000"
+    assert loss_curve([other], rank=0) == "(none)"

@@ -295,6 +295,7 @@ class ManagedGroup:
         self.state = "ready"
         self.device = device
         self._wake = threading.Event()
+        self._in_flight = 0  # launched and not completed (a step's buckets)
         if backend == "nccl" and device is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
 
@@ -323,7 +324,8 @@ class ManagedGroup:
         ``r`` (shape and dtype of ``tensor``, equal on every rank).
 
         Raises:
-            CollectiveError: the operation failed; the group is failed.
+            CollectiveError: the operation failed; the group is failed (stuck, its
+                connections closed, over gloo with other operations in flight).
             Superseded: ``watch()`` was true first; the group is stuck.
             RuntimeError: the group is not ``ready`` (local misuse).
         """
@@ -378,7 +380,9 @@ class ManagedGroup:
         same order. Raises ``RuntimeError`` if the group is not ``ready``."""
         if self.state != "ready":
             raise RuntimeError(f"group of configuration {self.config_id} is {self.state}")
-        return start(self._pg)
+        work = start(self._pg)
+        self._in_flight += 1
+        return work
 
     def complete(self, work: Any, *, watch: Watch | None = None,
                  slice_s: float = SLICE_S) -> None:
@@ -401,6 +405,7 @@ class ManagedGroup:
         except BaseException:  # Superseded, or the watch's own exception: left in flight
             self._retire("stuck", work)
             raise
+        self._in_flight = max(0, self._in_flight - 1)
         error = None
         try:
             work.wait()
@@ -408,7 +413,14 @@ class ManagedGroup:
             error = f"{type(exc).__name__}: {exc}"
         del work
         if error is not None:
-            self._retire("failed", None)
+            if self._in_flight and self.backend == "gloo":
+                # Other operations of this group are in flight (a step's buckets): dropping
+                # the last reference would run gloo's destructor, which waits for them, and
+                # they may never end (a peer that gave the group up keeps its own referenced).
+                # Closing the connections fails them, here and at the peers, at once.
+                self.interrupt()
+            else:
+                self._retire("failed", None)
             raise CollectiveError(f"configuration {self.config_id}: {error}", self.config_id)
 
     # ------------------------------------------------------------------ lifecycle

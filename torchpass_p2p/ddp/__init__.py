@@ -35,7 +35,7 @@ REFUSED = ("init_method", "store", "rank", "world_size")
 
 def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
                        exact: bool = True, state_transport: str = "auto",
-                       **kwargs: Any) -> None:
+                       give_up_s: float | None = None, **kwargs: Any) -> None:
     """Start this process's agent and take its place in the job. A rank returns at once; a
     spare returns only once it holds a rank (``RANK`` and ``WORLD_SIZE`` are set then, as
     torchrun sets them). Its state arrives at the epochs loop (:func:`epochs`).
@@ -50,6 +50,9 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
             transfer service, from every surviving holder), ``"pg"`` (point-to-point over the
             new configuration's process group: NCCL's RDMA path on GPUs) or ``"auto"`` (pg
             over NCCL, else tcp).
+        give_up_s: the last resort, in seconds: a member fenced this long (or whose failed
+            collective nothing repaired) stops (``docs/training.md``, exit codes); None: the
+            trainer's default, :data:`~torchpass_p2p.trainer.regroup.GIVE_UP_S`.
         kwargs: torch's other arguments; ``timeout``, ``group_name``, ``pg_options`` and
             ``device_id`` are accepted and unused.
 
@@ -83,7 +86,7 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
     log_path = (None if not log_dir
                 else os.path.join(log_dir, f"{format_member_id(agent.member_id)}.jsonl"))
     session = Session(agent, seed=seed, exact=exact, backend=backend, log_path=log_path,
-                      state_transport=state_transport)
+                      state_transport=state_transport, give_up_s=give_up_s)
     install(session)
     session._set_env()
     _skip_teardown_of_stuck_groups()

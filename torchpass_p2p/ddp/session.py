@@ -37,6 +37,7 @@ from torchpass_p2p.checkpoint import CheckpointSettings, NotSameJob
 from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, exit_process
 from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
 from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
+from torchpass_p2p.trainer.regroup import GIVE_UP_S
 from torchpass_p2p.trainer.seeding import seed_step
 from torchpass_p2p.transfer import Snapshot
 
@@ -114,14 +115,17 @@ class Session(Trainer):
         log_path: the JSON-lines timeline, or None.
         state_transport: ``"tcp"``, ``"pg"`` or ``"auto"``, as for
             :class:`~torchpass_p2p.trainer.Trainer`.
+        give_up_s: the last resort, seconds, as for :class:`~torchpass_p2p.trainer.Trainer`
+            (None: :data:`~torchpass_p2p.trainer.regroup.GIVE_UP_S`).
     """
 
     def __init__(self, agent: Any, *, seed: int, exact: bool, backend: str,
                  log_path: str | os.PathLike[str] | None,
-                 state_transport: str = "auto") -> None:
+                 state_transport: str = "auto", give_up_s: float | None = None) -> None:
         super().__init__(torch.nn.Module(), None, agent=agent,  # type: ignore[arg-type]
                          seed=seed, backend=backend, log_path=log_path,
-                         state_transport=state_transport)
+                         state_transport=state_transport,
+                         give_up_s=GIVE_UP_S if give_up_s is None else give_up_s)
         self.objects = {}
         self.exact = exact
         self.ddp: Any = None
@@ -154,6 +158,7 @@ class Session(Trainer):
         self.checkpoint_settings = CheckpointSettings.from_env(os.environ)
         """Where and how often rank 0 saves (``docs/checkpoints.md``); None: no checkpoints."""
         self.checkpointer: Checkpointer | None = None
+        self._log_start()
         self.service.start()
         resume = None if self.checkpoint_settings is None else self.checkpoint_settings.resume_step
         if resume and not self._started_as_spare():
@@ -357,6 +362,8 @@ class Session(Trainer):
         try:
             return fn()
         except Removed as exc:
+            self.log("removed", step=self.step, config_id=self.config_id,
+                     drained=isinstance(exc, Drained), reason=str(exc)[:160])
             self._exit(exc, EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED)
         except Stopped as exc:
             self._exit(exc, EXIT_STOPPED)
@@ -506,6 +513,8 @@ class Session(Trainer):
                                         self.step_figures)
                 return
             except (CollectiveError, Superseded, RuntimeError) as exc:
+                if isinstance(exc, Removed | Stopped):  # the last resort (_watch): no retry
+                    raise
                 if not isinstance(exc, CollectiveError | Superseded):
                     if self.group is None or self.group.state == "ready":
                         raise

@@ -334,10 +334,7 @@ class Trainer:
 
     def _begin(self) -> None:
         agent = self.agent
-        status = agent.status_address
-        self.log("start", role=agent.role, config_id=agent.config_id, rank=agent.rank,
-                 address=format_address(agent.address),
-                 status=None if status is None else format_address(status))
+        self._log_start()
         if self._started_as_spare():
             self._enter_as_spare(self._await_first_rank())
             return
@@ -348,6 +345,14 @@ class Trainer:
         self.faults.at(0, "enter", started_in.rank_of(self.me))
         self._enter_configuration(started_in, group_id=started_in.config_id, resume=0,
                                   fetch_from=None)
+
+    def _log_start(self) -> None:
+        """The ``start`` record: this member's role, configuration, rank and addresses."""
+        agent = self.agent
+        status = agent.status_address
+        self.log("start", role=agent.role, config_id=agent.config_id, rank=agent.rank,
+                 address=format_address(agent.address),
+                 status=None if status is None else format_address(status))
 
     def _started_as_spare(self) -> bool:
         """Started as a spare (or joining: a late spare), judged by the configuration it was
