@@ -1,6 +1,6 @@
 """One process group per configuration, waited on in slices and abandoned, never aborted.
 
-Theory of operation (DESIGN sections 8 and 13). gloo operations cannot be aborted in place:
+Theory of operation (docs/design.md section 8 and 13). gloo operations cannot be aborted in place:
 ``abort()``, ``shutdown()`` and destroying the group from another thread all return without
 freeing a blocked operation (a wait that times out closes every connection of the group,
 :func:`close_connections`: nothing completes on it any more, but an operation whose message was
@@ -250,8 +250,8 @@ def close_connections(pg: Any, peers: list[int] | tuple[int, ...]) -> bool:
     in flight on it, here or at its peers, can complete (and write into its buffers) any more:
     those still queued fail at once; one whose message is streaming when the pair closes
     (gloo has taken it off the queue) ends only by its own deadline, with nothing more
-    written. gloo offers no abort that frees a posted operation (DESIGN section 13), but a wait
-    that times out closes every connection of the group (measured: the next operation with
+    written. gloo offers no abort that frees a posted operation (docs/design.md section 13), but a
+    wait that times out closes every connection of the group (measured: the next operation with
     any peer fails with "Application timeout caused pair closure"): a receive from a peer of
     ``peers`` on :data:`CLOSE_TAG`, which nobody sends, waited on for :data:`CLOSE_WAIT`; a
     peer whose connection is already closed fails it at once, so the next is tried. NCCL:
@@ -480,7 +480,7 @@ def exit_process(code: int) -> NoReturn:
     closed and the agent stopped.
 
     Two reasons, both measured here. A stuck gloo group (a peer hung mid-operation) can be
-    neither aborted nor destroyed (DESIGN section 13): its destructor blocks, or aborts the
+    neither aborted nor destroyed (docs/design.md section 13): its destructor blocks, or aborts the
     process (``terminate called after throwing gloo::IoException``) once the hung peer's sockets
     close. And the teardown itself (a full garbage collection of torch's modules, then torch's
     static destructors re-computing dispatch tables) costs seconds of CPU: a rank removed in

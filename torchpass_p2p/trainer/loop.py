@@ -7,7 +7,7 @@ A script adopts it in a few lines::
     trainer = Trainer(model, optimizer, agent=agent, scheduler=scheduler, seed=0)
     result = trainer.run(loss_fn, steps=200)   # loss_fn(step, rank) -> scalar loss tensor
 
-Theory of operation (DESIGN sections 6 and 8).
+Theory of operation (docs/design.md section 6 and 8).
 
 * *Step k* (a rank): seed every generator from ``(seed, rank, k)``; forward and backward
   (``loss_fn``); the flattened gradient is averaged over the configuration's group, summed in
