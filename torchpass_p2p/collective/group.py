@@ -1,6 +1,6 @@
 """One process group per configuration, waited on in slices and abandoned, never aborted.
 
-Theory of operation (docs/design.md section 8 and 13). gloo operations cannot be aborted in place:
+Theory of operation (docs/design.md sections 8 and 13). gloo operations cannot be aborted in place:
 ``abort()``, ``shutdown()`` and destroying the group from another thread all return without
 freeing a blocked operation (a wait that times out closes every connection of the group,
 :func:`close_connections`: nothing completes on it any more, but an operation whose message was
