@@ -17,10 +17,10 @@ answer with the target's ``Ack`` or a ``Nack``. No ack by ``round_timeout`` fail
 
 Evidence. An observer raises an :class:`Alert` only after M consecutive failed rounds of its edge
 (Rapid). Detection is about edges: a round that only a relay's ack saved proves the subject's
-process runs, not that this edge works, so it counts half a failed round instead of clearing the
-count (SWIM's indirect probe guards against the observer's own trouble; Rapid's H of K observers
-already do, and a subject that only one peer reaches must still be removed). Only a word straight
-from the subject clears the count. A member whose own timer fired late (its loop stalled) voids
+process runs, not that this edge works, so it leaves the count as it was instead of clearing it
+(a subject that only one peer reaches must still be removed); it does not add to it either, for
+a busy member's backlog often answers a relay first. Only a word straight from the subject
+clears the count. A member whose own timer fired late (its loop stalled) voids
 its open rounds instead of counting them, and one that heard no ack from anyone for
 ``self_suspect_after_s`` suspects itself and accuses nobody. All probe timings are stretched by
 Lifeguard's local health multiplier.
@@ -36,8 +36,8 @@ Suspicion. The first alert about a subject starts a suspicion whose timeout shri
 independent alert (Lifeguard section IV-B). On expiry, with at least L distinct observers' alerts
 (no single accuser convicts), the member confirms :class:`Dead` and spreads it. The subject refutes
 an alert or a verdict for its current incarnation by raising its incarnation, once it has heard
-straight from an accusing observer within ``probe_interval_s`` (at once, or when it next does): a
-refutation proves the process alive, not the accuser's edge, so a subject its accusers cannot
+straight from an accusing observer within ``probe_interval_s``, or from half its neighbours within
+two (at once, or when it next does): a refutation proves the process alive, not the accuser's edge, so a subject its accusers cannot
 reach lets their evidence stand. A stalled member hears its observers' pings as it wakes and
 refutes as before. A refutation relayed by a third party clears suspicions but not an observer's
 count of failed rounds: its edge still fails, and it alerts about the new incarnation on its next
@@ -281,7 +281,7 @@ class Member:
         self._alerted: dict[MemberId, int] = {}  # subject -> incarnation we alerted about
         # Our observers whose accusation of us (alert, or verdict they confirmed) waits for a
         # direct word from them before we refute it -> the incarnation they accused.
-        self._accusers: dict[MemberId, int] = {}
+        self._accusers: dict[MemberId, int] = {}  # keyed by our observers only: bounded
         self._seq = 0
         self._last_ack_at = now
         self._answered_at = now  # like _last_ack_at, but a stall does not refresh it
@@ -334,8 +334,9 @@ class Member:
             # consecutive (else a member whose loop stalls twice in a row is accused early).
             if self._failed_rounds:
                 self._failed_rounds.pop(sender, None)
-            if self._accusers and sender in self._accusers:
-                # An accuser that reaches us: its edge works, so our refutation now counts.
+            if self._accusers and (sender in self._accusers or self._reached_by_most(now)):
+                # An accuser reaches us (its edge works), or most of our neighbours do (we
+                # are not cut off): our refutation now counts.
                 self._refute(now, max(self._accusers.values()))
         if self.joining is not None:
             if isinstance(message, Vote) or isinstance(message, Progress):
@@ -731,9 +732,9 @@ class Member:
                 # (receive() has cleared the edge's failed rounds: any word from it does.)
                 self._last_ack_from[rnd.subject] = now
             else:
-                # Saved by a relay: the subject's process answers, but not over our edge.
+                # Saved by a relay: the subject's process answers, but not over our edge. The
+                # edge's failed rounds stay counted (neither cleared nor added to).
                 self._counts["probe_rounds_relayed"] += 1
-                self._edge_failed(now, rnd.subject, 1)
             return
         relay = self._relays.pop(seq, None)
         if relay is not None:
@@ -784,22 +785,10 @@ class Member:
                 self._counts["self_suspected"] += 1
                 self._emit(ev.SelfSuspected(now))
             return
-        self._edge_failed(now, rnd.subject, 2)
-
-    def _edge_failed(self, now: float, subject: MemberId, halves: int) -> None:
-        """Count ``halves`` half rounds against our edge to ``subject`` (2: a failed round, 1: a
-        round only a relay's ack saved) and alert at ``failed_rounds_to_alert`` whole ones.
-
-        Half, not whole, for a saved round: at 5 % loss one direct ping or its ack in ten is
-        lost, and M = 2 such rounds in a row would alert about every edge every few minutes;
-        2M saved rounds in a row are as rare as M failed ones are at 1 % loss (module
-        docstring: a subject reached through one peer only is still accused within M to 2M
-        rounds)."""
-        if self._awaiting and self._starting(now, subject):
-            return  # start-up grace: nothing counts against it yet
-        fails = self._failed_rounds.get(subject, 0) + halves
+        subject = rnd.subject
+        fails = self._failed_rounds.get(subject, 0) + 1
         self._failed_rounds[subject] = fails
-        if fails >= 2 * self.params.failed_rounds_to_alert:
+        if fails >= self.params.failed_rounds_to_alert:
             self._raise_alert(now, subject)
 
     def _raise_alert(self, now: float, subject: MemberId, *, silent: bool = False) -> bool:
@@ -1028,8 +1017,8 @@ class Member:
     def _accused(self, now: float, accuser: MemberId, inc: int, *, verdict: bool = False) -> None:
         """``accuser`` accused our incarnation ``inc`` (>= ours): with an alert, or as the
         confirmer of a :class:`Dead` verdict (``verdict``). Refute at once if an accusing
-        observer reached us within ``probe_interval_s``; else wait for a word from one
-        (receive()). A refutation proves our process alive; only an accuser's own word proves
+        observer reached us within ``probe_interval_s`` or most neighbours did
+        (:meth:`_reached_by_most`); else wait until then (receive()). A refutation proves our process alive; only an accuser's own word proves
         its edge works, and an edge that does not (we are cut off from most of our observers,
         reachable through a third party) must be allowed to convict us (Rapid section 4: a
         member is removed when H of its K observers' edges fail)."""
@@ -1043,10 +1032,21 @@ class Member:
             return
         window = now - self.params.probe_interval_s
         heard = self._heard
-        if any(heard.get(o, -_INF) >= window for o in self._accusers):
+        if (any(heard.get(o, -_INF) >= window for o in self._accusers)
+                or self._reached_by_most(now)):
             self._refute(now, max(inc, max(self._accusers.values())))
         else:
             self._counts["refutations_deferred"] += 1
+
+    def _reached_by_most(self, now: float) -> bool:
+        """Whether at least half our neighbours (subjects and observers) sent us anything in
+        the last two probe intervals: our edges work, though an accuser's last ping may be
+        older than one (its probing stretched by its health, a verdict that came late). A
+        member cut off from all but one or two peers is not; a stalled one is as it reads its
+        backlog."""
+        window = now - 2 * self.params.probe_interval_s
+        heard = sum(1 for t in self._heard.values() if t >= window)
+        return 2 * heard >= len(self._heard)
 
     def _refute(self, now: float, accused_incarnation: int) -> None:
         self._accusers.clear()  # every accusation we know of is of this incarnation or older
