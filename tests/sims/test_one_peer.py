@@ -11,7 +11,7 @@ else is removed, and that is the only change: none in the 120 s that follow (the
 past the fault).
 
 Why it holds (``torchpass_p2p/core/membership.py``, docs/detection.md): a round that only a
-relay's ack saved counts half a failed round against the observer's edge; rank 9 refutes an
+relay's ack saved no longer clears the observer's count of failed rounds; rank 9 refutes an
 accusation only once the accusing observer reaches it, which none but rank 0 does; and a
 refutation relayed by a third party no longer clears an observer's count of failed rounds.
 """

@@ -36,12 +36,12 @@ Suspicion. The first alert about a subject starts a suspicion whose timeout shri
 independent alert (Lifeguard section IV-B). On expiry, with at least L distinct observers' alerts
 (no single accuser convicts), the member confirms :class:`Dead` and spreads it. The subject refutes
 an alert or a verdict for its current incarnation by raising its incarnation, once it has heard
-straight from an accusing observer within ``probe_interval_s``, or from half its neighbours within
-two (at once, or when it next does): a refutation proves the process alive, not the accuser's edge, so a subject its accusers cannot
-reach lets their evidence stand. A stalled member hears its observers' pings as it wakes and
-refutes as before. A refutation relayed by a third party clears suspicions but not an observer's
-count of failed rounds: its edge still fails, and it alerts about the new incarnation on its next
-failed round.
+straight from an accusing observer within ``probe_interval_s``, or from half its neighbours
+within two (at once, or when it next does): a refutation proves the process alive, not the
+accuser's edge, so a subject its accusers cannot reach lets their evidence stand. A stalled
+member hears its observers' pings as it wakes and refutes as before. A refutation relayed by a
+third party clears suspicions but not an observer's count of failed rounds: its edge still
+fails, and it alerts about the new incarnation on its next failed round.
 
 Dissemination. New updates are pushed at once to ``gossip_fanout`` random members, then piggybacked
 on every datagram (fewest-sent first) until each was sent ``lambda * ceil(log10(N + 1))`` times.
