@@ -1018,10 +1018,11 @@ class Member:
         """``accuser`` accused our incarnation ``inc`` (>= ours): with an alert, or as the
         confirmer of a :class:`Dead` verdict (``verdict``). Refute at once if an accusing
         observer reached us within ``probe_interval_s`` or most neighbours did
-        (:meth:`_reached_by_most`); else wait until then (receive()). A refutation proves our process alive; only an accuser's own word proves
-        its edge works, and an edge that does not (we are cut off from most of our observers,
-        reachable through a third party) must be allowed to convict us (Rapid section 4: a
-        member is removed when H of its K observers' edges fail)."""
+        (:meth:`_reached_by_most`); else wait until then (receive()). A refutation proves our
+        process alive, not that the accusers' edges work; edges that do not (we are cut off
+        from most of our neighbours, reachable through a third party) must be allowed to
+        convict us (Rapid section 4: a member is removed when H of its K observers' edges
+        fail)."""
         observers = self._config.observers_of(self.id)
         if accuser in observers:
             self._accusers[accuser] = inc
