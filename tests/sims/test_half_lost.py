@@ -8,10 +8,11 @@ the core: :class:`~torchpass_p2p.core.events.QuorumLost` and ``Member.reachable`
 
 Must hold, in each of 20 seeds: nothing is decided, nobody is admitted, nobody live is counted
 out; every survivor that is fenced reports the configuration's 64 members, the majority of 33
-and how many it believes reachable, which is never below the 32 alive; 30 s after the crash
-every survivor counts exactly the 32 alive, except a crashed member with fewer than L = 3 live
-observers (its one or two alerts are noise, never a conviction, and gossip may miss a member),
-and every survivor that counts 32 is fenced.
+and how many it believes reachable, which is never below the 32 alive (but 1 while it suspects
+itself: most of its subjects are dead); 30 s after the crash every survivor counts exactly the
+32 alive, except a crashed member with fewer than L = 3 live observers (its one or two alerts
+are noise, never a conviction, and gossip may miss a member), and every survivor that counts 32
+is fenced.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ def test_survivors_without_a_majority_report_how_many_are_left(seed: int) -> Non
     recorder = DetectionRecorder(cluster)
     safety = SafetyChecker(cluster)
     schedule_faults(SCENARIO, FaultInjector(cluster, recorder))
-    reported: dict[int, list[ev.QuorumLost]] = {}
+    # Each QuorumLost with whether its member suspected itself then (reachable is 1 then).
+    reported: dict[int, list[tuple[ev.QuorumLost, bool]]] = {}
 
     def on_event(sm: SimMember, event: ev.Event) -> None:
         if isinstance(event, ev.QuorumLost):
-            reported.setdefault(sm.index, []).append(event)
+            reported.setdefault(sm.index, []).append((event, sm.core.self_suspected))
 
     cluster.listeners.append(on_event)
     cluster.run(SCENARIO.virtual_s)
@@ -57,11 +59,13 @@ def test_survivors_without_a_majority_report_how_many_are_left(seed: int) -> Non
     assert safety.decisions == 0 and safety.count == 0 and recorder.joined == {}
     assert recorder.false_removals == {}
     # What a survivor reports when it is fenced: the configuration, its size, the majority
-    # and its count, never below the members really alive.
+    # and its count, never below the members really alive unless it suspects itself.
     for sm in survivors:
-        for event in reported.get(sm.index, []):
+        for event, isolated in reported.get(sm.index, []):
             assert (event.config_id, event.members, event.majority) == (0, MEMBERS, MAJORITY)
-            assert ALIVE <= event.reachable
+            # A member that heard no ack nor nack for self_suspect_after_s counts only itself
+            # (Member.reachable); most of a survivor's subjects are dead here, so a few do.
+            assert event.reachable == 1 if isolated else ALIVE <= event.reachable
     # 30 s after the crash: each survivor counts the 32 alive, plus any crashed member its
     # view still holds alive, and only one whose alerts could never convict it.
     config = cluster.configuration

@@ -16,9 +16,14 @@ each of its observers once per interval. A round is a direct ``Ping``; without a
 answer with the target's ``Ack`` or a ``Nack``. No ack by ``round_timeout`` fails the round.
 
 Evidence. An observer raises an :class:`Alert` only after M consecutive failed rounds of its edge
-(Rapid). A member whose own timer fired late (its loop stalled) voids its open rounds instead of
-counting them, and one that heard no ack from anyone for ``self_suspect_after_s`` suspects itself
-and accuses nobody. All probe timings are stretched by Lifeguard's local health multiplier.
+(Rapid). Detection is about edges: a round that only a relay's ack saved proves the subject's
+process runs, not that this edge works, so it leaves the count as it was instead of clearing it
+(a subject that only one peer reaches must still be removed); it does not add to it either, for
+a busy member's backlog often answers a relay first. Only a word straight from the subject
+clears the count. A member whose own timer fired late (its loop stalled) voids
+its open rounds instead of counting them, and one that heard no ack from anyone for
+``self_suspect_after_s`` suspects itself and accuses nobody. All probe timings are stretched by
+Lifeguard's local health multiplier.
 
 Start-up grace. A member of the configuration this member started in that it has not heard from
 yet is accused by nobody until ``start_grace_s`` after its process was started (``started``: what
@@ -30,7 +35,13 @@ that never starts is convicted ``start_grace_s`` later than one that stopped.
 Suspicion. The first alert about a subject starts a suspicion whose timeout shrinks with each
 independent alert (Lifeguard section IV-B). On expiry, with at least L distinct observers' alerts
 (no single accuser convicts), the member confirms :class:`Dead` and spreads it. The subject refutes
-any alert for its current incarnation by raising its incarnation.
+an alert or a verdict for its current incarnation by raising its incarnation, once it has heard
+straight from an accusing observer within ``probe_interval_s``, or from half its neighbours
+within two (at once, or when it next does): a refutation proves the process alive, not the
+accuser's edge, so a subject its accusers cannot reach lets their evidence stand. A stalled
+member hears its observers' pings as it wakes and refutes as before. A refutation relayed by a
+third party clears suspicions but not an observer's count of failed rounds: its edge still
+fails, and it alerts about the new incarnation on its next failed round.
 
 Dissemination. New updates are pushed at once to ``gossip_fanout`` random members, then piggybacked
 on every datagram (fewest-sent first) until each was sent ``lambda * ceil(log10(N + 1))`` times.
@@ -268,6 +279,9 @@ class Member:
         self._failed_rounds: dict[MemberId, int] = {}
         self._last_ack_from: dict[MemberId, float] = {}
         self._alerted: dict[MemberId, int] = {}  # subject -> incarnation we alerted about
+        # Our observers whose accusation of us (alert, or verdict they confirmed) waits for a
+        # direct word from them before we refute it -> the incarnation they accused.
+        self._accusers: dict[MemberId, int] = {}  # keyed by our observers only: bounded
         self._seq = 0
         self._last_ack_at = now
         self._answered_at = now  # like _last_ack_at, but a stall does not refresh it
@@ -320,6 +334,10 @@ class Member:
             # consecutive (else a member whose loop stalls twice in a row is accused early).
             if self._failed_rounds:
                 self._failed_rounds.pop(sender, None)
+            if self._accusers and (sender in self._accusers or self._reached_by_most(now)):
+                # An accuser reaches us (its edge works), or most of our neighbours do (we
+                # are not cut off): our refutation now counts.
+                self._refute(now, max(self._accusers.values()))
         if self.joining is not None:
             if isinstance(message, Vote) or isinstance(message, Progress):
                 self._reconf.receive(now, sender, message)
@@ -341,7 +359,7 @@ class Member:
         elif type(message) is _ACK:
             if message.updates:
                 self._apply_from(now, sender, message.updates)
-            self._on_ack(now, message.seq)
+            self._on_ack(now, sender, message.seq)
         elif type(message) is _PING_REQ:
             if message.updates:
                 self._apply_from(now, sender, message.updates)
@@ -492,6 +510,7 @@ class Member:
             return
         self.left = True
         self._rounds.clear()
+        self._accusers.clear()
         self._learn(now, Left(self.id, self.incarnation))
 
     # ------------------------------------------------------------------ public: outputs
@@ -648,6 +667,7 @@ class Member:
         # Keyed by our neighbours (subjects and observers). A new neighbour gets one lease to
         # be heard from before it counts as silent.
         self._heard = {m: self._heard.get(m, self._now) for m in (*self._subjects, *observers)}
+        self._accusers = {o: inc for o, inc in self._accusers.items() if o in observers}
         self._transmit_limit = self.params.transmit_limit(len(config))
         self._min_alerts = self.params.min_alerts_to_confirm
         # Forget everyone the configuration no longer holds; keep what we know of the others.
@@ -701,15 +721,20 @@ class Member:
             self.self_suspected = False
             self._cut_dirty = True
 
-    def _on_ack(self, now: float, seq: int) -> None:
+    def _on_ack(self, now: float, sender: MemberId, seq: int) -> None:
         self._heard_back(now)
         rnd = self._rounds.pop(seq, None)
         if rnd is not None:
             self._answered_at = now
             self._probe_acks += 1
-            self._failed_rounds.pop(rnd.subject, None)
-            self._last_ack_from[rnd.subject] = now
-            self._adjust_health(-1)
+            self._adjust_health(-1)  # we reached the subject, or a relay that reached it
+            if sender == rnd.subject:
+                # (receive() has cleared the edge's failed rounds: any word from it does.)
+                self._last_ack_from[rnd.subject] = now
+            else:
+                # Saved by a relay: the subject's process answers, but not over our edge. The
+                # edge's failed rounds stay counted (neither cleared nor added to).
+                self._counts["probe_rounds_relayed"] += 1
             return
         relay = self._relays.pop(seq, None)
         if relay is not None:
@@ -929,9 +954,9 @@ class Member:
                 return False
             self._suspicions.pop(member, None)
             self._accused_at.pop(member, None)
-            # A refutation is a sign of life: failed rounds against it are no longer
-            # consecutive (else a member whose loop stalls twice in a row is accused early).
-            self._failed_rounds.pop(member, None)
+            # A refutation proves the subject's process alive, not that our edge to it works:
+            # the failed rounds of our edge stay counted (a refutation straight from the subject
+            # cleared them in receive()), and we alert about the new incarnation on the next.
             self._set_view(member, ALIVE, inc)
             self._emit(ev.MemberAlive(now, member, inc))
             return True
@@ -961,7 +986,7 @@ class Member:
         if isinstance(update, Dead) and not self.left:
             # A verdict is evidence, not a removal: only a decided configuration removes us.
             if update.incarnation >= self.incarnation:
-                self._refute(now, update.incarnation)
+                self._accused(now, update.confirmer, update.incarnation, verdict=True)
             else:
                 # A conviction of an incarnation we already refuted: repeat the refutation.
                 self._enqueue(Alive(self.id, self.incarnation))
@@ -982,14 +1007,50 @@ class Member:
             return False
         if subject == self.id:
             if inc >= self.incarnation and not self.left:
-                self._refute(now, inc)
+                self._accused(now, alert.observer, inc)
             return False
         view = self._view.get(subject)  # None: alive at incarnation 0
         if view is not None and (view[0] >= DEAD or inc < view[1]):
             return False
         return self._suspect(now, alert)
 
+    def _accused(self, now: float, accuser: MemberId, inc: int, *, verdict: bool = False) -> None:
+        """``accuser`` accused our incarnation ``inc`` (>= ours): with an alert, or as the
+        confirmer of a :class:`Dead` verdict (``verdict``). Refute at once if an accusing
+        observer reached us within ``probe_interval_s`` or most neighbours did
+        (:meth:`_reached_by_most`); else wait until then (receive()). A refutation proves our
+        process alive, not that the accusers' edges work; edges that do not (we are cut off
+        from most of our neighbours, reachable through a third party) must be allowed to
+        convict us (Rapid section 4: a member is removed when H of its K observers' edges
+        fail)."""
+        observers = self._config.observers_of(self.id)
+        if accuser in observers:
+            self._accusers[accuser] = inc
+        elif verdict and not self._accusers:
+            # A verdict from a member that is no observer of ours, and no alert named anyone
+            # whose edge we could check: nothing to wait for.
+            self._refute(now, inc)
+            return
+        window = now - self.params.probe_interval_s
+        heard = self._heard
+        if (any(heard.get(o, -_INF) >= window for o in self._accusers)
+                or self._reached_by_most(now)):
+            self._refute(now, max(inc, max(self._accusers.values())))
+        else:
+            self._counts["refutations_deferred"] += 1
+
+    def _reached_by_most(self, now: float) -> bool:
+        """Whether at least half our neighbours (subjects and observers) sent us anything in
+        the last two probe intervals: our edges work, though an accuser's last ping may be
+        older than one (its probing stretched by its health, a verdict that came late). A
+        member cut off from all but one or two peers is not; a stalled one is as it reads its
+        backlog."""
+        window = now - 2 * self.params.probe_interval_s
+        heard = sum(1 for t in self._heard.values() if t >= window)
+        return 2 * heard >= len(self._heard)
+
     def _refute(self, now: float, accused_incarnation: int) -> None:
+        self._accusers.clear()  # every accusation we know of is of this incarnation or older
         self.incarnation = accused_incarnation + 1
         self._counts["refutations"] += 1
         self._adjust_health(+1)  # Lifeguard IV-A: having to refute is a sign of our own trouble
