@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-Sans-IO (DESIGN section 3). The host feeds in datagrams (:meth:`Member.receive`) and timer expiries
-(:meth:`Member.handle_timer`), always with ``now`` in seconds; it pulls datagrams
+Sans-IO (docs/design.md section 3). The host feeds in datagrams (:meth:`Member.receive`) and timer
+expiries (:meth:`Member.handle_timer`), always with ``now`` in seconds; it pulls datagrams
 (:meth:`Member.messages_to_send`) and events (:meth:`Member.next_event`) and re-arms one timer at
 :meth:`Member.next_deadline`. Randomness comes only from the injected ``random.Random``, and every
 iteration that can reach the output runs over insertion-ordered dicts or sorted tuples, so the same
@@ -216,7 +216,8 @@ class Member:
         params: protocol parameters.
         rng: the only source of randomness (relay and gossip targets, sync jitter).
         now: the current time in seconds (monotonic).
-        policy: what a decided change does with a rank no spare is left for (DESIGN section 5).
+        policy: what a decided change does with a rank no spare is left for (docs/design.md section
+        5).
         joining: this process is not in ``configuration`` and asks to join it as a spare; it
             sends its :class:`Join` to ``seeds`` in turn until a decided configuration holds it.
         seeds: members of ``configuration`` to ask, with ``joining``.
@@ -393,7 +394,7 @@ class Member:
 
         Any call (this one or :meth:`receive`) that comes more than ``stall_tolerance_s`` after
         the deadline means this member's own loop stalled: its open probe rounds are voided
-        rather than failed (DESIGN section 4).
+        rather than failed (docs/design.md section 4).
         """
         self._advance(now)
         if self.removed:
@@ -428,8 +429,8 @@ class Member:
             self._round_failed(now, self._rounds.pop(seq), missed_nacks=0)  # +1 health each
 
     def report_unreachable(self, now: float, subject: MemberId) -> bool:
-        """Fast evidence (DESIGN section 4): the host saw ``subject`` fail: a connection it reset,
-        a collective error naming it, its process exiting under the local launcher.
+        """Fast evidence (docs/design.md section 4): the host saw ``subject`` fail: a connection it
+        reset, a collective error naming it, its process exiting under the local launcher.
 
         An observer of ``subject`` alerts at once instead of after ``failed_rounds_to_alert``
         failed probe rounds; any other member probes ``subject`` now. Nothing else is skipped:
@@ -487,7 +488,7 @@ class Member:
         """Certain evidence: ``subject``'s process exited; its parent, the launcher on its host,
         reaped it. Unlike a silence, an exit cannot be refuted, so this member announces
         :class:`Left` on the subject's behalf: it joins the next cut without the refutation
-        window a stalled member is owed (DESIGN section 4), and the removal is still decided
+        window a stalled member is owed (docs/design.md section 4), and the removal is still decided
         by agreement. Returns True when the announcement is news here.
         """
         self._advance(now)
@@ -590,7 +591,7 @@ class Member:
     def last_ack_at(self) -> float:
         """When a probe of this member's was last acknowledged (seconds). Acks to rounds a
         stall voided do not count, so after a long pause this stays old until a fresh probe
-        is answered: the host's lease on training can rest on it (DESIGN section 5)."""
+        is answered: the host's lease on training can rest on it (docs/design.md section 5)."""
         return self._answered_at
 
     @property
@@ -617,7 +618,7 @@ class Member:
     # ------------------------------------------------------------------ public: agreement
 
     def report_progress(self, step: int) -> None:
-        """The host's training loop completed the commit of ``step`` (DESIGN section 6). The
+        """The host's training loop completed the commit of ``step`` (docs/design.md section 6). The
         latest value goes into this member's vote and its progress report after a decision."""
         self._reconf.last_committed_step = step
 
