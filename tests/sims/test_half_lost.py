@@ -17,16 +17,11 @@ is fenced.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from sims.cluster import Cluster, SimMember
-from sims.faults import FaultInjector
-from sims.recorder import DetectionRecorder
-from sims.safety import SafetyChecker
+from sims.cluster import SimMember
 from sims.scenario import load_scenario
-from sims.scenario_faults import schedule_faults
+from tests.sims.fleet import scenario_fleet
 from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.messages import MemberState
 
@@ -37,12 +32,7 @@ MEMBERS, ALIVE, MAJORITY = 64, 32, 33
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_survivors_without_a_majority_report_how_many_are_left(seed: int) -> None:
-    cluster = Cluster(SCENARIO.members, spares=SCENARIO.spares, seed=seed,
-                      params=SCENARIO.params, link=dataclasses.replace(SCENARIO.link),
-                      keep_events=False)
-    recorder = DetectionRecorder(cluster)
-    safety = SafetyChecker(cluster)
-    schedule_faults(SCENARIO, FaultInjector(cluster, recorder))
+    cluster, recorder, safety = scenario_fleet(SCENARIO, seed)
     # Each QuorumLost with whether its member suspected itself then (reachable is 1 then).
     reported: dict[int, list[tuple[ev.QuorumLost, bool]]] = {}
 

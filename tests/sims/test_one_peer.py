@@ -18,16 +18,11 @@ refutation relayed by a third party no longer clears an observer's count of fail
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from sims.cluster import Cluster, SimMember
-from sims.faults import FaultInjector
-from sims.recorder import DetectionRecorder
-from sims.safety import SafetyChecker
+from sims.cluster import SimMember
 from sims.scenario import load_scenario
-from sims.scenario_faults import schedule_faults
+from tests.sims.fleet import scenario_fleet
 from torchpass_p2p.core import events as ev
 
 SCENARIO = load_scenario("one_peer")
@@ -43,12 +38,7 @@ QUIET_S = 120.0
 def test_a_member_only_one_peer_reaches_is_replaced_within_6_s_and_nothing_else_changes(
         seed: int) -> None:
     assert SCENARIO.virtual_s >= FAULT_AT + REPLACED_S + QUIET_S
-    cluster = Cluster(SCENARIO.members, spares=SCENARIO.spares, seed=seed,
-                      params=SCENARIO.params, link=dataclasses.replace(SCENARIO.link),
-                      keep_events=False)
-    recorder = DetectionRecorder(cluster)
-    safety = SafetyChecker(cluster)
-    schedule_faults(SCENARIO, FaultInjector(cluster, recorder))
+    cluster, recorder, safety = scenario_fleet(SCENARIO, seed)
     holder = cluster.configuration.ranks[9]
     assert holder is not None
     rank_9 = cluster.by_id[holder]
