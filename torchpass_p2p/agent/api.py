@@ -359,13 +359,15 @@ class Agent:
         runtime.add_listener(self._on_change)
         self._runtime = runtime
         self._ready.set()
-        asked = asyncio.ensure_future(self._stopping.wait())
-        ended = asyncio.ensure_future(runtime.finished.wait())  # stopped by its own failure
         try:
-            await asyncio.wait((asked, ended), return_when=asyncio.FIRST_COMPLETED)
+            async with asyncio.TaskGroup() as tasks:
+                asked = tasks.create_task(self._stopping.wait(), name="stop-asked")
+                # The runtime stopped by its own failure (or a refused key).
+                ended = tasks.create_task(runtime.finished.wait(), name="agent-finished")
+                await asyncio.wait((asked, ended), return_when=asyncio.FIRST_COMPLETED)
+                asked.cancel()
+                ended.cancel()
         finally:
-            asked.cancel()
-            ended.cancel()
             await runtime.stop(leave=self._leave)
         if runtime.refused is not None:
             raise runtime.refused

@@ -26,6 +26,7 @@ from typing import Any
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId
 from torchpass_p2p.kernel_drops import socket_drops
+from torchpass_p2p.tasks import OwnedTasks
 
 from .pulse_wire import decode_pong, encode_ping, ping_nonce
 
@@ -225,7 +226,7 @@ class PulseProber(asyncio.DatagramProtocol):
         self.tracker = tracker or PulseTracker(lambda: ping_nonce(prober, next(sequence)))
         self._transport: asyncio.DatagramTransport | None = None
         self._socket: socket.socket | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._tasks = OwnedTasks("pulse-prober", 1)  # the ping loop
         self._wake = asyncio.Event()
 
     async def start(self, host: str) -> None:
@@ -243,7 +244,7 @@ class PulseProber(asyncio.DatagramProtocol):
             raise
         self._socket = sock
         self._transport = transport  # type: ignore[assignment]
-        self._task = loop.create_task(self._run(), name="pulse-prober")
+        self._tasks.spawn(self._run(), name="ping")
 
     def rekey(self, kid: int, secrets: Mapping[int, bytes]) -> None:
         """Ping under ``kid`` and accept pongs under ``secrets`` from now on (a reloaded key
@@ -270,10 +271,7 @@ class PulseProber(asyncio.DatagramProtocol):
 
     async def close(self) -> None:
         """Stop pinging and close the socket. Idempotent."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._tasks.close(1.0)  # it ends at its next await
         if self._transport is not None:
             self._read_kernel_drops()  # the last figure: the socket goes with the transport
             self._transport.close()

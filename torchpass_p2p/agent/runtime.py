@@ -36,6 +36,7 @@ from torchpass_p2p.core.configuration import Address, Configuration
 from torchpass_p2p.core.membership import Member
 from torchpass_p2p.core.messages import Join, Joiner, MemberId, MemberState, format_member_id
 from torchpass_p2p.core.plan import Plan, Policy
+from torchpass_p2p.tasks import OwnedTasks
 
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
 from .history import History
@@ -93,6 +94,15 @@ is removed by failure detection instead."""
 KEY_CHECK_TIMEOUT_S = 2.0
 """Seconds each member asked by a key check has to answer (a request on loopback or a LAN
 takes milliseconds); a process refused everywhere exits well within 5 s."""
+MAX_TASKS = 1024
+"""Tasks an agent holds at once: the driver, the stop after its failure or a refused key, key
+checks (one a ``KEY_CHECK_INTERVAL_S`` at most, each over within ``KEY_CHECK_TIMEOUT_S``),
+drains (over at their first step) and one pulse lookup per subject (at most K, the
+configuration's observer rings). These add up to far less; reaching it is a bug, and fails the
+driver (the member then stops as if crashed)."""
+STOP_WAIT_S = 2.0
+"""How long :meth:`AgentRuntime.stop` waits for the tasks it cancelled to end (seconds); each
+ends at its next await, so this bounds a stop only if one is stuck."""
 
 
 class KeyNotAccepted(TransportError):
@@ -208,6 +218,9 @@ class AgentRuntime:
         self._metrics_at = 0.0
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
+        self._tasks = OwnedTasks(f"agent-{format_member_id(settings.member_id)}", MAX_TASKS)
+        """Every task of this agent: the driver, drains, key checks, pulse lookups and the
+        stop after a failure."""
         self._status_server: Any = None
         self._health: Any = health
         self.metrics: Any = None
@@ -231,7 +244,6 @@ class AgentRuntime:
         instead of living on unable to probe and fenced for good; ``role`` is ``failed``."""
         self.finished = asyncio.Event()
         """Set once :meth:`stop` completed, asked for or after a failure."""
-        self._tasks: set[asyncio.Task[Any]] = set()  # drains and the failure's stop
         self.pulse: PulseResponder | None = None
         """This process's pulse responder (``settings.pulse`` and built), else None."""
         self._prober: PulseProber | None = None
@@ -289,9 +301,8 @@ class AgentRuntime:
                                        self._pulse_secrets, self._on_silent, clock=self._clock,
                                        key_for=self.transport.peer_key_id)
             await self._prober.start(self.address[0])
-        self._driver = asyncio.create_task(self._drive(),
-                                           name=f"agent-{format_member_id(self.member_id)}")
-        self._driver.add_done_callback(self._driver_ended)
+        self._driver = self._tasks.spawn(self._drive(), name="driver",
+                                         on_done=self._driver_ended)
         self._flush()
 
     async def stop(self, *, leave: bool = True) -> None:
@@ -316,9 +327,7 @@ class AgentRuntime:
         if self.pulse is not None:
             self.pulse.close()
         await self.transport.close()
-        for task in self._tasks:
-            if task is not asyncio.current_task():
-                task.cancel()
+        await self._tasks.close(STOP_WAIT_S)  # not the calling task: it may be the failure's stop
         self.finished.set()
 
     def _driver_ended(self, task: asyncio.Task[None]) -> None:
@@ -328,13 +337,7 @@ class AgentRuntime:
         log.critical("member %016x: the agent's timer task failed; stopping as if crashed so "
                      "that the peers replace this member", self.member_id,
                      exc_info=self.failure)
-        self._own(self.stop(leave=False))
-
-    def _own(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        self._tasks.spawn(self.stop(leave=False), name="stop")
 
     # ------------------------------------------------------------------ queries
 
@@ -868,7 +871,7 @@ class AgentRuntime:
                 or now - self._key_check_at < KEY_CHECK_INTERVAL_S):
             return
         self._key_check_at = now
-        self._own(self._check_key())
+        self._tasks.spawn(self._check_key(), name="key-check")
 
     async def _check_key(self) -> None:
         """Is this member's key refused by the others? First, a key file rewritten since it
@@ -922,7 +925,7 @@ class AgentRuntime:
     def _stop_refused(self, refused: KeyNotAccepted) -> None:
         self.refused = refused
         log.debug("%s", refused)  # the host says it, once (torchpass_p2p.start)
-        self._own(self.stop(leave=False))
+        self._tasks.spawn(self.stop(leave=False), name="stop")
 
     def _member_at(self, address: Address) -> MemberId | None:
         if self.member is not None:
@@ -1019,7 +1022,7 @@ class AgentRuntime:
         log.error("training loop made no progress for %.1f s in %s: asking to be replaced",
                   timeout, self.phase)
         self._recent.append({"at": now, "type": "HangDetected", "detail": self.phase})
-        self._own(self._drain())
+        self._tasks.spawn(self._drain(), name="drain")
 
     # ------------------------------------------------------------------ pulses
 
@@ -1055,7 +1058,9 @@ class AgentRuntime:
         for subject in subjects:
             if subject not in self._pulse_ports:
                 self._pulse_ports[subject] = None
-                self._pulse_lookups[subject] = self._own(self._look_up_pulse(subject))
+                self._pulse_lookups[subject] = self._tasks.spawn(
+                    self._look_up_pulse(subject),
+                    name=f"pulse-lookup-{format_member_id(subject)}")
         self._point_prober()
 
     def _point_prober(self) -> None:
@@ -1108,7 +1113,7 @@ class AgentRuntime:
         self._health_faults[str(fault.kind)] += 1
         if fault.severity == "migrate" and self.role == "rank":
             log.error("GPU fault %s (%s): asking to be migrated", fault.kind, fault.detail)
-            self._own(self._drain())
+            self._tasks.spawn(self._drain(), name="drain")
 
     # ------------------------------------------------------------------ pieces built on demand
 

@@ -32,6 +32,8 @@ from typing import Any
 
 from aiohttp import web
 
+from torchpass_p2p.tasks import OwnedTasks
+
 __all__ = ["KEEPALIVE_S", "MAX_CLIENTS", "PUSH_INTERVAL_S", "QUEUE_FRAMES", "RETRY_MS",
            "StatusStream"]
 
@@ -92,7 +94,8 @@ class StatusStream:
         self.queue_frames = queue_frames
         self.max_clients = max_clients
         self._clients: set[_Client] = set()
-        self._pusher: asyncio.Task[None] | None = None
+        self._pushing = OwnedTasks("status-events", 1)
+        self._pusher: asyncio.Task[None] | None = None  # the one in _pushing, once started
         self._closed = False
         self.pushed = 0
         """Status frames put into client queues (one per client per change)."""
@@ -135,10 +138,8 @@ class StatusStream:
         self._closed = True
         for client in list(self._clients):
             self._end(client)
-        pusher, self._pusher = self._pusher, None
-        if pusher is not None:
-            pusher.cancel()
-            await asyncio.gather(pusher, return_exceptions=True)
+        self._pusher = None
+        await self._pushing.close(1.0)  # it ends at its next await
 
     # ------------------------------------------------------------------ inside
 
@@ -151,8 +152,7 @@ class StatusStream:
 
     def _start_pusher(self) -> None:
         if self._pusher is None or self._pusher.done():
-            self._pusher = asyncio.get_running_loop().create_task(self._push(),
-                                                                  name="status-events")
+            self._pusher = self._pushing.spawn(self._push(), name="pusher")
 
     async def _push(self) -> None:
         """Until the last client leaves: read, compare, fan out (module docstring)."""

@@ -63,10 +63,9 @@ import socket
 import struct
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
 
 from torchpass_p2p.core.codec import DecodeError, decode, encode
 from torchpass_p2p.core.configuration import Address
@@ -84,6 +83,7 @@ from torchpass_p2p.core.seal import (
 )
 from torchpass_p2p.core.wire import DEFAULT_MAX_DATAGRAM_BYTES, Wire
 from torchpass_p2p.kernel_drops import socket_drops
+from torchpass_p2p.tasks import OwnedTasks, TaskLimitReached
 
 from .sockets import adopt_socket
 
@@ -101,6 +101,11 @@ MAX_INBOUND_FRAME = 64 * 1024
 MAX_REPLY_FRAME = 64 * 1024 * 1024
 """Largest reply a requester reads (bytes): a 131k-member configuration is about 20 MB."""
 MAX_INBOUND_CONNECTIONS = 256
+"""Inbound connections served at once; past this a new one is closed unread."""
+MAX_OUTBOUND_CONNECTIONS = 131_072
+"""Outbound connections (one per peer address, each with its writing task) at once: as many
+as a configuration has members (``bootstrap.MAX_MEMBERS``); past this a frame to a new address
+is dropped and counted ``dropped_queue_full``."""
 MAX_UNPROVEN_CONNECTIONS = 64
 """Inbound connections without an authenticated frame yet; past this the oldest is closed."""
 FIRST_FRAME_TIMEOUT_S = 2.0
@@ -263,9 +268,10 @@ class Transport:
         self._udp_socket: socket.socket | None = None  # for the kernel's drop count
         self._server: asyncio.Server | None = None
         self._outbound: dict[Address, asyncio.Queue[bytes]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._writing = OwnedTasks(f"transport-{member_id:016x}-out", MAX_OUTBOUND_CONNECTIONS)
         self._inbound: set[asyncio.StreamWriter] = set()
-        self._serving: set[asyncio.Task[None]] = set()  # inbound handlers, part of _tasks
+        # Inbound handlers: made by asyncio.start_server, held from their first step.
+        self._serving = OwnedTasks(f"transport-{member_id:016x}-in", MAX_INBOUND_CONNECTIONS)
         self._unproven: dict[asyncio.StreamWriter, None] = {}  # oldest first
         # Closed by an eviction, which counted them: their handler must not count them again.
         self._evicted: set[asyncio.StreamWriter] = set()
@@ -429,12 +435,8 @@ class Transport:
         # callback log a spurious traceback); the rest is cancelled, all within 2 s.
         for writer in list(self._inbound):
             writer.close()
-        for task in list(self._tasks - self._serving):
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=2.0)
-        for task in list(self._tasks):
-            task.cancel()
+        await asyncio.gather(self._writing.close(2.0), self._serving.wait(2.0))
+        self._serving.cancel()  # handlers still reading after 2 s
         if self._server is not None:
             try:
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
@@ -480,7 +482,13 @@ class Transport:
         queue = self._outbound.get(address)
         if queue is None:
             queue = self._outbound[address] = asyncio.Queue(OUTBOUND_QUEUE)
-            self._own(self._write_frames(address, queue))
+            try:
+                self._writing.spawn(self._write_frames(address, queue),
+                                    name=f"write {address[0]}:{address[1]}")
+            except TaskLimitReached:
+                del self._outbound[address]
+                self.traffic["dropped_queue_full"] += 1
+                return
         try:
             queue.put_nowait(frame)
         except asyncio.QueueFull:
@@ -594,11 +602,8 @@ class Transport:
         self._inbound.add(writer)
         self._unproven[writer] = None
         task = asyncio.current_task()
-        if task is not None:
-            self._tasks.add(task)  # type: ignore[arg-type]
-            self._serving.add(task)  # type: ignore[arg-type]
-            task.add_done_callback(self._tasks.discard)
-            task.add_done_callback(self._serving.discard)
+        if task is not None:  # within the bound: its connection passed the check above
+            self._serving.adopt(task)
         peer = writer.get_extra_info("peername") or ("?", 0)
         timeout_s = FIRST_FRAME_TIMEOUT_S
         try:
@@ -707,11 +712,6 @@ class Transport:
             return "decode_" + exc.reason
         self._deliver(Received(sender, incarnation, message, peer))
         return None
-
-    def _own(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
 
 _UNPROVEN_ENDINGS: dict[str, str | None] = {

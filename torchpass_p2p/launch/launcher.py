@@ -828,10 +828,12 @@ class _Supervisor:
             log.info("killing %s", child.spec.name)
             child.send(signal.SIGKILL)
         # Wait on the processes, not on the queue: after an error the watchers are cancelled.
-        waits = [asyncio.ensure_future(c.wait()) for c in running]
-        _, pending = await asyncio.wait(waits, timeout=KILL_WAIT_S)
-        for task in pending:
-            task.cancel()
+        try:
+            async with asyncio.timeout(KILL_WAIT_S), asyncio.TaskGroup() as waits:
+                for child in running:
+                    waits.create_task(child.wait(), name=f"reap {child.spec.name}")
+        except TimeoutError:
+            pass  # the survivors are reported below
         for child in running:
             returncode = child.process.returncode
             if returncode is None:

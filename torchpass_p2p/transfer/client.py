@@ -66,6 +66,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchpass_p2p.tasks import OwnedTasks
+
 from . import chunkmac
 from . import fingerprint as fp
 from .auth import TRANSFER_ID_BYTES, TransferKeys, client_handshake
@@ -301,9 +303,12 @@ class _Transfer:
             return
         threads = {self.loop.run_in_executor(self.pool, self._pump, s, True)
                    for s in self.sources}
-        awaited: set[asyncio.Future[Any]] = {self.loop.create_task(c) for c in late}
-        opening: set[asyncio.Future[Any]] = awaited | {self.loop.create_task(c) for c in extra}
-        watchdog = self.loop.create_task(self._watchdog())
+        # Owned by this call; each opening's result is read here as it ends.
+        tasks = OwnedTasks("transfer-receive", len(late) + len(extra) + 1)
+        awaited: set[asyncio.Future[Any]] = {tasks.spawn(c, name="late source") for c in late}
+        opening: set[asyncio.Future[Any]] = awaited | {
+            tasks.spawn(c, name="extra connection") for c in extra}
+        watchdog = tasks.spawn(self._watchdog(), name="watchdog")
         try:
             # With every connection gone, a source still opening may yet carry the rest.
             while threads or (awaited & opening and self.remaining and not self.stopping):
@@ -324,10 +329,8 @@ class _Transfer:
                 await asyncio.wait(threads, timeout=STOP_TIMEOUT_S)
             raise
         finally:
-            for f in opening:
-                f.cancel()  # a connection still opening closes itself (``_open``)
-            watchdog.cancel()
-            await asyncio.wait([watchdog, *opening])
+            tasks.cancel()  # a connection still opening closes itself (``_open``)
+            await asyncio.wait([watchdog, *opening])  # each ends at its next await
             for f in opening:  # opened after the last wait: not used
                 if not f.cancelled() and (s := f.result()) is not None:
                     s.conn.close()
@@ -849,7 +852,8 @@ async def _fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int,
     # majority of all the sources (no other can have more). The rest join as they open, so a
     # source that hangs while opening delays nothing (before, all were awaited: up to
     # ``connect_timeout_s``).
-    openings = [asyncio.ensure_future(attempt(a)) for a in sources]
+    owned = OwnedTasks("transfer-open", max(len(sources), 1))  # this call's; results read here
+    openings = [owned.spawn(attempt(a), name=f"open {a[0]}:{a[1]}") for a in sources]
     pending: set[asyncio.Future[_Source | None]] = set(openings)
     opened: list[_Source] = []
     chosen: list[_Source] = []
@@ -912,8 +916,7 @@ async def _fetch(sources: Sequence[Address], keys: TransferKeys, config_id: int,
                            tr.refetched, allocated, time.monotonic() - t0,
                            sum(s.conn.bytes_in for s in seen), tr.resumed)
     finally:
-        for t in pending:
-            t.cancel()  # still opening (the transfer ended first, or never began)
+        owned.cancel()  # those still opening (the transfer ended first, or never began)
         opened = [s for t in openings if t.done() and not t.cancelled()
                   and (s := t.result()) is not None]
         for s in opened + chosen:  # ``chosen``: the transfer's, extra connections included

@@ -61,6 +61,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn, TypeVar
 
 from torchpass_p2p.kernel_drops import socket_drops
+from torchpass_p2p.tasks import OwnedTasks, TaskLimitReached
 
 from . import chunkmac, splice
 from . import fingerprint as fp
@@ -96,6 +97,11 @@ MAX_HANDSHAKING = 16
 never those of transfers (with shared slots such a peer could hold all 64 and no fetch
 would get through). One more evicts one of them (counted ``evicted_unproven``), chosen by
 ``pick_evicted``: a flood from one address evicts only its own handshakes."""
+MAX_CONNECTION_TASKS = 4096
+"""Connections held at once in any phase (handshake, transfer, lingering after an ``error``
+frame). ``MAX_HANDSHAKING`` and ``MAX_CONNECTIONS`` bound the first two; this bounds the rest
+(each over within ``LINGER_S``), above the usual limit of open files (1024), so that the
+kernel refuses first. One more is closed at once, counted ``too_many_connections``."""
 LINGER_S = 1.0
 """After an ``error`` frame: how long the server reads what the peer still sends before it
 closes (the peer closes as soon as it has read the frame)."""
@@ -144,8 +150,8 @@ class TransferServer:
         self._snapshot: Snapshot | None = None
         self._withdrawals = 0  # publish(None) calls: a connection older than the last is cut
         self._lsock: socket.socket | None = None
-        self._accept_task: asyncio.Task | None = None
-        self._conns: set[asyncio.Task] = set()  # every connection's task
+        self._accepting = OwnedTasks("transfer-server-accept", 1)
+        self._conns = OwnedTasks("transfer-server", MAX_CONNECTION_TASKS)  # one a connection
         self._handshaking: dict[asyncio.Task, _Pending] = {}  # in arrival order
         self._serving = 0  # connections past their handshake
         # Chunk bytes served per transfer (the receiver's transfer id) and step, over all its
@@ -166,7 +172,7 @@ class TransferServer:
         set_buffers(lsock)
         self._lsock = lsock
         self.port = lsock.getsockname()[1]
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        self._accepting.spawn(self._accept_loop(), name=f"accept :{self.port}")
 
     @property
     def address(self) -> tuple[str, int]:
@@ -189,16 +195,12 @@ class TransferServer:
 
     async def close(self, timeout_s: float = 5.0) -> None:
         """Stop accepting, cancel every connection and wait at most ``timeout_s`` seconds."""
-        tasks = list(self._conns)
         handshaking = [p.conn for p in self._handshaking.values()]
-        if self._accept_task is not None:
-            tasks.append(self._accept_task)
-        for t in tasks:
-            t.cancel()
+        self._accepting.cancel()
+        self._conns.cancel()
         if self._lsock is not None:
             self._lsock.close()
-        if tasks:
-            await asyncio.wait(tasks, timeout=timeout_s)
+        await asyncio.gather(self._accepting.wait(timeout_s), self._conns.wait(timeout_s))
         for conn in handshaking:  # a task cancelled before it ran never reached its close
             conn.close()
         if self._senders is not None:  # its threads end as their sockets close
@@ -254,10 +256,14 @@ class TransferServer:
                 await asyncio.sleep(0.1)
                 continue
             conn = Conn(sock, loop)
-            task = loop.create_task(self._serve(conn))
-            self._conns.add(task)
-            task.add_done_callback(self._conns.discard)
-            self._handshaking[task] = _Pending(conn, source_of(peer), time.monotonic())
+            source = source_of(peer)
+            try:
+                task = self._conns.spawn(self._serve(conn), name=f"serve {source}")
+            except TaskLimitReached:
+                conn.close()
+                self._count("too_many_connections")
+                continue
+            self._handshaking[task] = _Pending(conn, source, time.monotonic())
             task.add_done_callback(self._handshook)
             if len(self._handshaking) > self.max_handshaking:
                 self._evict()
