@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch.procs import REPO, clean_environ, finish, start_launcher, wait_for
+from torchpass_p2p.launch.outcome import EXIT_KEY_REFUSED
 
 MEMBER = str(REPO / "tests" / "agent" / "mp_member.py")
 
@@ -193,12 +194,6 @@ from torchpass_p2p.core.seal import Keyring, Sealer
 targets = [tuple(a) for a in json.loads(sys.argv[1])]
 key = bytes(range(32))  # not the cluster's
 outcome = {}
-try:  # join as a spare through the members
-    torchpass_p2p.start(key=key, seeds=tuple(targets), status=None, health=False,
-                        member_id=0xBAD, bind=("127.0.0.1", 0), join_timeout_s=2.0)
-    outcome["join"] = "accepted"
-except AgentError as exc:
-    outcome["join"] = "refused"
 sealer = Sealer("torchpass", Keyring(key), 0xBAD)
 vote = Vote(0, 0, Cut(removed=()), 0, bytes([255, 255]), 5)  # votes for everyone
 join = Join(Joiner(0xBAD, "127.0.0.1", 1), 0)
@@ -216,7 +211,13 @@ async def claim():  # ask for the configuration over TCP, as a joiner would
     except TransportError:
         return "refused"
 outcome["claim"] = asyncio.run(claim())
-print(json.dumps(outcome))
+print(json.dumps(outcome), flush=True)
+try:  # join as a spare through the members: refused, the process exits 6 in start()
+    torchpass_p2p.start(key=key, seeds=tuple(targets), status=None, health=False,
+                        member_id=0xBAD, bind=("127.0.0.1", 0), join_timeout_s=2.0)
+    print("join accepted")
+except AgentError as exc:
+    print(f"join failed otherwise: {exc}")
 """
 
 
@@ -232,9 +233,13 @@ def test_s16_a_process_without_the_key_cannot_join_vote_or_claim(tmp_path):
         rogue = subprocess.run(
             [sys.executable, "-c", ROGUE, json.dumps(targets)], cwd=REPO, capture_output=True,
             text=True, timeout=60, env=clean_environ() | {"PYTHONPATH": str(REPO)})
-        assert rogue.returncode == 0, rogue.stderr
-        assert json.loads(rogue.stdout.splitlines()[-1]) == {"join": "refused",
-                                                             "claim": "refused"}
+        assert json.loads(rogue.stdout.splitlines()[0]) == {"claim": "refused"}
+        # Its join is refused by every seed: one line naming key ids (never keys), exit 6.
+        assert rogue.returncode == EXIT_KEY_REFUSED, rogue.stdout + rogue.stderr
+        assert rogue.stdout.splitlines()[1:] == [], rogue.stdout
+        [line] = [ln for ln in rogue.stderr.splitlines() if "key not accepted" in ln]
+        assert line.startswith("torchpass_p2p: member 0000000000000bad: key not accepted: ")
+        assert line.endswith(f"exit code {EXIT_KEY_REFUSED}"), line
         time.sleep(1.0)
         statuses, metrics = [], []
         for r in up.values():
