@@ -25,8 +25,9 @@ agent's changes (:mod:`.changes`), the state exchange (:mod:`.exchange`) and rec
   :class:`Superseded` out of it; :meth:`Trainer.run` hands it to the recovery and runs on from
   the step the recovery resumed at.
 
-Invariants: a step is applied only after every rank voted for it and the agent accepted it
-as committed; the final barrier passes only when no member is fenced.
+Invariants: the loop applies step ``k`` only after every rank voted for it and the agent
+accepted it as committed (any other application is a roll forward, the commit rule's, in
+:mod:`.recovery`); the final barrier passes only when no member is fenced.
 
 The exceptions and constants of the layers below stay importable from here, as before the
 split (``from .x import N as N``).
