@@ -278,7 +278,7 @@ def test_a_spare_that_reaches_no_majority_gives_up_after_its_deadline(
     # Every rank died and the spares are too few to decide anything: nothing will ever give
     # this spare a rank, nor admit a joining one. It waited forever before; now it stops after
     # ``give_up_s`` (Stopped: its launcher respawns nobody for it).
-    monkeypatch.setattr("torchpass_p2p.trainer.loop.WAIT_SLICE_S", 0.01)
+    monkeypatch.setattr("torchpass_p2p.trainer.changes.WAIT_SLICE_S", 0.01)
     agent = trainer.agent
     agent.role, agent.reachable, trainer.give_up_s = role, reachable, 0.05
     agent.settings.configuration = ZERO_AS_SPARE if role == "spare" else None
@@ -296,7 +296,7 @@ def test_a_spare_fenced_for_a_while_waits_on(trainer: Trainer, tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     # Fenced for less than the deadline each time (a partition that heals): the spare keeps
     # waiting, and takes the rank it is finally given.
-    monkeypatch.setattr("torchpass_p2p.trainer.loop.WAIT_SLICE_S", 0.02)
+    monkeypatch.setattr("torchpass_p2p.trainer.changes.WAIT_SLICE_S", 0.02)
     agent = trainer.agent
     agent.role, trainer.give_up_s = "spare", 0.1
     agent.settings.configuration = ZERO_AS_SPARE
@@ -459,7 +459,7 @@ def test_the_group_is_named_after_the_first_configuration_of_its_rank_map(
         built.append(spec)
         raise Superseded
 
-    monkeypatch.setattr("torchpass_p2p.trainer.loop.build_group", build_group)
+    monkeypatch.setattr("torchpass_p2p.trainer.recovery.build_group", build_group)
     with pytest.raises(Superseded):
         trainer._enter(joined)
     assert built == [GroupSpec(1, 1, 2, SPARE)]

@@ -165,7 +165,7 @@ def builds(monkeypatch: pytest.MonkeyPatch, *outcomes: Any) -> list[GroupSpec]:
             raise outcome
         return FakeGroup(spec, outcome)
 
-    monkeypatch.setattr("torchpass_p2p.trainer.loop.build_group", build_group)
+    monkeypatch.setattr("torchpass_p2p.trainer.recovery.build_group", build_group)
     return built
 
 
@@ -209,7 +209,7 @@ def test_a_failed_regroup_is_retried_with_the_next_attempt_then_only_a_change_he
     monkeypatch.setattr(trainer, "_await_change", await_change)
     monkeypatch.setattr(trainer, "_enter_until_in", entered.append)
     reads = itertools.count(100.0)  # a hand clock: the trainer's first read is the failure
-    monkeypatch.setattr("torchpass_p2p.trainer.loop.time",
+    monkeypatch.setattr("torchpass_p2p.trainer.recovery.time",
                         SimpleNamespace(monotonic=lambda: next(reads), sleep=lambda s: None))
     trainer._recover(CollectiveError("connection reset", 0))
     # The last resort's clock started at the failure, before the regroups.

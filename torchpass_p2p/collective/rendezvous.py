@@ -7,7 +7,7 @@ key lives under :func:`store_prefix` ``(c)``, so nothing of an older configurati
 mistaken for the current one.
 
 A configuration's group can be formed again (a *regroup*: a collective failed but no member
-did, so no new configuration comes; :mod:`torchpass_p2p.trainer.loop`). Attempt ``a > 0`` of
+did, so no new configuration comes; :mod:`torchpass_p2p.trainer.recovery`). Attempt ``a > 0`` of
 configuration ``c`` gets its own store, announced as :func:`store_service` ``(a)``, and its own
 key namespace :func:`store_prefix` ``(c, a)``: it never meets the keys of the failed group.
 

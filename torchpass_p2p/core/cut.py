@@ -13,7 +13,7 @@ as one cut; the caller also waits until the proposal has not changed for
 ``Params.cut_settle_s``. Joiners do not wait for the unstable: while something is, the proposal
 admits the joiners alone (a mass crash takes seconds to convict, and processes restarted
 meanwhile would wait that long). A change that only admits spares leaves the rank map as it
-is, which costs the trainers nothing (``trainer/loop.py``).
+is, which costs the trainers nothing (``trainer/changes.py``).
 
 A cut holds at most ``max_removed`` removals and as many joiners as its byte budget takes
 (:func:`~.sizes.cut_budget`: every agreement message carrying it fits one datagram), smallest

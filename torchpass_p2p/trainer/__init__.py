@@ -1,7 +1,9 @@
 """Data-parallel training through faults (issue #7 part 2): the step loop with the commit rule
-(``loop``), the rule itself (``commit``), regrouping after a transient collective failure
-(``regroup``), per-step seeding (``seeding``), the transfer service
-(``service``), fault injection (``faults``) and the timeline (``events``)."""
+(``loop``), built on layers that follow the agent (``changes``), move the state (``exchange``)
+and recover (``recovery``) over shared state (``member``), with its ends (``ends``); the rule
+itself (``commit``), regrouping after a transient collective failure (``regroup``), per-step
+seeding (``seeding``), the transfer service (``service``), fault injection (``faults``) and
+the timeline (``events``)."""
 
 from .commit import resolve
 from .faults import Fault, FaultInjector, parse_faults

@@ -1,5 +1,5 @@
 """Regrouping within one configuration after a transient collective failure (issue #7): the
-pure decisions. The trainer (:mod:`.loop`) does the waiting and the I/O.
+pure decisions. The trainer (:mod:`.recovery`) does the waiting and the I/O.
 
 A collective can fail although every member lives (a gloo connection reset by a network blip,
 an operation that errored on one rank). Then no configuration change ever comes: nobody is

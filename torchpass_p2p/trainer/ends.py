@@ -1,0 +1,42 @@
+"""How a member's training ends other than by finishing, as the exceptions the trainer raises.
+
+The launcher and the training API map them to exit codes
+(:mod:`torchpass_p2p.launch.outcome`): :class:`Removed` 3, :class:`Drained` 4 (a clean end),
+:class:`Stopped` 5. :class:`Incomplete` never leaves the trainer: recovery waits for the change
+that fills the vacant ranks. Once one of the first three is raised the member must not touch a
+process group again.
+"""
+
+from __future__ import annotations
+
+__all__ = ["Drained", "Incomplete", "Removed", "Stopped"]
+
+
+class Removed(RuntimeError):
+    """This member is no longer part of the training world (removed, or the agent stopped):
+    stop at once and never touch a process group again. Scripts exit with code 3."""
+
+
+class Incomplete(RuntimeError):
+    """The configuration has vacant ranks (more ranks died than spares were left, under the
+    ``wait`` policy): nobody trains in it; the members wait for the change that fills them
+    (a spare joins, e.g. a process the launcher respawned with ``--respawn``)."""
+
+
+class Stopped(RuntimeError):
+    """The job cannot go on. Either the agreed plan stops it (action ``stop``,
+    :mod:`torchpass_p2p.core.plan` rules 3 and 5): a vacant rank nobody can fill, because every
+    holder of its state is gone (data parallel: every rank at once) or no spare is left under
+    policy ``stop``; or no majority of the configuration is left (fenced for the trainer's
+    ``give_up_s`` while it believes fewer than a majority of its configuration reachable: no
+    change can be decided, not even the admission of a new process; the message says how
+    many are left and how many a majority is); or a spare was not admitted, or cut off, for
+    ``give_up_s``. No member trains again; resume from a checkpoint. Scripts exit with code
+    5."""
+
+
+class Drained(Removed):
+    """This member was removed because it asked to leave (a drain): its rank went to a spare as
+    planned. A clean end, not a failure: scripts exit with code 4
+    (:data:`~torchpass_p2p.launch.outcome.EXIT_DRAINED`), which the launcher never counts as
+    a failure."""
