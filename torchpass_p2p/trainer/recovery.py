@@ -222,8 +222,8 @@ class Recovery(StateExchange):
         if not (assigned or self._holds_state or kept):
             # Every member that held the state died while this spare, just promoted, still
             # fetched it; the plan's resume step then counts no holder's step. Training on
-            # would roll back, or spread a half-received state (found by a chaos run: exit 0
-            # with other weights).
+            # would roll back, or spread a half-received state: a job that exits 0 with other
+            # weights. It stops instead.
             self.log("job_stopped", config_id=configuration.config_id, step=self.step,
                      resume_step=resume, reason="no member holds the state")
             raise Stopped(f"configuration {configuration.config_id}: no member holds the "
