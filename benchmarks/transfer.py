@@ -81,7 +81,7 @@ from torchpass_p2p.transfer.client import RECV_PIECE_BYTES, STREAMS
 from torchpass_p2p.transfer.frames import set_buffers
 from torchpass_p2p.transfer.pg_transport import PgTransport
 from torchpass_p2p.transfer.snapshot import DEFAULT_CHUNK_BYTES, byte_view
-from torchpass_p2p.transfer.transport import TransferPlan
+from torchpass_p2p.transfer.state_transport import TransferPlan
 
 N_TENSORS = 16
 PIECE = 4 << 20

@@ -13,7 +13,7 @@ import pytest
 
 from torchpass_p2p.core.straggler import StragglerDetector
 from torchpass_p2p.ddp.stragglers import UNMEASURED, ArrivalWatch, policy_from_env
-from torchpass_p2p.trainer.events import EventLog
+from torchpass_p2p.trainer.joblog import EventLog
 
 ME, PEER = 0xA1, 0xB2
 RANKS = (PEER, ME)

@@ -12,8 +12,8 @@ import signal
 from pathlib import Path
 
 from tests.launch.procs import REPO, clean_environ, finish, start_launcher, wait_for
+from torchpass_p2p.launch.childspec import nodes_configuration
 from torchpass_p2p.launch.keyfile import write_key_file
-from torchpass_p2p.launch.plan import nodes_configuration
 
 MEMBER = str(REPO / "tests" / "agent" / "mp_member.py")
 NODES = ("127.0.0.1", "127.0.0.2")

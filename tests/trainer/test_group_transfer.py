@@ -17,7 +17,7 @@ from torchpass_p2p.collective import GroupSpec, ManagedGroup, Superseded
 from torchpass_p2p.trainer.group_transfer import run_watched
 from torchpass_p2p.transfer import Snapshot, TransferFailed
 from torchpass_p2p.transfer.pg_transport import PgTransport
-from torchpass_p2p.transfer.transport import TransferPlan
+from torchpass_p2p.transfer.state_transport import TransferPlan
 
 from ..collective.gloo_pair import gloo_pair
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from torchpass_p2p.transfer import TransferKeys, TransferServer
-from torchpass_p2p.transfer.transport import TcpTransport, TransferPlan
+from torchpass_p2p.transfer.state_transport import TcpTransport, TransferPlan
 
 from .states import CASES, build, capture, report
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from torchpass_p2p.transfer import Snapshot, TransferFailed, manifest
 from torchpass_p2p.transfer.pg_transport import PgTransport
-from torchpass_p2p.transfer.transport import TransferPlan
+from torchpass_p2p.transfer.state_transport import TransferPlan
 
 from .source_proc import state
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass_p2p.transfer.pg_transport import PgTransport
-from torchpass_p2p.transfer.transport import TransferPlan
+from torchpass_p2p.transfer.state_transport import TransferPlan
 
 from .states import CASES, build, capture, report
 

@@ -14,7 +14,7 @@ import torch
 from torchpass_p2p.collective.group import close_connections
 from torchpass_p2p.transfer import Snapshot, TransferFailed
 from torchpass_p2p.transfer.pg_transport import PgTransport
-from torchpass_p2p.transfer.transport import TransferPlan
+from torchpass_p2p.transfer.state_transport import TransferPlan
 
 from ..collective.gloo_pair import gloo_pair
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from torchpass_p2p.agent.settings import SettingsError, parse_address
 from torchpass_p2p.cli import plain
+from torchpass_p2p.launch.childspec import format_address
 from torchpass_p2p.launch.keyfile import KeyFileError, http_token, read_primary_key
-from torchpass_p2p.launch.plan import format_address
 
 __all__ = ["EXIT_REFUSED", "EXIT_UNREACHABLE", "DrainError", "add_parser", "drain", "run"]
 

@@ -22,6 +22,7 @@ from torchpass_p2p.checkpoint import DEFAULT_KEEP, DEFAULT_MTBF_S
 from torchpass_p2p.cli import plain
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import Topology
+from torchpass_p2p.launch.childspec import parse_topology
 from torchpass_p2p.launch.launcher import (
     DEFAULT_GRACE_S,
     DEFAULT_MAX_RESPAWNS,
@@ -29,7 +30,6 @@ from torchpass_p2p.launch.launcher import (
     LaunchOptions,
     launch,
 )
-from torchpass_p2p.launch.plan import parse_topology
 from torchpass_p2p.launch.slurm import SlurmError, place
 
 __all__ = ["add_parser", "run"]

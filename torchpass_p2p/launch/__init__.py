@@ -9,7 +9,7 @@ Modules, one job each:
 
 - :mod:`.keyfile`: the run directory, the cluster key file and the HTTP bearer token.
 - :mod:`.ports`: the children's ports, bound before they start and handed over.
-- :mod:`.plan`: pure: member ids, roles, addresses, configuration 0, each child's environment.
+- :mod:`.childspec`: pure: member ids, roles, addresses, configuration 0, each child's environment.
 - :mod:`.slurm`: ``--nodes``, ``--node-rank`` and ``--run-id`` from a Slurm job step.
 - :mod:`.outcome`: pure: when the launcher is done and with which exit code.
 - :mod:`.children`: one child process in its own process group.

@@ -19,7 +19,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 
 from ..agent.lifeline import LAUNCHER_PID_VARIABLE, prctl
-from .plan import ChildSpec
+from .childspec import ChildSpec
 
 __all__ = ["Child", "become_subreaper", "children_of", "kill_strays"]
 

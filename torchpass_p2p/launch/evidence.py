@@ -24,7 +24,7 @@ import aiohttp
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
-from .plan import format_address
+from .childspec import format_address
 
 __all__ = ["EVIDENCE_TIMEOUT_S", "START_WAIT_S", "notify_siblings", "post_evidence"]
 

@@ -2,14 +2,14 @@
 
 Why one module of this size: every step of the lifecycle below runs in the one ``TaskGroup``
 of ``_Supervisor`` and reads the same children table; the parts that need no part of it live
-apart (:mod:`.plan`, :mod:`.children`, :mod:`.evidence`, :mod:`.outcome`, :mod:`.roles`,
+apart (:mod:`.childspec`, :mod:`.children`, :mod:`.evidence`, :mod:`.outcome`, :mod:`.roles`,
 :mod:`.rekey`, :mod:`.slurm`).
 
 Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
 
 1. *Setup.* A private run directory (mode 0700) receives the key file (mode 0600, unless one is
    given) and, unless the children join through seeds, ``configuration-0.json``.
-2. *Start.* One process per member (:mod:`.plan`), each in its own session, each watched by a
+2. *Start.* One process per member (:mod:`.childspec`), each in its own session, each watched by a
    task that turns its exit into an event on one queue; SIGINT and SIGTERM become events too.
 3. *Supervise.* Each exit is recorded. A failure (non-zero exit or death by signal) is posted
    as evidence to every live sibling's status page in a background task (bounded by a 2 s
@@ -86,6 +86,16 @@ from torchpass_p2p.core.params import Params
 from torchpass_p2p.core.seal import Keyring
 
 from .children import Child, become_subreaper, kill_strays
+from .childspec import (
+    MAX_LABEL_BYTES,
+    ChildSpec,
+    RunContext,
+    child_environment,
+    configuration_zero,
+    initial_children,
+    new_member_ids,
+    nodes_configuration,
+)
 from .evidence import notify_siblings
 from .keyfile import (
     KEY_FILE_NAME,
@@ -107,16 +117,6 @@ from .outcome import (
     describe_exit,
     exit_code,
     is_failure,
-)
-from .plan import (
-    MAX_LABEL_BYTES,
-    ChildSpec,
-    RunContext,
-    child_environment,
-    configuration_zero,
-    initial_children,
-    new_member_ids,
-    nodes_configuration,
 )
 from .ports import Reservation, reserve_ports
 from .rekey import check_rotation, describe_keys, reload_children, shared_token

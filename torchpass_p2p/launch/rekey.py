@@ -28,7 +28,7 @@ from torchpass_p2p.agent.http import http_tokens
 from torchpass_p2p.core.configuration import Address
 from torchpass_p2p.core.seal import Keyring
 
-from .plan import format_address
+from .childspec import format_address
 
 __all__ = ["RELOAD_TIMEOUT_S", "check_rotation", "describe_keys", "reload_children",
            "shared_token"]

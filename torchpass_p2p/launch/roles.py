@@ -28,8 +28,8 @@ import aiohttp
 from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.configuration import Address
 
+from .childspec import format_address
 from .outcome import no_majority_left
-from .plan import format_address
 
 __all__ = ["IDLE_ROLES", "MAX_STATUS_BYTES", "ROLE_TIMEOUT_S", "StatusView", "ask_status",
            "majority_lost", "vacant_without_spare"]

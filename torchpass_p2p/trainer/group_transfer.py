@@ -27,7 +27,7 @@ import torch
 from torchpass_p2p.collective import ManagedGroup, Superseded
 from torchpass_p2p.transfer import FetchResult, Snapshot
 from torchpass_p2p.transfer.pg_transport import PgTransport
-from torchpass_p2p.transfer.transport import TransferPlan
+from torchpass_p2p.transfer.state_transport import TransferPlan
 
 __all__ = ["GROUP_SOURCES", "SourceTransport", "run_watched", "transfer_over_group"]
 

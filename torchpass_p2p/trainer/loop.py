@@ -43,7 +43,7 @@ import torch
 
 from torchpass_p2p.agent.runtime import Phase
 from torchpass_p2p.collective import CollectiveError, Superseded, flatten, unflatten_into
-from torchpass_p2p.launch.plan import format_address
+from torchpass_p2p.launch.childspec import format_address
 
 from .changes import SLICE_S as SLICE_S
 from .changes import WAIT_SLICE_S as WAIT_SLICE_S
@@ -80,7 +80,7 @@ class Trainer(Recovery):
             once formed) or ``"auto"``: ``"pg"`` over NCCL, ``"tcp"`` over gloo (faster here:
             a MAC on every byte and a stalled source routed around; gloo closes the whole
             group on a timed-out wait).
-        log_path: JSON-lines timeline (:mod:`.events`); None: no log.
+        log_path: JSON-lines timeline (:mod:`.joblog`); None: no log.
         faults: fault injector (default: from ``TORCHPASS_FAULTS``).
         regroup_wait_s: after a collective failure, how long to wait for a configuration
             change before regrouping in the same configuration (default:

@@ -40,8 +40,8 @@ import torch
 
 from torchpass_p2p.collective import ManagedGroup
 
-from .events import EventLog
 from .faults import FaultInjector
+from .joblog import EventLog
 
 __all__ = ["MemberBase", "TrainResult"]
 
@@ -76,7 +76,7 @@ class MemberBase:
         objects: the live objects whose state moves, ``{name: Stateful}``.
         seed: the job's seed.
         backend: ``"gloo"`` or ``"nccl"``.
-        log_path: JSON-lines timeline (:mod:`.events`); None: no log.
+        log_path: JSON-lines timeline (:mod:`.joblog`); None: no log.
         faults: fault injector (default: from ``TORCHPASS_FAULTS``).
     """
 

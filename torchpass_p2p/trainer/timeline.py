@@ -1,4 +1,4 @@
-"""Reading the trainers' timelines (:mod:`.events`) back: recovery timelines per fault, steps
+"""Reading the trainers' timelines (:mod:`.joblog`) back: recovery timelines per fault, steps
 lost, and whether two runs ended with bitwise-equal state.
 
 All times are CLOCK_MONOTONIC seconds (the trainers' ``t`` and the agents' event times), so

@@ -9,7 +9,7 @@ state peer-to-peer from surviving replicas.
 * ``auth``: transfer keys derived from the cluster key, mutual challenge-response;
 * ``server``: ``TransferServer`` serves the last published snapshot;
 * ``client``: ``fetch`` pulls stripes from several sources with failover;
-* ``transport``: the one interface, ``TcpTransport``; ``pg_transport``: torch.distributed.
+* ``state_transport``: the one interface, ``TcpTransport``; ``pg_transport``: torch.distributed.
 """
 
 from .auth import TransferKeys

@@ -107,7 +107,7 @@ from .errors import PeerError, TransferError, TransferFailed
 from .frames import DEFAULT_MAX_MANIFEST_BYTES
 from .manifest import Manifest, decode_manifest, encode_manifest
 from .snapshot import Snapshot
-from .transport import TransferPlan, Transport
+from .state_transport import TransferPlan, Transport
 
 _TAG_MANIFEST = 1
 _TAG_DATA = 2

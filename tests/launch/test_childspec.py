@@ -13,6 +13,16 @@ from pathlib import Path
 import pytest
 
 from torchpass_p2p.core.messages import Topology
+from torchpass_p2p.launch.childspec import (
+    ChildSpec,
+    RunContext,
+    child_environment,
+    configuration_zero,
+    format_address,
+    initial_children,
+    new_member_ids,
+    parse_topology,
+)
 from torchpass_p2p.launch.keyfile import (
     KeyFileError,
     make_run_dir,
@@ -32,16 +42,6 @@ from torchpass_p2p.launch.outcome import (
     exit_code,
     is_failure,
     no_majority_left,
-)
-from torchpass_p2p.launch.plan import (
-    ChildSpec,
-    RunContext,
-    child_environment,
-    configuration_zero,
-    format_address,
-    initial_children,
-    new_member_ids,
-    parse_topology,
 )
 from torchpass_p2p.launch.ports import reserve_ports
 

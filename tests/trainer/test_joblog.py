@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchpass_p2p.trainer.events import EventLog
+from torchpass_p2p.trainer.joblog import EventLog
 from torchpass_p2p.trainer.timeline import read_events
 
 
