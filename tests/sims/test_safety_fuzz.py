@@ -70,6 +70,20 @@ def test_an_alert_from_a_former_observer_never_reaches_its_subject_seed_1165() -
     assert r.invariant_violations == 0, r.violations
 
 
+@pytest.mark.parametrize("seed", [5724, 6327])
+def test_verdicts_taken_without_a_majority_remove_nobody_after_the_heal(seed: int) -> None:
+    """Seeds of the long run where a partition's minority convicted members of the majority
+    it could not reach, then, back among the majority (kept in the next configuration, or
+    learning it), proposed removing them: 6 healthy members were removed in seed 5724, and the
+    rest crashed later, leaving nobody. A verdict taken while its member counted fewer than a
+    majority reachable grounds no cut of that member's (``Member._isolate``), and goes to its
+    subject once the member reaches a majority again, so the subject refutes it."""
+    r = safety_run(seed)
+    assert (r.safety_violations, r.invariant_violations) == (0, 0), r.violations
+    assert not r.majority_lost
+    assert r.converged and r.final_config_ids, _describe(r)
+
+
 def test_a_seed_replays_exactly() -> None:
     a = safety_run(3, members_range=CI_MEMBERS, fault_window_s=CI_WINDOW_S, settle_s=CI_SETTLE_S)
     b = safety_run(3, members_range=CI_MEMBERS, fault_window_s=CI_WINDOW_S, settle_s=CI_SETTLE_S)

@@ -63,7 +63,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Final
 
 from . import events as ev
-from .agreement import Consensus
+from .agreement import Consensus, classic_quorum
 from .configuration import Configuration
 from .errors import LocalProtocolError
 from .hashing import mix_triple
@@ -298,6 +298,10 @@ class Member:
         self._cut_dirty = False  # the view changed since the last cut detection
         self._unreachable = 0  # members of the configuration our view holds suspect or worse
         self._accused_at: dict[MemberId, float] = {}  # first alert or verdict we heard of
+        # Verdicts (member -> incarnation) we took while we counted fewer than a majority of
+        # our configuration reachable: no ground for a cut of ours (_isolate); True once sent
+        # to their subject after we reached a majority again.
+        self._isolated_verdicts: dict[MemberId, bool] = {}
         self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
         self._in_contact = True  # heard from at least half our neighbours lately
         # Member -> end of its start-up grace (seconds): not heard from since it was started.
@@ -675,7 +679,7 @@ class Member:
         for member in [m for m in self._view if m not in config]:
             self._set_view(member, ALIVE, 0)
         for table in (self._suspicions, self._last_ack_from, self._alerted, self._confirmers,
-                      self._accused_at, self._awaiting):
+                      self._accused_at, self._awaiting, self._isolated_verdicts):
             for member in [m for m in table if m not in config]:
                 del table[member]
         subjects = set(self._subjects)
@@ -965,6 +969,7 @@ class Member:
             return False
         self._suspicions.pop(member, None)
         if type(update) is _DEAD:
+            self._isolate(member)
             self._accused_at.setdefault(member, now)
             self._set_view(member, DEAD, inc)
             self._confirmers[member] = update.confirmer
@@ -974,6 +979,35 @@ class Member:
             self._emit(ev.MemberLeft(now, member, inc))
         self._rounds = {seq: r for seq, r in self._rounds.items() if r.subject != member}
         return True
+
+    def _isolate(self, member: MemberId) -> None:
+        """Before a verdict about ``member`` enters the view: one taken while this member
+        counts fewer than a majority of its configuration reachable (the minority side of a
+        partition convicts the majority it cannot reach, and so does a member cut off) grounds
+        none of its cuts (:meth:`isolated_verdicts`): back among a majority, it would propose
+        removing members the majority kept. It stays in the view until a newer incarnation
+        (a verdict ends only so), and goes to its subject once this member reaches a majority
+        again (:meth:`send_isolated_verdicts`), so that the subject refutes it."""
+        if self._reconf.fenced or self.reachable < classic_quorum(len(self._config)):
+            self._isolated_verdicts[member] = False
+        else:
+            self._isolated_verdicts.pop(member, None)
+
+    def isolated_verdicts(self) -> Collection[MemberId]:
+        """Members whose verdict in the view this member took while it reached no majority."""
+        return self._isolated_verdicts.keys()
+
+    def send_isolated_verdicts(self) -> None:
+        """This member reaches a majority again: each verdict it took without one goes to its
+        subject, once (gossip about it may have run out while they could not talk)."""
+        for member, sent in list(self._isolated_verdicts.items()):
+            state, inc = self._view.get(member, (ALIVE, 0))
+            if state != DEAD:
+                del self._isolated_verdicts[member]  # refuted, or gone by a configuration
+            elif not sent:
+                self._isolated_verdicts[member] = True
+                self._send(member, Gossip((Dead(member, inc,
+                                                self._confirmers.get(member, self.id)),)))
 
     def _merge_about_self(self, now: float, update: Alive | Dead | Left) -> bool:
         if isinstance(update, Left):

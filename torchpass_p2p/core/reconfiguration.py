@@ -227,8 +227,9 @@ class Reconfiguration:
             return
         self.check_lease(now)
         p = m.params
+        isolated = m.isolated_verdicts()
         gone = [member for member, (state, _) in m._view.items()
-                if state >= DEAD and member != m.id]
+                if state >= DEAD and member != m.id and member not in isolated]
         if m.left:
             gone.append(m.id)
         suspected = {subject: Suspected(tuple(susp.observers), susp.started_at,
@@ -682,6 +683,7 @@ class Reconfiguration:
               and m.reachable >= classic_quorum(n))
         if ok:
             self._lease_at = _INF
+            m.send_isolated_verdicts()
             if self.fenced:
                 self.fenced = False
                 m._emit(ev.QuorumRegained(now, m._config.config_id))
