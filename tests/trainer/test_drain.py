@@ -101,6 +101,10 @@ class ScriptedAgent:
     def add_counter_source(self, name: str, read: Any) -> None:
         self.counter_sources[name] = read
 
+    def drain(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        self.draining = True  # as the agent does once it accepts a drain
+        return {"draining": True}
+
     def lookup_service(self, member: int, name: str, config_id: int, *,
                        timeout_s: float = 30.0) -> tuple[str, int]:
         """Announced members answer at once; the others are waited for ``timeout_s``, as the
