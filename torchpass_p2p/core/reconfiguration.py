@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Final, Protocol
 
 from . import events as ev
@@ -198,7 +198,7 @@ class Reconfiguration:
         sample: Callable[[int], list[MemberId]],
         counts: Counter[str],
         rng: Random,
-        view: Mapping[MemberId, tuple[MemberState, int]],
+        view: dict[MemberId, tuple[MemberState, int]],
         accused_at: dict[MemberId, float],
         on_installed: Callable[[Configuration], None],
         on_removed: Callable[[float], None],
