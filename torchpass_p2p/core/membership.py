@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Final
 from . import events as ev
 from .agreement import Consensus, classic_quorum
 from .configuration import Configuration
+from .cut import Suspected
 from .errors import LocalProtocolError
 from .hashing import mix_triple
 from .messages import (
@@ -295,7 +296,6 @@ class Member:
         self._probe_cursor = 0
         self._next_probe_at = now + params.probe_interval_s * rng.random()
         self.joining = joining
-        self._cut_dirty = False  # the view changed since the last cut detection
         self._unreachable = 0  # members of the configuration our view holds suspect or worse
         self._accused_at: dict[MemberId, float] = {}  # first alert or verdict we heard of
         # Verdicts (member -> incarnation) we took while we counted fewer than a majority of
@@ -306,6 +306,16 @@ class Member:
         self._in_contact = True  # heard from at least half our neighbours lately
         # Member -> end of its start-up grace (seconds): not heard from since it was started.
         self._awaiting: dict[MemberId, float] = {}
+        # The agreement layer (cut proposal, votes, decisions, joins, progress, fencing) gets
+        # what it needs from this member here and nothing else (reconfiguration.py, "The
+        # seam"). Created before the configuration is installed: installing it marks the cut
+        # dirty, a flag the agreement layer holds.
+        self._reconf = Reconfiguration(
+            self, configuration, send=self._send, emit=self._emit, sample=self._sample_members,
+            counts=self._counts, rng=rng, view=self._view, accused_at=self._accused_at,
+            on_installed=self._set_configuration, on_removed=self._on_removed,
+            on_admitted=self._on_admitted, policy=policy, joining=joining, seeds=seeds,
+            transitions=transitions, now=now)
         self._set_configuration(configuration)
         if started is not None and joining is None:
             grace = params.start_grace_s
@@ -313,10 +323,7 @@ class Member:
                 until = min(started.get(m, now), now) + grace
                 if m != member_id and until > now:
                     self._awaiting[m] = until
-        self._cut_dirty = False
-        self._reconf = Reconfiguration(self, configuration, policy=policy, joining=joining,
-                                       seeds=seeds, transitions=transitions, now=now)
-        """The agreement layer: cut proposal, votes, decisions, joins, progress, fencing."""
+        self._reconf.cut_dirty = False
 
     # ------------------------------------------------------------------ public: inputs
 
@@ -390,7 +397,7 @@ class Member:
             self._reconf.on_join(now, sender, message)
         else:  # pragma: no cover - the codec only yields known types
             self._counts["dropped_unknown_message"] += 1
-        if self._cut_dirty:
+        if self._reconf.cut_dirty:
             self._reconf.consider_cut(now)
 
     def handle_timer(self, now: float) -> None:
@@ -417,7 +424,7 @@ class Member:
             self._gossip(now)
         if now >= self._sync_at:
             self._start_sync(now)
-        if self._cut_dirty:
+        if self._reconf.cut_dirty:
             self._reconf.consider_cut(now)
 
     def report_send_error(self, now: float, dest: MemberId) -> None:
@@ -451,7 +458,7 @@ class Member:
             return False
         if subject in self._subjects:
             raised = self._raise_alert(now, subject)
-            if raised and self._cut_dirty:
+            if raised and self._reconf.cut_dirty:
                 self._reconf.consider_cut(now)
             return raised
         if all(rnd.subject != subject for rnd in self._rounds.values()):
@@ -484,7 +491,7 @@ class Member:
             self._counts["silences_ignored_isolated"] += 1
             return False
         raised = self._raise_alert(now, subject, silent=True)
-        if raised and self._cut_dirty:
+        if raised and self._reconf.cut_dirty:
             self._reconf.consider_cut(now)
         return raised
 
@@ -504,7 +511,7 @@ class Member:
         if not self._merge(now, Left(subject, incarnation)):
             return False
         self._enqueue(Left(subject, incarnation))
-        if self._cut_dirty:
+        if self._reconf.cut_dirty:
             self._reconf.consider_cut(now)
         return True
 
@@ -615,6 +622,18 @@ class Member:
         susp = self._suspicions.get(subject)
         return tuple(susp.observers) if susp else ()
 
+    def suspected(self) -> dict[MemberId, Suspected]:
+        """The alerts this member holds, by subject, as cut detection reads them
+        (:func:`~.cut.propose_cut`)."""
+        return {subject: Suspected(tuple(susp.observers), susp.started_at, len(susp.silent))
+                for subject, susp in self._suspicions.items()}
+
+    @property
+    def in_contact(self) -> bool:
+        """Whether this member heard from at least half its neighbours lately: one of the
+        conditions of its lease (docs/agreement.md: ``QuorumLost``)."""
+        return self._in_contact
+
     def view_digest(self) -> tuple[int, int]:
         """(digest, entries): the order-independent 64-bit hash anti-entropy compares."""
         return self._digest, self._digest_entries
@@ -689,7 +708,7 @@ class Member:
             self._rebase_suspicion(subject)
         for key in [k for k, p in self._queue.items() if _about(p.update) not in config]:
             del self._queue[key]
-        self._cut_dirty = True
+        self._reconf.cut_dirty = True
 
     def _scaled(self, seconds: float) -> float:
         return seconds * (self.health + 1)
@@ -724,7 +743,7 @@ class Member:
         self._last_ack_at = now
         if self.self_suspected:
             self.self_suspected = False
-            self._cut_dirty = True
+            self._reconf.cut_dirty = True
 
     def _on_ack(self, now: float, sender: MemberId, seq: int) -> None:
         self._heard_back(now)
@@ -786,7 +805,7 @@ class Member:
         if not rnd.nacked and self._isolated(now):
             if not self.self_suspected:
                 self.self_suspected = True
-                self._cut_dirty = True
+                self._reconf.cut_dirty = True
                 self._counts["self_suspected"] += 1
                 self._emit(ev.SelfSuspected(now))
             return
@@ -912,7 +931,7 @@ class Member:
         susp.observers[alert.observer] = None
         if alert.silent:
             susp.silent[alert.observer] = None
-        self._cut_dirty = True
+        self._reconf.cut_dirty = True
         self._set_deadline(subject, susp)
         self._emit(ev.AlertRaised(now, alert.observer, subject, inc))
         return True
@@ -1098,7 +1117,7 @@ class Member:
             self._send(observer, Gossip((alive,)))
 
     def _set_view(self, member: MemberId, state: MemberState, inc: int) -> None:
-        self._cut_dirty = True
+        self._reconf.cut_dirty = True
         old = self._view.get(member)
         if member != self.id:
             self._unreachable += (state != ALIVE) - (old is not None and old[0] != ALIVE)

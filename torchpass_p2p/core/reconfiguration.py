@@ -8,8 +8,32 @@ Theory of operation
 -------------------
 Sans-IO, like :mod:`.membership`, whose :class:`~.membership.Member` creates one
 :class:`Reconfiguration` and drives it: the member owns the view, the clock, the random
-generator, the outbox and the events; this object owns what changes the configuration, and reads
-and sends through its member (composition, not a mixin: both are compiled by mypyc as one group).
+generator, the outbox and the events; this object owns what changes the configuration: the
+configuration itself (:attr:`Reconfiguration.configuration`), the agreement, the plan, the
+joiners, fencing, and the flag that asks for cut detection (:attr:`Reconfiguration.cut_dirty`).
+
+The seam. Everything this object takes from its member is handed to its constructor, as
+aioquic hands its recovery a few values and callbacks, and it touches no other attribute of
+the member:
+
+- read-only facts, through the :class:`Membership` protocol (public on the member): ``id`` and
+  ``params`` (read once), ``joining``, ``removed``, ``left``, ``self_suspected``,
+  ``in_contact``, ``reachable``, ``view_digest()`` and ``suspected()`` (the alerts it holds);
+- the member's tables, shared by reference: ``view`` (read only) and ``accused_at`` (when each
+  member was first heard accused; this side records one it finds in a cut without an entry);
+- the member's ``counts``, its random generator ``rng``, and three outputs: ``send`` (its
+  outbox), ``emit`` (its events) and ``sample`` (random live peers, drawn from ``rng``);
+- three notifications back: ``on_installed`` (a decided configuration, after
+  :attr:`Reconfiguration.configuration` is set to it, so the two stay equal), ``on_removed``
+  and ``on_admitted`` (a joiner's admission).
+
+In the other direction the member calls only this object's public methods and attributes, and
+sets ``cut_dirty`` whenever its view changes; at the end of ``receive``, ``handle_timer`` and
+the evidence reports it runs :meth:`Reconfiguration.consider_cut` if the flag is set (a change
+made by another input, such as ``leave``, is detected at the next of those). The hot paths
+(every vote and agreement message) use the values and bound methods stored at construction;
+the protocol is read on cold paths only, for through it the compiled build (mypyc compiles
+both modules as one group) makes a generic attribute lookup.
 
 Removing a member and promoting a spare are decided, never assumed (docs/design.md section 5). A
 :class:`~.messages.Dead` verdict is evidence for the cut detector (:mod:`.cut`), not a removal.
@@ -41,7 +65,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Final, Protocol
 
 from . import events as ev
 from .agreement import (
@@ -65,15 +90,18 @@ from .messages import (
     Joiner,
     MemberId,
     MemberState,
+    Message,
     Prepare,
     Progress,
     Promise,
     Vote,
 )
+from .params import Params
 from .plan import Plan, Policy, next_configuration, with_resume_step
 
 if TYPE_CHECKING:
-    from .membership import Member
+    from collections import Counter
+    from random import Random
 
 # Final: the compiled build reads these from C statics, not the module dict, on every use.
 ALIVE: Final = MemberState.ALIVE
@@ -108,22 +136,76 @@ class Transition:
 Transitions = dict[tuple[Configuration, Cut, Policy], Transition]
 
 
+class Membership(Protocol):
+    """What the agreement side reads from its member, all of it public on
+    :class:`~.membership.Member` and read-only here (but :meth:`send_isolated_verdicts`, which
+    asks the member to send its subjects the verdicts it took without a majority). Read on cold paths only (cut detection,
+    timers, fencing): through a Protocol the compiled build makes a generic attribute lookup."""
+
+    @property
+    def id(self) -> MemberId: ...
+    @property
+    def params(self) -> Params: ...
+    @property
+    def joining(self) -> Joiner | None: ...
+    @property
+    def removed(self) -> bool: ...
+    @property
+    def left(self) -> bool: ...
+    @property
+    def self_suspected(self) -> bool: ...
+    @property
+    def in_contact(self) -> bool: ...
+    @property
+    def reachable(self) -> int: ...
+    def view_digest(self) -> tuple[int, int]: ...
+    def suspected(self) -> dict[MemberId, Suspected]: ...
+    def isolated_verdicts(self) -> Collection[MemberId]: ...
+    def send_isolated_verdicts(self) -> None: ...
+
+
 class Reconfiguration:
-    """The agreement state of one :class:`~.membership.Member`, created by it.
+    """The agreement state of one :class:`~.membership.Member`, created by it. Everything it
+    takes from the member comes in here (module docstring, "The seam"); it touches nothing else.
 
     Args:
-        member: the member this object decides for; it reads the member's view and sends,
-            samples and emits through it.
+        member: the facts it reads (:class:`Membership`); ``id`` and ``params`` are read once.
         configuration: the configuration the member starts in.
+        send: queues one datagram to a member (the member's outbox, bounded there).
+        emit: queues one event for the host (bounded there).
+        sample: up to ``count`` distinct random members that are not this one nor dead or gone,
+            drawn from the member's random generator.
+        counts: the member's counters, incremented here under their names.
+        rng: the member's random generator (the only source of randomness).
+        view: the member's view, (state, incarnation) by member; absent means alive at
+            incarnation 0. Read only.
+        accused_at: when the member first heard each member accused (seconds); a member found
+            in a cut without an entry is recorded at ``now`` here.
+        on_installed: called with a decided configuration that holds the member or that the
+            member, a joiner, catches up through; after it the member probes and gossips
+            within it.
+        on_removed: called with ``now`` when a decided configuration left the member out.
+        on_admitted: called with ``now`` and the ``config_id`` that admitted the member, a
+            joiner.
         policy, joining, seeds, transitions: as for :class:`~.membership.Member`.
         now: the current time in seconds.
     """
 
     def __init__(
         self,
-        member: Member,
+        member: Membership,
         configuration: Configuration,
         *,
+        send: Callable[[MemberId, Message], None],
+        emit: Callable[[ev.Event], None],
+        sample: Callable[[int], list[MemberId]],
+        counts: Counter[str],
+        rng: Random,
+        view: dict[MemberId, tuple[MemberState, int]],
+        accused_at: dict[MemberId, float],
+        on_installed: Callable[[Configuration], None],
+        on_removed: Callable[[float], None],
+        on_admitted: Callable[[float, int], None],
         policy: Policy,
         joining: Joiner | None,
         seeds: tuple[MemberId, ...],
@@ -132,6 +214,25 @@ class Reconfiguration:
     ) -> None:
         params = member.params
         self._member = member
+        # Constant for the member's lifetime, so read once: the hot paths (every vote, every
+        # agreement message) use these attributes, not the Protocol.
+        self._id = member.id
+        self._params = params
+        self._send = send
+        self._emit = emit
+        self._sample = sample
+        self._counts = counts
+        self._rng = rng
+        self._view = view
+        self._accused_at = accused_at
+        self._on_installed = on_installed
+        self._on_removed = on_removed
+        self._on_admitted = on_admitted
+        self.configuration = configuration
+        """The configuration last installed: this object decides every change of it."""
+        self.cut_dirty = False
+        """The member's view changed since the last cut detection: the member sets it,
+        :meth:`consider_cut` clears it, and the member runs that before returning."""
         self.policy = Policy(policy)
         self._seeds = seeds
         self._transitions: Transitions = {} if transitions is None else transitions
@@ -164,7 +265,7 @@ class Reconfiguration:
         self._progress: Tally | None = None
         self._survivors = 0  # bitmap of the members whose progress the plan waits for
         self.consensus = Consensus(configuration, None if joining else member.id,
-                                   dropped=member._counts)
+                                   dropped=counts)
 
     # ------------------------------------------------------------------ timers
 
@@ -190,9 +291,9 @@ class Reconfiguration:
         m = self._member
         if m.joining is not None:
             if now >= self._join_at:
-                self._join_at = now + m.params.join_retry_s
-                seed = self._seeds[int(m._rng.random() * len(self._seeds))]
-                m._send(seed, Join(m.joining, m._config.config_id))
+                self._join_at = now + self._params.join_retry_s
+                seed = self._seeds[int(self._rng.random() * len(self._seeds))]
+                self._send(seed, Join(m.joining, self.configuration.config_id))
             return
         if now >= self._settle_at:
             self.consider_cut(now)
@@ -206,8 +307,9 @@ class Reconfiguration:
         if now >= self._lease_at:
             self._lease_at = _INF
             self.fenced = True
-            n = len(m._config)
-            m._emit(ev.QuorumLost(now, m._config.config_id, n, m.reachable, classic_quorum(n)))
+            config = self.configuration
+            n = len(config)
+            self._emit(ev.QuorumLost(now, config.config_id, n, m.reachable, classic_quorum(n)))
 
     def postpone(self, until: float) -> None:
         """The member's loop stalled: a vote or a classic round that fell due meanwhile waits
@@ -222,21 +324,19 @@ class Reconfiguration:
     def consider_cut(self, now: float) -> None:
         """Re-run cut detection; vote once the proposal has been stable for ``cut_settle_s``."""
         m = self._member
-        m._cut_dirty = False
+        self.cut_dirty = False
         if m.joining is not None or m.removed:
             return
         self.check_lease(now)
-        p = m.params
+        p = self._params
         isolated = m.isolated_verdicts()
-        gone = [member for member, (state, _) in m._view.items()
-                if state >= DEAD and member != m.id and member not in isolated]
+        gone = [member for member, (state, _) in self._view.items()
+                if state >= DEAD and member != self._id and member not in isolated]
         if m.left:
-            gone.append(m.id)
-        suspected = {subject: Suspected(tuple(susp.observers), susp.started_at,
-                                        len(susp.silent))
-                     for subject, susp in m._suspicions.items()}
+            gone.append(self._id)
+        suspected = m.suspected()
         proposal = propose_cut(
-            m._config, gone=gone, suspected=suspected, joiners=self.joiners.values(),
+            self.configuration, gone=gone, suspected=suspected, joiners=self.joiners.values(),
             now=now, high=p.alerts_to_remove, low=p.min_alerts_to_confirm,
             min_window_s=p.suspicion_min_s)
         consensus = self.consensus
@@ -264,7 +364,7 @@ class Reconfiguration:
         if m.self_suspected:
             return  # cut off ourselves: our view of the others is not evidence
         if consensus.vote_fast(proposal.cut, self.last_committed_step):
-            m._counts["votes_cast"] += 1
+            self._counts["votes_cast"] += 1
             if self._leads_classic_now(proposal.cut):
                 self._classic_at = now
             self._after_consensus_input(now)
@@ -287,16 +387,14 @@ class Reconfiguration:
         """This member's share of ``classic_spread_s`` for the current attempt (seconds): a
         hash of (config_id, attempt, member), so coordinators rarely collide and every run
         with the same seed draws the same."""
-        m = self._member
-        u = mix_triple(m._config.config_id, self._classic_attempt, m.id) / 2.0**64
-        return u * m.params.classic_spread_s
+        u = mix_triple(self.configuration.config_id, self._classic_attempt, self._id) / 2.0**64
+        return u * self._params.classic_spread_s
 
     def _accused(self, cut: Cut) -> list[MemberId]:
         """The members ``cut`` removes that neither left nor exited (nor are we): only an
         accusation, which a stalled member may still refute."""
-        m = self._member
         return [member for member in cut.removed
-                if m._view.get(member, (ALIVE, 0))[0] != LEFT and member != m.id]
+                if self._view.get(member, (ALIVE, 0))[0] != LEFT and member != self._id]
 
     def _leads_classic_now(self, cut: Cut) -> bool:
         """Whether we start a classic round as soon as we have voted for ``cut``, instead of
@@ -312,12 +410,11 @@ class Reconfiguration:
         started at once."""
         if self._accused(cut):
             return False
-        m = self._member
-        config, view = m._config, m._view
+        config, view = self.configuration, self._view
         removed = set(cut.removed)
         kept = [member for member in config.members if member not in removed
-                and (member == m.id or view.get(member, (ALIVE, 0))[0] == ALIVE)]
-        return len(kept) < fast_quorum(len(config)) and bool(kept) and kept[0] == m.id
+                and (member == self._id or view.get(member, (ALIVE, 0))[0] == ALIVE)]
+        return len(kept) < fast_quorum(len(config)) and bool(kept) and kept[0] == self._id
 
     def _ripe_at(self, now: float, cut: Cut, silenced: tuple[MemberId, ...] = ()) -> float:
         """When we may vote for ``cut``: it settled for ``cut_settle_s`` (``exit_settle_s`` if
@@ -327,23 +424,21 @@ class Reconfiguration:
         found its whole process silent (``silenced``, from :func:`propose_cut`; see
         ``Member.report_silent``: a stalled loop still answers pulses, so there is nobody to
         wait for)."""
-        m = self._member
-        window = m.params.refutation_window_s
+        window = self._params.refutation_window_s
         owed = [member for member in self._accused(cut) if member not in silenced]
         certain = not owed and not cut.joined
-        ripe = now + (m.params.exit_settle_s if certain else m.params.cut_settle_s)
+        ripe = now + (self._params.exit_settle_s if certain else self._params.cut_settle_s)
         for member in owed:
-            since = m._accused_at.setdefault(member, now)
+            since = self._accused_at.setdefault(member, now)
             if since + window > ripe:
                 ripe = since + window
         return ripe
 
     def receive(self, now: float, sender: MemberId, msg: AgreementMessage) -> None:
         """Handle one agreement message (votes, classic rounds, progress) from ``sender``."""
-        m = self._member
-        cid = m._config.config_id
+        cid = self.configuration.config_id
         if msg.config_id < cid:
-            m._counts["agreement_behind_peer"] += 1
+            self._counts["agreement_behind_peer"] += 1
             # Right after a decision the others are milliseconds behind and about to decide
             # from the bits already spreading: a certificate to each would cost 8 segments per
             # peer at 16k members. Only a peer still behind after the grace gets one.
@@ -353,7 +448,7 @@ class Reconfiguration:
         if msg.config_id > cid:
             # We missed a decision: keep the message for later and ask the sender to catch us
             # up (it answers an older digest with its certificates).
-            m._counts["agreement_ahead_peer"] += 1
+            self._counts["agreement_ahead_peer"] += 1
             self._future.append((sender, msg))
             self.send_digest_to(now, sender)
             return
@@ -365,13 +460,13 @@ class Reconfiguration:
                 self._after_consensus_input(now)
         elif isinstance(msg, Progress):
             self._merge_progress(now, sender, msg)
-        elif sender not in m._config:
-            m._counts["dropped_stranger_agreement"] += 1
+        elif sender not in self.configuration:
+            self._counts["dropped_stranger_agreement"] += 1
         elif isinstance(msg, Prepare):
             consensus.on_prepare(sender, msg)
             # Someone coordinates: give its round time before starting our own.
             self._classic_at = max(self._classic_at if self._classic_at < _INF else 0.0,
-                                   now + 2 * m.params.classic_timeout_s)
+                                   now + 2 * self._params.classic_timeout_s)
             self._after_consensus_input(now)
         elif isinstance(msg, Promise):
             consensus.on_promise(sender, msg)
@@ -383,35 +478,33 @@ class Reconfiguration:
             self._after_consensus_input(now)
 
     def _after_consensus_input(self, now: float) -> None:
-        m = self._member
         consensus = self.consensus
         for dest, message in consensus.outbox:
-            m._send(dest, message)
+            self._send(dest, message)
         consensus.outbox.clear()
         if consensus.decision is not None:
             self._decide(now, consensus.decision)
             return
         if consensus.active:
             if self._classic_at == _INF and not self._classic_deferred:
-                self._classic_at = now + m.params.classic_timeout_s + self._classic_jitter()
+                self._classic_at = now + self._params.classic_timeout_s + self._classic_jitter()
             if self._vote_resend_at == _INF:
-                self._vote_resend_at = now + m.params.vote_resend_s
+                self._vote_resend_at = now + self._params.vote_resend_s
         self._schedule_vote_push(now)
 
     def _schedule_vote_push(self, now: float) -> None:
         if self._vote_push_at == _INF:
-            interval = self._member.params.vote_push_interval_s
+            interval = self._params.vote_push_interval_s
             self._vote_push_at = max(now, self._last_vote_push + interval)
 
     def _push_votes(self, now: float) -> None:
-        m = self._member
         self._vote_push_at = _INF
         self._last_vote_push = now
         votes = self.consensus.dirty_votes()
         if votes:
-            for peer in m._sample_members(m.params.gossip_fanout):
+            for peer in self._sample(self._params.gossip_fanout):
                 for vote in votes:
-                    m._send(peer, vote)
+                    self._send(peer, vote)
         progress = self._progress
         if progress is not None and progress.dirty:
             # One peer per push while the tally grows (a push per change still spreads it
@@ -420,38 +513,38 @@ class Reconfiguration:
             # left a member without them until the next resend, 0.5 s later, and the new group
             # waited for that member.
             ready = self.plan is not None and self.plan.resume_step is not None
-            reports = progress_messages(m._config.config_id, progress, len(m._config),
-                                        progress.dirty)
+            config = self.configuration
+            reports = progress_messages(config.config_id, progress, len(config), progress.dirty)
             progress.dirty = 0
-            for peer in m._sample_members(m.params.gossip_fanout if ready else 1):
+            for peer in self._sample(self._params.gossip_fanout if ready else 1):
                 for report in reports:
-                    m._send(peer, report)
+                    self._send(peer, report)
 
     def _resend(self, now: float) -> None:
         """Anti-entropy for lost pushes: while undecided, all our vote tallies (and, as a
         coordinator still gathering promises, our ``Prepare`` to the members that did not
         promise), and while the plan waits for reports, our progress tally, to one random peer
         every ``vote_resend_s``."""
-        m = self._member
         consensus, progress = self.consensus, self._progress
         undecided = consensus.active and consensus.decision is None
         waiting = progress is not None and self.plan is not None and self.plan.resume_step is None
         if not (undecided or waiting):
             return
-        self._vote_resend_at = now + m.params.vote_resend_s
-        peers = m._sample_members(1)
+        self._vote_resend_at = now + self._params.vote_resend_s
+        peers = self._sample(1)
         if not peers:
             return
         if undecided:
             for vote in consensus.all_votes():
-                m._send(peers[0], vote)
+                self._send(peers[0], vote)
             consensus.resend_prepare()
             for dest, message in consensus.outbox:
-                m._send(dest, message)
+                self._send(dest, message)
             consensus.outbox.clear()
         if waiting and progress is not None:
-            for report in progress_messages(m._config.config_id, progress, len(m._config)):
-                m._send(peers[0], report)
+            config = self.configuration
+            for report in progress_messages(config.config_id, progress, len(config)):
+                self._send(peers[0], report)
 
     def _start_classic(self, now: float) -> None:
         consensus = self.consensus
@@ -468,71 +561,72 @@ class Reconfiguration:
             return
         consensus.prepare(self._classic_attempt, self._proposal)
         self._classic_attempt += 1
-        self._member._counts["classic_rounds_started"] += 1
+        self._counts["classic_rounds_started"] += 1
         self._after_consensus_input(now)
-        self._classic_at = now + 2 * self._member.params.classic_timeout_s  # retry if it stalls
+        self._classic_at = now + 2 * self._params.classic_timeout_s  # retry if it stalls
 
     # ------------------------------------------------------------------ decision
 
     def _decide(self, now: float, cert: Certificate) -> None:
         """Install the decided successor of the current configuration."""
         m = self._member
-        old = m._config
+        old = self.configuration
         key = (old, cert.cut, self.policy)
         transition = self._transitions.get(key)
         if transition is None:
             new, plan, _reason = next_configuration(old, cert.cut, policy=self.policy)
-            if len(self._transitions) >= 4 * m.params.certificate_log:
+            if len(self._transitions) >= 4 * self._params.certificate_log:
                 self._transitions.clear()  # a bound: a miss only recomputes
             transition = self._transitions[key] = Transition(old, new, plan)
         self._transition = transition
         new, plan = transition.configuration, transition.plan
         self._certificates.append((cert, len(old)))
         self._decided_at = now
-        m._counts["decisions_fast" if cert.fast else "decisions_classic"] += 1
+        self._counts["decisions_fast" if cert.fast else "decisions_classic"] += 1
         # Push the certificate so that members still counting learn it from us.
-        for peer in m._sample_members(m.params.gossip_fanout):
+        for peer in self._sample(self._params.gossip_fanout):
             for vote in cert.votes(len(old)):
-                m._send(peer, vote)
-        was_rank = old.rank_of(m.id)
+                self._send(peer, vote)
+        was_rank = old.rank_of(self._id)
         # A joiner learns its admission from the members that will probe it.
         for joiner in cert.cut.joined:
-            if joiner.member in new and m.id in new.observers_of(joiner.member):
+            if joiner.member in new and self._id in new.observers_of(joiner.member):
                 for vote in cert.votes(len(old)):
-                    m._send(joiner.member, vote)
-        m._set_configuration(new)
+                    self._send(joiner.member, vote)
+        self.configuration = new
+        self._on_installed(new)
         for member in [j for j in self.joiners if j in new]:
             del self.joiners[member]
         self._catchup_sent.clear()
         self._digest_sent.clear()
-        self.consensus = Consensus(new, m.id if m.id in new else None, dropped=m._counts)
+        self.consensus = Consensus(new, self._id if self._id in new else None, dropped=self._counts)
         self._proposal = None
         self._vote_at = self._settle_at = self._classic_at = _INF
         self._vote_push_at = self._vote_resend_at = _INF
         self._classic_attempt = 0
         self._classic_deferred = False
         self.plan = plan
-        m._emit(ev.ConfigurationDecided(now, new, cert.round, cert.bits.bit_count(), plan))
-        if m.id not in new and m.joining is not None:
+        self._emit(ev.ConfigurationDecided(now, new, cert.round, cert.bits.bit_count(), plan))
+        if self._id not in new and m.joining is not None:
             self._replay_future(now)  # a joiner catching up: not admitted yet, keep asking
             return
-        if m.id not in new:
-            m._on_removed(now)
+        if self._id not in new:
+            self._on_removed(now)
             return
         if m.joining is not None:
             self._join_at = _INF
-            m._on_admitted(now, new.config_id)
-        rank = new.rank_of(m.id)
+            self._on_admitted(now, new.config_id)
+        rank = new.rank_of(self._id)
         if rank is not None and was_rank is None:
-            m._emit(ev.RankAssigned(now, new.config_id, rank))
+            self._emit(ev.RankAssigned(now, new.config_id, rank))
         if plan.action == "stop":
-            m._emit(ev.JobStopped(now, new.config_id, plan.vacant))
+            self._emit(ev.JobStopped(now, new.config_id, plan.vacant))
         elif plan.vacant:
-            m._emit(ev.WaitingForSpare(now, new.config_id, plan.vacant))
+            self._emit(ev.WaitingForSpare(now, new.config_id, plan.vacant))
         # The plan waits for the last committed step of every rank holder that survived.
         self._survivors = transition.survivors
         self._progress = Tally()
-        self._vote_resend_at = now + m.params.vote_resend_s
+        self._vote_resend_at = now + self._params.vote_resend_s
         if was_rank is not None:
             index = self.consensus.index
             self._progress.merge(index // SEGMENT_BITS, 1 << index, self.last_committed_step)
@@ -554,12 +648,11 @@ class Reconfiguration:
         progress = self._progress
         if progress is None:
             return
-        m = self._member
-        n = len(m._config)
+        n = len(self.configuration)
         first = msg.segment * SEGMENT_BITS
         bits = int.from_bytes(msg.bits, "little")
         if first >= n or bits >> min(SEGMENT_BITS, n - first):
-            m._counts["dropped_invalid_progress"] += 1
+            self._counts["dropped_invalid_progress"] += 1
             return
         # Compared within the segment: masking and complementing the whole bitmap (2 KiB at 16k
         # members) for every report cost three copies of it.
@@ -567,9 +660,9 @@ class Reconfiguration:
             # The sender knows less of this segment than we do (push-pull, as anti-entropy):
             # answer with ours, so a member whose pushes found nobody still completes.
             if self._once_per_gap(self._catchup_sent, sender, now):
-                for report in progress_messages(m._config.config_id, progress, n,
+                for report in progress_messages(self.configuration.config_id, progress, n,
                                                 1 << msg.segment):
-                    m._send(sender, report)
+                    self._send(sender, report)
         if progress.merge(msg.segment, bits << first, msg.max_step):
             self._schedule_vote_push(now)
             self._check_plan(now)
@@ -584,7 +677,7 @@ class Reconfiguration:
             if found is None:
                 found = ready[progress.max_step] = with_resume_step(plan, progress.max_step)
             self.plan = found
-            self._member._emit(ev.PlanReady(now, found))
+            self._emit(ev.PlanReady(now, found))
 
     # ------------------------------------------------------------------ catch-up
 
@@ -592,17 +685,16 @@ class Reconfiguration:
         """Catch ``dest`` up from configuration ``since``: our certificates from there on."""
         if not self._once_per_gap(self._catchup_sent, dest, now):
             return
-        m = self._member
         sent = 0
         for cert, members in self._certificates:
             if cert.config_id >= since and sent < 4:
                 for vote in cert.votes(members):
-                    m._send(dest, vote)
+                    self._send(dest, vote)
                 sent += 1
         if sent:
-            m._counts["catchups_sent"] += 1
+            self._counts["catchups_sent"] += 1
         else:
-            m._counts["catchup_unavailable"] += 1
+            self._counts["catchup_unavailable"] += 1
 
     def _once_per_gap(self, sent: dict[MemberId, float], peer: MemberId, now: float) -> bool:
         """Whether ``peer`` may get another catch-up reply now (one per ``_CATCHUP_GAP_S``);
@@ -610,7 +702,7 @@ class Reconfiguration:
         resend."""
         if now - sent.get(peer, -_INF) < _CATCHUP_GAP_S:
             return False
-        if len(sent) > 4 * self._member.params.max_pending_joins:
+        if len(sent) > 4 * self._params.max_pending_joins:
             sent.clear()
         sent[peer] = now
         return True
@@ -622,16 +714,16 @@ class Reconfiguration:
             return
         m = self._member
         digest, entries = m.view_digest()
-        m._send(dest, Digest(m._config.config_id, digest, entries))
+        self._send(dest, Digest(self.configuration.config_id, digest, entries))
 
     # ------------------------------------------------------------------ joins
 
     def on_join(self, now: float, sender: MemberId, msg: Join) -> None:
         m = self._member
         joiner = msg.joiner
-        if sender == joiner.member and msg.config_id < m._config.config_id:
+        if sender == joiner.member and msg.config_id < self.configuration.config_id:
             self.send_certificates(now, sender, msg.config_id)
-        if joiner.member in m._config or m.joining is not None:
+        if joiner.member in self.configuration or m.joining is not None:
             return
         if joiner.member in self.joiners:
             if sender == joiner.member:
@@ -641,11 +733,11 @@ class Reconfiguration:
                 # know a joiner proposes a different cut.
                 self._flood_join(joiner)
             return
-        if len(self.joiners) >= m.params.max_pending_joins:
-            m._counts["dropped_join_overflow"] += 1
+        if len(self.joiners) >= self._params.max_pending_joins:
+            self._counts["dropped_join_overflow"] += 1
             return
         self.joiners[joiner.member] = joiner
-        m._cut_dirty = True
+        self.cut_dirty = True
         # Flood it at once, so that every member proposes the same cut.
         self._flood_join(joiner)
 
@@ -655,20 +747,18 @@ class Reconfiguration:
         a ``Join`` flood may not (half its targets may be dead but not yet convicted), and a
         member that misses a joiner proposes another cut and, as a coordinator, admits it one
         change later."""
-        m = self._member
         for joiner in cut.joined:
-            if joiner.member in m._config or joiner.member in self.joiners:
+            if joiner.member in self.configuration or joiner.member in self.joiners:
                 continue
-            if len(self.joiners) >= m.params.max_pending_joins:
-                m._counts["dropped_join_overflow"] += 1
+            if len(self.joiners) >= self._params.max_pending_joins:
+                self._counts["dropped_join_overflow"] += 1
                 return
             self.joiners[joiner.member] = joiner
-            m._cut_dirty = True
+            self.cut_dirty = True
 
     def _flood_join(self, joiner: Joiner) -> None:
-        m = self._member
-        for peer in m._sample_members(m.params.gossip_fanout):
-            m._send(peer, Join(joiner, m._config.config_id))
+        for peer in self._sample(self._params.gossip_fanout):
+            self._send(peer, Join(joiner, self.configuration.config_id))
 
     # ------------------------------------------------------------------ fencing
 
@@ -678,14 +768,14 @@ class Reconfiguration:
         view holds too many members suspect or worse, or too few of its neighbours were heard
         from lately. Runs when either changes; the lease itself is a deadline, not a poll."""
         m = self._member
-        n = len(m._config)
-        ok = (not m.self_suspected and m._in_contact
+        n = len(self.configuration)
+        ok = (not m.self_suspected and m.in_contact
               and m.reachable >= classic_quorum(n))
         if ok:
             self._lease_at = _INF
             m.send_isolated_verdicts()
             if self.fenced:
                 self.fenced = False
-                m._emit(ev.QuorumRegained(now, m._config.config_id))
+                self._emit(ev.QuorumRegained(now, self.configuration.config_id))
         elif self._lease_at == _INF and not self.fenced:
-            self._lease_at = now + m.params.lease_s
+            self._lease_at = now + self._params.lease_s
