@@ -76,7 +76,7 @@ def test_verdicts_taken_without_a_majority_remove_nobody_after_the_heal(seed: in
     it could not reach, then, back among the majority (kept in the next configuration, or
     learning it), proposed removing them: 6 healthy members were removed in seed 5724, and the
     rest crashed later, leaving nobody. A verdict taken while its member counted fewer than a
-    majority reachable grounds no cut of that member's (``Member._isolate``), and goes to its
+    majority reachable grounds no cut of that member's (``Member._judge_verdict``), and goes to its
     subject once the member reaches a majority again, so the subject refutes it."""
     r = safety_run(seed)
     assert (r.safety_violations, r.invariant_violations) == (0, 0), r.violations

@@ -299,7 +299,7 @@ class Member:
         self._unreachable = 0  # members of the configuration our view holds suspect or worse
         self._accused_at: dict[MemberId, float] = {}  # first alert or verdict we heard of
         # Verdicts (member -> incarnation) we took while we counted fewer than a majority of
-        # our configuration reachable: no ground for a cut of ours (_isolate); True once sent
+        # our configuration reachable: no ground for a cut of ours (_judge_verdict); True once sent
         # to their subject after we reached a majority again.
         self._isolated_verdicts: dict[MemberId, bool] = {}
         self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
@@ -988,7 +988,7 @@ class Member:
             return False
         self._suspicions.pop(member, None)
         if type(update) is _DEAD:
-            self._isolate(member)
+            self._judge_verdict(member)
             self._accused_at.setdefault(member, now)
             self._set_view(member, DEAD, inc)
             self._confirmers[member] = update.confirmer
@@ -999,7 +999,7 @@ class Member:
         self._rounds = {seq: r for seq, r in self._rounds.items() if r.subject != member}
         return True
 
-    def _isolate(self, member: MemberId) -> None:
+    def _judge_verdict(self, member: MemberId) -> None:
         """Before a verdict about ``member`` enters the view: one taken while this member
         counts fewer than a majority of its configuration reachable (the minority side of a
         partition convicts the majority it cannot reach, and so does a member cut off) grounds

@@ -139,8 +139,9 @@ Transitions = dict[tuple[Configuration, Cut, Policy], Transition]
 class Membership(Protocol):
     """What the agreement side reads from its member, all of it public on
     :class:`~.membership.Member` and read-only here (but :meth:`send_isolated_verdicts`, which
-    asks the member to send its subjects the verdicts it took without a majority). Read on cold paths only (cut detection,
-    timers, fencing): through a Protocol the compiled build makes a generic attribute lookup."""
+    asks the member to send its subjects the verdicts it took without a majority). Read on
+    cold paths only (cut detection, timers, fencing): through a Protocol the compiled build
+    makes a generic attribute lookup."""
 
     @property
     def id(self) -> MemberId: ...
