@@ -64,6 +64,18 @@ async def fetch(address: str, path: str) -> Any:
             return await (resp.json() if path == "/status" else resp.text())
 
 
+async def settled(address: str, path: str, ready: Any, timeout_s: float = 30.0) -> Any:
+    """``path`` of ``address`` once ``ready(document)`` holds, polled every 0.2 s; the last
+    document read when ``timeout_s`` passes (the caller's assertion then says what differs)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        document = await fetch(address, path)
+        if ready(document) or loop.time() > deadline:
+            return document
+        await asyncio.sleep(0.2)
+
+
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
@@ -96,11 +108,16 @@ async def test_a_rank_sleeping_before_each_collective_is_named_everywhere(
         by_rank, spare, status_of = members(work)
         first = check_named(named, by_rank[1])
         expected = [{"rank": 1, "member_id": by_rank[1], "lag_s": first["lag_s"]}]
+        # The log line is written on the training thread; the agent's status takes it on its
+        # own thread a moment later: wait for each page to show it, then check it exactly.
         for rank in (0, 1):
-            status = await fetch(status_of[by_rank[rank]], "/status")
+            status = await settled(status_of[by_rank[rank]], "/status",
+                                   lambda doc: doc["stragglers"])
             assert status["stragglers"] == expected
         assert (await fetch(status_of[spare], "/status"))["stragglers"] is None
-        metrics = metric_samples(await fetch(status_of[by_rank[2]], "/metrics"))
+        metrics = metric_samples(await settled(
+            status_of[by_rank[2]], "/metrics",
+            lambda text: metric_samples(text).get(("torchpass_stragglers", ())) == 1))
         assert metrics[("torchpass_stragglers", ())] == 1
         assert metrics[("torchpass_straggler_lag_seconds",
                         (("member", by_rank[1]), ("rank", "1")))] == first["lag_s"]
