@@ -40,6 +40,7 @@ import json
 import math
 import os
 import sysconfig
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -219,6 +220,9 @@ def main() -> int:
     ap.add_argument("--give-up-s", type=float,
                     help="the last resort: seconds fenced (or a failure unrepaired) before a "
                          "member stops (default: the library's)")
+    ap.add_argument("--step-sleep", type=float, default=0.0, metavar="S",
+                    help="sleep S seconds after each step: a job paced by the clock, for "
+                         "tests that act while it trains")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -248,6 +252,8 @@ def main() -> int:
             optimizer.step()
             scheduler.step()
             losses[step] = loss.item()
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
     rank, steps = tp.get_rank(), scheduler.last_epoch
     tp.destroy_process_group()  # every member holds the final state; out of the job: exits
     me = os.environ.get("TORCHPASS_MEMBER_ID", f"rank{rank}")

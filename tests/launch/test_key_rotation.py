@@ -45,7 +45,9 @@ from torchpass_p2p.launch.outcome import EXIT_KEY_REFUSED
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 1200
-"""Long enough for the three phases (about a minute on a loaded 2-core host; ~0.15 s a step)."""
+PACE = ("--step-sleep", "0.1")
+"""Each step sleeps 0.1 s: the job lasts at least 120 s however fast the host computes, long
+enough for the three phases (about a minute on a loaded 2-core host)."""
 
 
 def _free_base_port() -> int:
@@ -124,7 +126,7 @@ def _start_spare(work: Path, key_file: Path, seeds: str, name: str
             [sys.executable, "-m", "torchpass_p2p.cli.main", "launch", "--nproc", "0",
              "--spares", "1", "--seeds", seeds, "--key-file", str(key_file), "--grace", "3",
              str(SCRIPT), "--out", str(work / "out"), "--log-dir", str(work / "logs"),
-             "--steps", str(STEPS), *ARGS],
+             "--steps", str(STEPS), *ARGS, *PACE],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     return proc, log
 
@@ -148,7 +150,7 @@ def test_rotation_while_a_spare_is_down(tmp_path: Path) -> None:
     seeds = f"127.0.0.1:{base},127.0.0.1:{base + 1}"
     result: list[Run] = []
     job = threading.Thread(target=lambda: result.append(run_job(
-        tmp_path, nproc=2, spares=0, steps=STEPS, script_args=ARGS, timeout_s=540,
+        tmp_path, nproc=2, spares=0, steps=STEPS, script_args=(*ARGS, *PACE), timeout_s=540,
         launch_args=("--key-file", str(main_key), "--base-port", str(base)))), daemon=True)
     job.start()
     launcher = _wait("the main launcher runs", lambda: _launcher_pid(str(main_key)), 30)
