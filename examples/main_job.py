@@ -94,14 +94,10 @@ def run_job(work: Path, *, nproc: int, spares: int, steps: int, faults: str = ""
     ``fingerprint`` of the whole state its member held at the end (model, optimizer,
     scheduler, data position, tracked objects) from that member's ``finished`` record, or
     None if it logged none."""
-    run = launch(work, SCRIPT, ("--out", str(work / "out"), "--log-dir", str(work / "logs"),
-                                "--steps", str(steps), *script_args),
-                 nproc=nproc, spares=spares, faults=faults, timeout_s=timeout_s,
-                 launch_args=launch_args, settings=settings)
-    prints = {r["member"]: r["fingerprint"] for r in run.events if r["event"] == "finished"}
-    for final in run.finals:
-        final["fingerprint"] = prints.get(final["member"])
-    return run
+    return launch(work, SCRIPT, ("--out", str(work / "out"), "--log-dir", str(work / "logs"),
+                                 "--steps", str(steps), *script_args),
+                  nproc=nproc, spares=spares, faults=faults, timeout_s=timeout_s,
+                  launch_args=launch_args, settings=settings)
 
 
 def launch(work: Path, script: Path, script_args: tuple[str, ...], *, nproc: int, spares: int,
@@ -109,7 +105,8 @@ def launch(work: Path, script: Path, script_args: tuple[str, ...], *, nproc: int
            settings: dict[str, str] | None = None) -> Run:
     """Launch ``script`` under ``torchpass-p2p launch`` in ``work``: its members' timelines go
     to ``work/logs`` (``TORCHPASS_LOG_DIR``), ``final-*.json`` files it writes to
-    ``work/out`` are read back. Otherwise as :func:`run_job`."""
+    ``work/out`` are read back, each with its member's ``fingerprint`` from the timelines.
+    Otherwise as :func:`run_job`."""
     (work / "logs").mkdir(parents=True, exist_ok=True)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("TORCHPASS_") and k not in ("RANK", "WORLD_SIZE")}
@@ -132,8 +129,14 @@ def launch(work: Path, script: Path, script_args: tuple[str, ...], *, nproc: int
         except subprocess.TimeoutExpired:
             _stacks_then_kill(proc, chunks)
         reader.join(READER_TIMEOUT_S)  # EOF once the children are gone too
-    return Run(proc.returncode, time.monotonic() - t0, final_states(work / "out"),
-               read_events(work / "logs"), b"".join(chunks).decode(errors="replace"))
+    events = read_events(work / "logs")
+    finals = final_states(work / "out")
+    # Each final state gets the fingerprint its member logged as it finished (None if none).
+    prints = {r["member"]: r["fingerprint"] for r in events if r["event"] == "finished"}
+    for final in finals:
+        final["fingerprint"] = prints.get(final["member"])
+    return Run(proc.returncode, time.monotonic() - t0, finals, events,
+               b"".join(chunks).decode(errors="replace"))
 
 
 def _read_all(stream: io.BufferedReader, chunks: list[bytes]) -> None:
