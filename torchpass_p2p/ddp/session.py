@@ -175,6 +175,12 @@ class Session(Trainer):
             importlib.import_module("torch._dynamo")
 
             self._first_change = self.guard(self._await_first_rank)
+            if self._first_change.plan.action == "stop":
+                # The change that ended the spare's wait stops the job (every holder of a
+                # vacant rank's state died together, or no spare is left under policy
+                # ``stop``): Stopped and exit 5 here, before the script asks for a rank.
+                first = self._first_change
+                self.guard(lambda: self._enter(first))
 
     # ------------------------------------------------------------------ place
 
