@@ -622,6 +622,27 @@ def test_late_timer_voids_open_rounds_raises_health_and_alerts_nobody():
     assert not m.self_suspected
 
 
+def test_a_loop_that_keeps_stalling_counts_itself_alone_once_it_hears_nobody():
+    """Every timer fires late (a loaded host): each stall voids the open rounds and resets the
+    silence the member would suspect itself for, so its view accuses nobody and keeps all 8.
+    Once no neighbour was heard for half a lease it counts 1 reachable (what its fenced host
+    reports), not 8; a word from one neighbour ends that at once."""
+    params = Params(sync_interval_s=1_000.0)
+    m = make_member(1, CONFIG, params=params)
+    late = 2 * params.stall_tolerance_s
+    now = 0.0
+    while now < params.lease_s:
+        now = m.next_deadline() + late
+        m.handle_timer(now)
+        drain(m)
+    assert m.counters["stalls"] > 0 and m.counters["alerts_raised"] == 0
+    assert not m.self_suspected and not m.in_contact
+    assert [m.state_of(x)[0] for x in CONFIG.members if x != 1] == [ALIVE] * 7
+    assert m.reachable == 1
+    m.receive(now, CONFIG.subjects_of(1)[0], Ack(1, ()))
+    assert m.reachable == 8
+
+
 def test_timer_late_by_less_than_the_tolerance_is_no_stall():
     m = make_member(1, CONFIG)
     t0 = m.next_deadline()

@@ -304,6 +304,7 @@ class Member:
         self._isolated_verdicts: dict[MemberId, bool] = {}
         self._heard: dict[MemberId, float] = {}  # neighbour -> when it last sent us anything
         self._in_contact = True  # heard from at least half our neighbours lately
+        self._heard_none = False  # no neighbour heard from lately, at the last contact check
         # Member -> end of its start-up grace (seconds): not heard from since it was started.
         self._awaiting: dict[MemberId, float] = {}
         # The agreement layer (cut proposal, votes, decisions, joins, progress, fencing) gets
@@ -342,6 +343,7 @@ class Member:
         heard = self._heard  # keyed by our neighbours only: any word from one is contact
         if sender in heard:
             heard[sender] = now
+            self._heard_none = False
             # Any word from a subject is a sign of life: failed rounds against it are no longer
             # consecutive (else a member whose loop stalls twice in a row is accused early).
             if self._failed_rounds:
@@ -665,10 +667,13 @@ class Member:
         """Members of the configuration this member believes reachable, itself included: the
         configuration's size less those its view holds suspected, convicted or gone; 1 while
         it suspects itself (no ack nor nack from anyone: it reaches nobody, and accuses
-        nobody, so its view alone would count everyone). Below a majority
-        (``agreement.classic_quorum``) for ``Params.lease_s``, the member is fenced
-        (:class:`~.events.QuorumLost` carries the count)."""
-        if self.self_suspected:
+        nobody, so its view alone would count everyone); 1 too while none of its neighbours
+        was heard from in the last contact window (:attr:`in_contact`): a loop that keeps
+        stalling voids the probe rounds that would accuse them, and the silence it would
+        suspect itself for. Below a majority (``agreement.classic_quorum``) for
+        ``Params.lease_s``, the member is fenced (:class:`~.events.QuorumLost` carries the
+        count)."""
+        if self.self_suspected or self._heard_none:
             return 1
         return len(self._config) - self._unreachable
 
@@ -1187,6 +1192,7 @@ class Member:
         A member on the minority side of a partition hears from about the minority's share."""
         window = now - self.params.lease_s / 2
         heard = sum(1 for t in self._heard.values() if t >= window)
+        self._heard_none = heard == 0 and bool(self._heard)
         in_contact = 2 * heard >= len(self._heard)
         if in_contact != self._in_contact:
             self._in_contact = in_contact
