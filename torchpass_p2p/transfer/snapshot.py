@@ -30,10 +30,10 @@ import os
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import torch
@@ -42,6 +42,8 @@ from . import chunkmac
 from . import fingerprint as fp
 from .errors import SnapshotChanged
 from .tree import DTYPE_NAMES, TreeEncoder, decode_tree, pack
+
+_Sliceable = TypeVar("_Sliceable", memoryview, torch.Tensor)
 
 DEFAULT_CHUNK_BYTES = 16 << 20
 """16 MiB, the top of docs/design.md section 7's 4-16 MiB. Per-chunk costs (a header, a tag, a
@@ -259,22 +261,14 @@ class Snapshot:
 
     def segments(self, index: int) -> list[memoryview]:
         """The chunk's bytes as memoryviews into the tensors (writable, no copy)."""
-        off, n = self.chunk_range(index)
-        end = off + n
-        out = []
-        i = bisect.bisect_right(self._starts, off) - 1
-        while off < end:
-            e = self.table[i]
-            lo = off - e.offset
-            hi = min(e.nbytes, end - e.offset)
-            if hi > lo:
-                out.append(self._views[i][lo:hi])
-                off = e.offset + hi
-            i += 1
-        return out
+        return self._pieces(index, self._views)
 
     def segment_tensors(self, index: int) -> list[torch.Tensor]:
         """Like :meth:`segments`, as flat ``uint8`` tensor views (for torch.distributed)."""
+        return self._pieces(index, self._flat)
+
+    def _pieces(self, index: int, whole: Sequence[_Sliceable]) -> list[_Sliceable]:
+        """Chunk ``index`` cut from ``whole`` (one byte-indexed view per table entry)."""
         off, n = self.chunk_range(index)
         end = off + n
         out = []
@@ -284,7 +278,7 @@ class Snapshot:
             lo = off - e.offset
             hi = min(e.nbytes, end - e.offset)
             if hi > lo:
-                out.append(self._flat[i][lo:hi])
+                out.append(whole[i][lo:hi])
                 off = e.offset + hi
             i += 1
         return out
