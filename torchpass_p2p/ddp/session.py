@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
+from torchpass_p2p.agent import Change, TrainingAgent
 from torchpass_p2p.checkpoint import CheckpointSettings, NotSameJob
 from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, exit_process
 from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
@@ -119,7 +120,7 @@ class Session(Trainer):
             (None: :data:`~torchpass_p2p.trainer.regroup.GIVE_UP_S`).
     """
 
-    def __init__(self, agent: Any, *, seed: int, exact: bool, backend: str,
+    def __init__(self, agent: TrainingAgent, *, seed: int, exact: bool, backend: str,
                  log_path: str | os.PathLike[str] | None,
                  state_transport: str = "auto", give_up_s: float | None = None) -> None:
         super().__init__(torch.nn.Module(), None, agent=agent,  # type: ignore[arg-type]
@@ -150,7 +151,7 @@ class Session(Trainer):
         self._entering: Any = None
         self._in_regroup = False
         self._joined = False
-        self._first_change: Any = None
+        self._first_change: Change | None = None
         self.stragglers = ArrivalWatch(self.me, policy_from_env(), self.log, self.agent.drain)
         self.step_figures: list[list[float]] = []
         """Every rank's ``[compute_s, wait_s]`` of the last vote, by rank (seconds, each on
@@ -281,9 +282,9 @@ class Session(Trainer):
             if self._first_change is not None:
                 self._enter_as_spare(self._first_change)
             else:
-                started_in = self.agent.settings.configuration
+                started_in, rank = self._started_rank()
                 resume = self._resume(started_in)
-                self.faults.at(resume, "enter", started_in.rank_of(self.me))
+                self.faults.at(resume, "enter", rank)
                 self._enter_configuration(started_in, group_id=started_in.config_id,
                                           resume=resume, fetch_from=None)
         except (CollectiveError, Superseded) as exc:
