@@ -36,7 +36,7 @@ import torch
 from torchpass_p2p.agent import Change, TrainingAgent
 from torchpass_p2p.checkpoint import CheckpointSettings, NotSameJob
 from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, exit_process
-from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
+from torchpass_p2p.trainer.ends import exit_code_for
 from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
 from torchpass_p2p.trainer.regroup import GIVE_UP_S
 from torchpass_p2p.trainer.seeding import seed_step
@@ -365,15 +365,16 @@ class Session(Trainer):
 
     def guard(self, fn: Callable[[], T]) -> T:
         """Run ``fn``; a member that is out of the job stops the process with its exit code
-        (``docs/running.md``): nothing of the script may run on after it."""
+        (:func:`~torchpass_p2p.trainer.ends.exit_code_for`, ``docs/running.md``): nothing of
+        the script may run on after it."""
         try:
             return fn()
         except Removed as exc:
             self.log("removed", step=self.step, config_id=self.config_id,
                      drained=isinstance(exc, Drained), reason=str(exc)[:160])
-            self._exit(exc, EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED)
+            self._exit(exc, exit_code_for(exc))
         except Stopped as exc:
-            self._exit(exc, EXIT_STOPPED)
+            self._exit(exc, exit_code_for(exc))
 
     def _exit(self, exc: BaseException, code: int) -> NoReturn:
         self.log("exit", code=code, reason=str(exc)[:200], step=self.step)
