@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from torchpass_p2p.agent.runtime import Change, NotServed
-from torchpass_p2p.agent.transport import TransportError
+from torchpass_p2p.agent import AgentEvent, Change, NotServed, TrainingAgent, TransportError
 from torchpass_p2p.collective import GroupSpec, Superseded
 from torchpass_p2p.core.configuration import Configuration
 from torchpass_p2p.core.messages import Cut, Joiner
+from torchpass_p2p.core.params import Params
 from torchpass_p2p.core.plan import next_configuration, with_resume_step
 from torchpass_p2p.core.seal import Keyring
 from torchpass_p2p.trainer import Drained, FaultInjector, Removed, Stopped, Trainer, loop
@@ -50,17 +50,20 @@ DRAINED = change(ZERO, Cut(removed=(ME,)), 4)
 
 
 class ScriptedAgent:
-    """What the trainer reads of :class:`~torchpass_p2p.agent.api.Agent`, set by the test."""
+    """What the trainer uses of the agent (every member of
+    :class:`~torchpass_p2p.agent.TrainingAgent`), set by the test."""
 
     member_id = ME
     address = ("127.0.0.1", 9000 + ME)
     status_address = None
+    history = None  # no status page: the trainer's records go nowhere
     fenced = False
     reachable = 3  # of ZERO's three members
     majority = 2
 
     def __init__(self) -> None:
-        self.settings = SimpleNamespace(keyring=Keyring(b"\x11" * 32), configuration=ZERO)
+        self.settings = SimpleNamespace(keyring=Keyring(b"\x11" * 32), configuration=ZERO,
+                                        params=Params())
         self.configuration = ZERO
         self.role = "rank"
         self.draining = False
@@ -76,6 +79,9 @@ class ScriptedAgent:
         self.lookups: list[tuple[int, float]] = []
         self.arrives_in_lookup: list[Change] = []
         self.counter_sources: dict[str, Any] = {}
+        self.key_listeners: list[Any] = []
+        self.events: list[AgentEvent] = []  # what recent_events() returns
+        self.stopped = False
 
     @property
     def config_id(self) -> int:
@@ -119,8 +125,24 @@ class ScriptedAgent:
         time.sleep(timeout_s)
         raise TransportError(f"member {member:016x} serves no {name!r}")
 
-    def status(self) -> dict[str, Any]:
-        return {"recent_events": []}
+    def recent_events(self, timeout_s: float = 5.0) -> list[AgentEvent]:
+        return list(self.events)
+
+    def report_progress(self, step: int, phase: str = "committed") -> None:
+        pass
+
+    def report_commit(self, step: int, ranks: tuple[int | None, ...],
+                      timeout_s: float = 30.0) -> bool:
+        return not self.fenced
+
+    def report_error(self, exc: BaseException, *, peer_rank: int | None = None) -> None:
+        pass
+
+    def add_key_listener(self, listener: Any) -> None:
+        self.key_listeners.append(listener)
+
+    def stop(self, *, leave: bool = True, timeout_s: float = 10.0) -> None:
+        self.stopped = True
 
     def wait_for_rank(self, timeout_s: float | None = None) -> Change:
         self.waited += 1
@@ -551,3 +573,23 @@ def test_the_state_services_refusals_show_with_the_agents_counts(trainer: Traine
     while read() != {"bad_frame": 1}:
         assert time.monotonic() < end, read()
         time.sleep(0.01)
+
+
+def test_the_scripted_agent_has_every_member_of_the_interface() -> None:
+    agent = ScriptedAgent()
+    for name in vars(TrainingAgent):
+        if not name.startswith("_"):
+            assert hasattr(agent, name), name
+
+
+def test_a_change_is_logged_with_the_times_of_the_accusations_before_it(
+        trainer: Trainer, tmp_path: Path) -> None:
+    in_zero(trainer)
+    trainer.agent.events = [AgentEvent(9.0, "MemberSuspected", "member=b2"),
+                            AgentEvent(9.5, "QuorumLost", ""),
+                            AgentEvent(10.2, "AlertRaised", "subject=b2"),
+                            AgentEvent(10.6, "MemberDead", "member=b2"),
+                            AgentEvent(10.7, "ConfigurationDecided", "config 1")]
+    trainer._log_change(JOINED, same_ranks=True)
+    [logged] = events(tmp_path, "change")
+    assert logged["alerts_at"] == [9.0, 10.2, 10.6] and logged["same_ranks"] is True

@@ -30,6 +30,7 @@ from typing import Any
 from torchpass_p2p.core.configuration import Address, Configuration
 
 from .history import History
+from .interface import AgentEvent
 from .lifeline import die_with_launcher
 from .runtime import COUNTER_SOURCES, AgentRuntime, Change, KeyNotAccepted, Phase
 from .settings import AgentSettings, load_settings
@@ -201,6 +202,16 @@ class Agent:
         """The ``/status`` document, built on the agent's loop."""
         runtime = self._live()
         return self._call(lambda: _on_loop(runtime.status), timeout_s)
+
+    def recent_events(self, timeout_s: float = 5.0) -> tuple[AgentEvent, ...]:
+        """The ``/status`` document's ``recent_events`` (the last 64, oldest first) as typed
+        records (:class:`~.interface.AgentEvent`).
+
+        Raises:
+            TimeoutError: the agent's loop did not answer within ``timeout_s`` seconds.
+            AgentError: the agent is not running.
+        """
+        return tuple(AgentEvent.from_status(e) for e in self.status(timeout_s)["recent_events"])
 
     # ------------------------------------------------------------------ host -> agent
 

@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
+from torchpass_p2p.agent import Change, TrainingAgent
 from torchpass_p2p.checkpoint import CheckpointSettings, NotSameJob
 from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, exit_process
-from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
+from torchpass_p2p.trainer.ends import exit_code_for
 from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
 from torchpass_p2p.trainer.regroup import GIVE_UP_S
 from torchpass_p2p.trainer.seeding import seed_step
@@ -119,7 +120,7 @@ class Session(Trainer):
             (None: :data:`~torchpass_p2p.trainer.regroup.GIVE_UP_S`).
     """
 
-    def __init__(self, agent: Any, *, seed: int, exact: bool, backend: str,
+    def __init__(self, agent: TrainingAgent, *, seed: int, exact: bool, backend: str,
                  log_path: str | os.PathLike[str] | None,
                  state_transport: str = "auto", give_up_s: float | None = None) -> None:
         super().__init__(torch.nn.Module(), None, agent=agent,  # type: ignore[arg-type]
@@ -150,7 +151,7 @@ class Session(Trainer):
         self._entering: Any = None
         self._in_regroup = False
         self._joined = False
-        self._first_change: Any = None
+        self._first_change: Change | None = None
         self.stragglers = ArrivalWatch(self.me, policy_from_env(), self.log, self.agent.drain)
         self.step_figures: list[list[float]] = []
         """Every rank's ``[compute_s, wait_s]`` of the last vote, by rank (seconds, each on
@@ -281,9 +282,9 @@ class Session(Trainer):
             if self._first_change is not None:
                 self._enter_as_spare(self._first_change)
             else:
-                started_in = self.agent.settings.configuration
+                started_in, rank = self._started_rank()
                 resume = self._resume(started_in)
-                self.faults.at(resume, "enter", started_in.rank_of(self.me))
+                self.faults.at(resume, "enter", rank)
                 self._enter_configuration(started_in, group_id=started_in.config_id,
                                           resume=resume, fetch_from=None)
         except (CollectiveError, Superseded) as exc:
@@ -364,15 +365,16 @@ class Session(Trainer):
 
     def guard(self, fn: Callable[[], T]) -> T:
         """Run ``fn``; a member that is out of the job stops the process with its exit code
-        (``docs/running.md``): nothing of the script may run on after it."""
+        (:func:`~torchpass_p2p.trainer.ends.exit_code_for`, ``docs/running.md``): nothing of
+        the script may run on after it."""
         try:
             return fn()
         except Removed as exc:
             self.log("removed", step=self.step, config_id=self.config_id,
                      drained=isinstance(exc, Drained), reason=str(exc)[:160])
-            self._exit(exc, EXIT_DRAINED if isinstance(exc, Drained) else EXIT_REMOVED)
+            self._exit(exc, exit_code_for(exc))
         except Stopped as exc:
-            self._exit(exc, EXIT_STOPPED)
+            self._exit(exc, exit_code_for(exc))
 
     def _exit(self, exc: BaseException, code: int) -> NoReturn:
         self.log("exit", code=code, reason=str(exc)[:200], step=self.step)

@@ -41,7 +41,9 @@ import logging
 import time
 from typing import Any
 
+from torchpass_p2p.agent import Change, TrainingAgent
 from torchpass_p2p.collective import Superseded
+from torchpass_p2p.core.configuration import Configuration
 from torchpass_p2p.core.messages import format_member_id
 from torchpass_p2p.launch.outcome import JOB_STOPS, no_majority_left
 
@@ -67,7 +69,7 @@ class ChangeFollower(MemberBase):
         **base: :class:`~.member.MemberBase`'s arguments.
     """
 
-    def __init__(self, agent: Any, *, give_up_s: float, **base: Any) -> None:
+    def __init__(self, agent: TrainingAgent, *, give_up_s: float, **base: Any) -> None:
         super().__init__(agent, **base)
         self.give_up_s = give_up_s
         self._draining = False  # the "draining" event is logged once
@@ -87,7 +89,19 @@ class ChangeFollower(MemberBase):
         started_in = self.agent.settings.configuration
         return started_in is None or self.agent.member_id not in started_in.ranks
 
-    def _await_first_rank(self) -> Any:
+    def _started_rank(self) -> tuple[Configuration, int]:
+        """The configuration a member started as a rank was started in, and its rank there.
+
+        Raises:
+            RuntimeError: this member was started as a spare (:meth:`_started_as_spare`).
+        """
+        started_in = self.agent.settings.configuration
+        rank = None if started_in is None else started_in.rank_of(self.me)
+        if started_in is None or rank is None:
+            raise RuntimeError("this member was started as a spare, not in a rank")
+        return started_in, rank
+
+    def _await_first_rank(self) -> Change:
         """A spare's wait for its first rank (:meth:`_wait_for_rank`); returns that change."""
         self.log("spare_waiting", config_id=self.agent.config_id)
         self._holds_state = False
@@ -95,7 +109,7 @@ class ChangeFollower(MemberBase):
         self._latest = change
         return change
 
-    def _wait_for_rank(self) -> Any:
+    def _wait_for_rank(self) -> Change:
         """A spare's wait for a rank, as long as it takes while the job lives. A spare that
         for ``give_up_s`` has reached no majority of its configuration (fenced: the job lost
         its majority, or this host its network) or has not been admitted (still joining:
@@ -129,7 +143,7 @@ class ChangeFollower(MemberBase):
         while (change := self.agent.next_change(0)) is not None:
             self._take(change)
 
-    def _take(self, change: Any) -> None:
+    def _take(self, change: Change) -> None:
         if self._latest is None or change.configuration.config_id > \
                 self._latest.configuration.config_id:
             self._latest = change
@@ -209,7 +223,7 @@ class ChangeFollower(MemberBase):
             return lost
         return Removed(why)
 
-    def _wake_group(self, _change: Any) -> None:
+    def _wake_group(self, _change: Change) -> None:
         """On the agent's thread, for every ready change: the group's operation in flight
         runs :meth:`_watch` at once (a survivor stuck with a paused peer learns of the
         change that replaces it then, not up to a wait slice later)."""
@@ -218,7 +232,7 @@ class ChangeFollower(MemberBase):
             group.wake()
 
     def _await_change(self, within_s: float | None = None, *,
-                      since: float | None = None) -> Any:
+                      since: float | None = None) -> Change | None:
         """Block until the agent delivers a configuration with another rank map and return
         it; None when ``within_s`` seconds passed first. Raise :class:`Removed` once
         ``give_up_s`` passed since ``since`` (``time.monotonic()`` of the failure that started
@@ -260,15 +274,13 @@ class ChangeFollower(MemberBase):
                 raise self._gave_up(f"fenced for {self.give_up_s:g} s after a vetoed commit")
             time.sleep(SLICE_S)
 
-    def _log_change(self, change: Any, *, same_ranks: bool = False) -> None:
+    def _log_change(self, change: Change, *, same_ranks: bool = False) -> None:
         """The ``change`` event: the plan this member follows, with its hash (every member of
         the configuration must log the same one). ``same_ranks``: the group is kept."""
-        alerts = []
+        alerts: list[float] = []
         try:
-            for e in self.agent.status()["recent_events"]:
-                if e["type"] in ("MemberSuspected", "AlertRaised", "MemberDead", "MemberLeft"):
-                    alerts.append(e["at"])
-        except Exception:  # noqa: BLE001 - status is only for the timeline
+            alerts = [e.at for e in self.agent.recent_events() if e.accuses]
+        except Exception:  # noqa: BLE001 - the events are only for the timeline
             pass
         plan = change.plan
         self.log("change", config_id=change.configuration.config_id,

@@ -1,15 +1,22 @@
-"""How a member's training ends other than by finishing, as the exceptions the trainer raises.
+"""How a member's training ends other than by finishing, as the exceptions the trainer raises,
+and the exit code each end has.
 
-The launcher and the training API map them to exit codes
-(:mod:`torchpass_p2p.launch.outcome`): :class:`Removed` 3, :class:`Drained` 4 (a clean end),
-:class:`Stopped` 5. :class:`Incomplete` never leaves the trainer: recovery waits for the change
-that fills the vacant ranks. Once one of the first three is raised the member must not touch a
-process group again.
+The training API and scripts map them to exit codes with :func:`exit_code_for`, whose codes are
+the launcher's (:mod:`torchpass_p2p.launch.outcome`): :class:`Removed` 3, :class:`Drained` 4 (a
+clean end), :class:`Stopped` 5. :class:`Incomplete` never leaves the trainer: recovery waits for
+the change that fills the vacant ranks. Once one of the first three is raised the member must not
+touch a process group again.
 """
 
 from __future__ import annotations
 
-__all__ = ["Drained", "Incomplete", "Removed", "Stopped"]
+from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
+
+__all__ = ["EXIT_FAILED", "Drained", "Incomplete", "Removed", "Stopped", "exit_code_for"]
+
+EXIT_FAILED = 1
+"""What :func:`exit_code_for` gives any other exception: a failure, the code an uncaught
+exception ends Python with; the launcher reports it and may respawn the member."""
 
 
 class Removed(RuntimeError):
@@ -40,3 +47,30 @@ class Drained(Removed):
     planned. A clean end, not a failure: scripts exit with code 4
     (:data:`~torchpass_p2p.launch.outcome.EXIT_DRAINED`), which the launcher never counts as
     a failure."""
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """The exit code a member's process ends with after ``exc``: the launcher's table
+    (:mod:`torchpass_p2p.launch.outcome`), which decides whether the launcher reports the
+    member as failed and respawns it.
+
+    - :class:`Drained`: ``EXIT_DRAINED`` (4), a clean end, never respawned;
+    - any other :class:`Removed`: ``EXIT_REMOVED`` (3);
+    - :class:`Stopped` (``JobMismatch`` too): ``EXIT_STOPPED`` (5), the job stops;
+    - anything else: :data:`EXIT_FAILED` (1), a failure.
+
+    :class:`Drained` is a :class:`Removed`: it is tested first, and must stay so.
+
+    Args:
+        exc: the exception that ended training.
+
+    Returns:
+        The exit code, an int in 0..255.
+    """
+    if isinstance(exc, Drained):
+        return EXIT_DRAINED
+    if isinstance(exc, Removed):
+        return EXIT_REMOVED
+    if isinstance(exc, Stopped):
+        return EXIT_STOPPED
+    return EXIT_FAILED

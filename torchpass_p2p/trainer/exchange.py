@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torchpass_p2p.agent.runtime import NotServed
+from torchpass_p2p.agent import NotServed, TrainingAgent
 from torchpass_p2p.collective import ManagedGroup, Superseded
 from torchpass_p2p.core.messages import format_member_id
 from torchpass_p2p.transfer import FetchResult, Snapshot, TransferError, TransferKeys
@@ -72,7 +72,8 @@ class StateExchange(ChangeFollower):
         ValueError: ``state_transport`` is none of those.
     """
 
-    def __init__(self, agent: Any, *, state_transport: str, backend: str, **base: Any) -> None:
+    def __init__(self, agent: TrainingAgent, *, state_transport: str, backend: str,
+                 **base: Any) -> None:
         if state_transport not in ("auto", "tcp", "pg"):
             raise ValueError(f"state_transport {state_transport!r}: 'auto', 'tcp' or 'pg'")
         super().__init__(agent, backend=backend, **base)
@@ -80,8 +81,7 @@ class StateExchange(ChangeFollower):
                                  or (state_transport == "auto" and backend == "nccl"))
         transfer_keys = TransferKeys.from_keyring(agent.settings.keyring)
         # A reloaded key file reaches the state transfer too (docs/running.md, "Keys").
-        if hasattr(agent, "add_key_listener"):
-            agent.add_key_listener(transfer_keys.rekey)
+        agent.add_key_listener(transfer_keys.rekey)
         self.service = StateService(
             transfer_keys, self._known_config_id,
             host=agent.address[0],

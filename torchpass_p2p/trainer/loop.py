@@ -41,9 +41,8 @@ from typing import Any
 
 import torch
 
-from torchpass_p2p.agent.runtime import Phase
+from torchpass_p2p.agent import Phase, TrainingAgent, format_address
 from torchpass_p2p.collective import CollectiveError, Superseded, flatten, unflatten_into
-from torchpass_p2p.launch.childspec import format_address
 
 from .changes import SLICE_S as SLICE_S
 from .changes import WAIT_SLICE_S as WAIT_SLICE_S
@@ -70,7 +69,8 @@ class Trainer(Recovery):
         model: the replica (same on every member); gradients of its parameters (one dtype)
             are averaged.
         optimizer: steps the model's parameters.
-        agent: this process's :class:`~torchpass_p2p.agent.api.Agent` (already started).
+        agent: this process's :class:`~torchpass_p2p.agent.api.Agent` (already started), or
+            anything else with the members of :class:`~torchpass_p2p.agent.TrainingAgent`.
         scheduler: optional LR scheduler, stepped after each optimizer step.
         seed: the job's seed; step ``k`` of rank ``r`` draws from ``(seed, r, k)``.
         extra: more state to transfer, ``{name: Stateful}`` (rank-independent).
@@ -94,7 +94,7 @@ class Trainer(Recovery):
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                 agent: Any, scheduler: Any = None, seed: int = 0,
+                 agent: TrainingAgent, scheduler: Any = None, seed: int = 0,
                  extra: Mapping[str, Any] | None = None, backend: str = "gloo",
                  state_transport: str = "auto",
                  log_path: str | os.PathLike[str] | None = None,
@@ -156,16 +156,15 @@ class Trainer(Recovery):
             self._close()
 
     def _begin(self) -> None:
-        agent = self.agent
         self._log_start()
         if self._started_as_spare():
             self._enter_as_spare(self._await_first_rank())
             return
-        started_in = agent.settings.configuration
+        started_in, rank = self._started_rank()
         # Every rank enters the configuration it was started in, never "the current one": a
         # change decided while the ranks start up (a spare joined) would otherwise put them in
         # different groups' rendezvous. A later change arrives as usual (``_poll``).
-        self.faults.at(0, "enter", started_in.rank_of(self.me))
+        self.faults.at(0, "enter", rank)
         self._enter_configuration(started_in, group_id=started_in.config_id, resume=0,
                                   fetch_from=None)
 

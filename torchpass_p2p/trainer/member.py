@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from torchpass_p2p.agent import Change, TrainingAgent
 from torchpass_p2p.collective import ManagedGroup
 
 from .faults import FaultInjector
@@ -72,7 +73,7 @@ class MemberBase:
     """The state the trainer's layers share (module docstring); not used on its own.
 
     Args:
-        agent: this process's started agent.
+        agent: this process's started agent (:class:`~torchpass_p2p.agent.TrainingAgent`).
         objects: the live objects whose state moves, ``{name: Stateful}``.
         seed: the job's seed.
         backend: ``"gloo"`` or ``"nccl"``.
@@ -80,7 +81,7 @@ class MemberBase:
         faults: fault injector (default: from ``TORCHPASS_FAULTS``).
     """
 
-    def __init__(self, agent: Any, *, objects: dict[str, Any], seed: int, backend: str,
+    def __init__(self, agent: TrainingAgent, *, objects: dict[str, Any], seed: int, backend: str,
                  log_path: str | os.PathLike[str] | None,
                  faults: FaultInjector | None) -> None:
         self.agent = agent
@@ -88,9 +89,9 @@ class MemberBase:
         self.backend = backend
         self.objects = objects
         self.me: int = agent.member_id
-        # What the status page shows of recoveries and transfers (the agent's History); a
-        # stand-in agent without one shows nothing.
-        self.history = getattr(agent, "history", None)
+        # What the status page shows of recoveries and transfers (the agent's History); an
+        # agent without one (a stand-in) shows nothing.
+        self.history = agent.history
         self.log = EventLog(log_path, self.me,
                             sink=None if self.history is None else self.history.record)
         self.faults = faults or FaultInjector.from_env(
@@ -108,6 +109,6 @@ class MemberBase:
         """The configuration this member trains in (its group's, or newer with the same
         ranks)."""
         self._ranks: tuple[Any, ...] = ()
-        self._latest: Any = None  # newest Change seen
+        self._latest: Change | None = None  # newest Change seen
         self._reduced: tuple[int, torch.Tensor] | None = None
         self.result = TrainResult(0)

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from torchpass_p2p.agent import TrainingAgent
 from torchpass_p2p.collective import (
     CollectiveError,
     GroupSpec,
@@ -51,7 +52,6 @@ from torchpass_p2p.collective import (
     build_group,
 )
 from torchpass_p2p.collective.rendezvous import store_service
-from torchpass_p2p.core.params import Params
 from torchpass_p2p.transfer import TransferError
 
 from .commit import resolve
@@ -75,12 +75,10 @@ class Recovery(StateExchange):
         **base: the lower layers' arguments (:class:`~.exchange.StateExchange`).
     """
 
-    def __init__(self, agent: Any, *, regroup_wait_s: float | None, **base: Any) -> None:
+    def __init__(self, agent: TrainingAgent, *, regroup_wait_s: float | None, **base: Any) -> None:
         super().__init__(agent, **base)
         if regroup_wait_s is None:
-            params = getattr(getattr(agent, "settings", None), "params", None)
-            regroup_wait_s = default_regroup_wait_s(
-                params if isinstance(params, Params) else Params())
+            regroup_wait_s = default_regroup_wait_s(agent.settings.params)
         self.regroup_wait_s = regroup_wait_s
         self.keeper = StoreKeeper(agent.address[0])
         self._spec: GroupSpec | None = None
@@ -264,7 +262,7 @@ class Recovery(StateExchange):
         """Reach ``resume`` (fetching from ``fetch_from`` if given: over TCP first, or over
         the group once formed), then build the group of configuration ``group_id`` (the first
         with this rank map, the same for every member:
-        :class:`~torchpass_p2p.agent.runtime.Change`) and check the fingerprints."""
+        :class:`~torchpass_p2p.agent.Change`) and check the fingerprints."""
         c = configuration.config_id
         spec = replace(GroupSpec.of(configuration, self.me), config_id=group_id)
         self._ranks = tuple(configuration.ranks)
