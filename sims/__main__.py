@@ -23,7 +23,14 @@ def main(argv: list[str] | None = None) -> int:
         print(usage, file=sys.stderr)
         return 2
     import importlib
+    from pathlib import Path
 
+    from torchpass_p2p._native import refusal, stale_extensions
+
+    stale = stale_extensions(str(Path(__file__).resolve().parents[1]))
+    if stale:  # the figures of old compiled code under a new source's name
+        print(f"python -m sims: {refusal(stale)}", file=sys.stderr)
+        return 2
     return importlib.import_module(commands[argv[0]]).main(argv[1:])
 
 

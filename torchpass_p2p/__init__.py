@@ -10,10 +10,9 @@ of training (``Removed``, ``Drained``, ``Stopped``) and their exit codes (``exit
 nor the runtime.
 """
 
-from ._native import drop_stale_extensions, prefer_sources
+from ._native import prefer_sources
 
 prefer_sources()
-drop_stale_extensions(__path__[0])
 
 __version__ = "0.1.0"
 

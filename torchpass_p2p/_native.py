@@ -1,8 +1,11 @@
-"""Guard for the optional mypyc build (scripts/build-native): never run stale compiled code.
+"""The optional mypyc build (scripts/build-native) and the pure-Python switch.
 
-Python imports ``membership.cpython-311-*.so`` in preference to ``membership.py``. If a source
-was edited after the build, the extensions no longer match it; they are deleted (build products,
-ignored by git) so the imports fall back to the sources.
+Python imports ``membership.cpython-311-*.so`` in preference to ``membership.py``, so a source
+edited after the build would run as its old compiled self. The build keeps them in step:
+scripts/build-native rebuilds whenever a compiled module's source changed (a hash of the
+sources) and scripts/clean-native removes every product. Importing the package touches no file;
+the entry points a developer runs straight after an edit (the test suite, ``python -m sims``)
+call :func:`stale_extensions` and refuse to run stale code.
 """
 
 from __future__ import annotations
@@ -12,42 +15,42 @@ import importlib.util
 import os
 import sys
 
+ROOTS = ("torchpass_p2p", "sims")
+"""The packages of the one mypyc group (scripts/native_build.py), relative to the repository."""
 
-def drop_stale_extensions(package_dir: str) -> None:
-    """If any compiled module under ``package_dir`` or its sibling ``sims`` package (one mypyc
-    group: scripts/native_build.py) is older than its ``.py`` source, delete every compiled
-    module of the group: a partly removed group would mix old and new code. An extension with its
-    ``.c`` source beside it (the pulse responder, agent/_pulse.c) is not mypyc's: left alone."""
+
+def stale_extensions(repo: str) -> list[str]:
+    """Compiled modules under ``repo``'s :data:`ROOTS` older than their ``.py`` source, as
+    paths. An extension with a ``.c`` source beside it (the pulse responder, agent/_pulse.c) is
+    not mypyc's and is never stale here. Empty under ``TORCHPASS_PURE_PYTHON=1`` (compiled
+    modules are ignored then: :func:`prefer_sources`)."""
+    if os.environ.get("TORCHPASS_PURE_PYTHON") == "1":
+        return []
     suffixes = [s for s in importlib.machinery.EXTENSION_SUFFIXES if s != ".so"]
-    roots = [package_dir, os.path.join(os.path.dirname(package_dir), "sims")]
-    compiled: list[str] = []
     stale: list[str] = []
-    for top in roots:
-        for root, _dirs, files in os.walk(top):
+    for top in ROOTS:
+        for root, _dirs, files in os.walk(os.path.join(repo, top)):
             for name in files:
                 suffix = next((s for s in suffixes if name.endswith(s)), None)
                 if suffix is None:
                     continue
                 so = os.path.join(root, name)
-                source = so[: -len(suffix)] + ".py"
-                if os.path.exists(so[: -len(suffix)] + ".c"):  # C source: not mypyc's (_pulse)
+                base = so[: -len(suffix)]
+                if os.path.exists(base + ".c"):
                     continue
-                compiled.append(so)
                 try:
-                    if os.path.getmtime(source) > os.path.getmtime(so):
+                    if os.path.getmtime(base + ".py") > os.path.getmtime(so):
                         stale.append(so)
                 except OSError:
                     continue
-    if not stale:
-        return
-    # Not a warning: under ``-W error`` a warning here would break the import it protects.
-    sys.stderr.write(f"torchpass_p2p: {stale[0]} is older than its source; removed all "
-                     f"{len(compiled)} compiled modules (scripts/build-native rebuilds them)\n")
-    for so in compiled:
-        try:
-            os.remove(so)
-        except OSError:
-            pass
+    return stale
+
+
+def refusal(stale: list[str]) -> str:
+    """The one line an entry point prints before it refuses to run ``stale`` code."""
+    return (f"{stale[0]} (and {len(stale) - 1} more) is older than its source: run "
+            "scripts/build-native to rebuild, scripts/clean-native to run the sources, or set "
+            "TORCHPASS_PURE_PYTHON=1")
 
 
 class _SourceOnlyFinder:
@@ -70,6 +73,7 @@ class _SourceOnlyFinder:
 
 
 def prefer_sources() -> None:
-    """Ignore compiled modules from now on if ``TORCHPASS_PURE_PYTHON=1``."""
+    """Ignore compiled modules from now on if ``TORCHPASS_PURE_PYTHON=1`` (reads only the
+    environment: the switch must hold before the first compiled module is imported)."""
     if os.environ.get("TORCHPASS_PURE_PYTHON") == "1" and _SourceOnlyFinder not in sys.meta_path:
         sys.meta_path.insert(0, _SourceOnlyFinder)  # type: ignore[arg-type]
