@@ -44,10 +44,11 @@ from .http import http_token, http_tokens
 from .pulse import PulseProber
 from .pulse_wire import PulseResponder
 from .pulse_wire import available as pulse_available
+from .services.directory import NotServed, ServiceDirectory
 from .settings import AgentSettings, SettingsError, read_keyring
 from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportError
 
-__all__ = ["AgentRuntime", "Change", "KeyNotAccepted", "Phase"]
+__all__ = ["AgentRuntime", "Change", "KeyNotAccepted", "NotServed", "Phase"]
 
 log = logging.getLogger("torchpass_p2p.agent")
 events_log = logging.getLogger("torchpass_p2p.events")
@@ -59,16 +60,6 @@ RECENT_EVENTS = 64
 MAX_GROUP_IDS = 256
 """Group ids (and decision times) of recent configurations kept; a change is handed over
 within a few decisions."""
-SERVICE_HOLD_S = 1.0
-"""Seconds a service request waits at the serving member for a registration before it is
-answered "not registered" (the asker then asks again). A promoted spare asks its sources for
-their state servers as soon as the change is decided, often before they have registered: held,
-the answer leaves the moment the port is registered (polling every 50 ms cost 25 ms per fault
-on average, in the recovery's critical path). Ours; inbound connections are bounded, and so
-are the requests held."""
-SERVICE_RETRY_S = 0.05
-"""Pause before asking again after a failed service request (no connection, a bad reply); also
-the margin a lookup keeps before its deadline (no request is sent with less time left)."""
 PULSE_SERVICE = "pulse"
 """The service name of a member's pulse responder, registered under configuration 0 (it serves
 every configuration of the process)."""
@@ -109,11 +100,6 @@ class KeyNotAccepted(TransportError):
     """The members (or, joining, the seeds) hold none of this process's keys: its key file is
     older or newer than the cluster's. The message names key ids, never keys. A process under
     :func:`torchpass_p2p.start` exits with ``EXIT_KEY_REFUSED`` and this one line."""
-
-
-class NotServed(TransportError):
-    """A member registered a service as not served for a configuration (port 0): it will not
-    serve it there, so waiting for it is pointless (:meth:`AgentRuntime.register_service`)."""
 
 
 COUNTER_SOURCES = ("transfer_refused",)
@@ -198,10 +184,9 @@ class AgentRuntime:
         self._joiner_addresses: dict[MemberId, Address] = {}
         """Where processes asking to join are: from their authenticated Join messages, never
         from a datagram's source address (a replayed datagram would move a member)."""
-        self.services: dict[tuple[str, int], int] = {}
+        self.directory = ServiceDirectory(self.transport, clock, self.transport.rejected_frames)
+        self.services = self.directory.services
         """(name, config_id) -> port this process serves it on (:meth:`register_service`)."""
-        self._registered = asyncio.Event()
-        """Set (and replaced) by every registration: wakes the requests held for one."""
         self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self.history = History(clock)
         """Configurations, recoveries and transfers seen, for the status page."""
@@ -725,34 +710,8 @@ class AgentRuntime:
             data = configuration_to_data(self.member.configuration)
             return Kind.CONFIG_REPLY, msgpack.packb(data)
         if kind == Kind.SERVICE_REQUEST:
-            try:
-                request = msgpack.unpackb(body, max_str_len=64, max_array_len=3)
-                if type(request) is not list or len(request) < 2:
-                    raise ValueError("not [name, config_id, hold_s]")
-                name, config_id, *hold = request
-                key = (str(name), int(config_id))
-                hold_s = min(float(hold[0]), SERVICE_HOLD_S) if hold else 0.0
-                if not hold_s >= 0.0:  # also NaN
-                    raise ValueError(f"hold of {hold_s} s")
-            except (ValueError, TypeError, OverflowError, msgpack.UnpackException):
-                self.transport.rejected_frames["bad_service_request"] += 1
-                return None
-            port = self.services.get(key)
-            if port is None and hold_s > 0.0:
-                return self._held_service_reply(key, hold_s)
-            return Kind.SERVICE_REPLY, msgpack.packb(port)
+            return self.directory.on_request(body)
         return None
-
-    async def _held_service_reply(self, key: tuple[str, int], hold_s: float) -> Reply:
-        """The reply to a service request once ``key`` is registered, or ``None`` (not
-        registered) after ``hold_s`` seconds."""
-        try:
-            async with asyncio.timeout(hold_s):
-                while (port := self.services.get(key)) is None:
-                    await self._registered.wait()
-        except TimeoutError:
-            port = None
-        return Kind.SERVICE_REPLY, msgpack.packb(port)
 
     def register_service(self, name: str, config_id: int, port: int) -> None:
         """Announce that this process serves ``name`` for ``config_id`` on ``port`` of this
@@ -761,11 +720,7 @@ class AgentRuntime:
         were waiting for it are answered at once. ``port`` 0 says this member will not serve
         ``name`` for ``config_id`` (a promoted spare that holds no state yet): lookups then
         raise :class:`NotServed` at once instead of waiting; a later registration replaces it."""
-        self.services[(name, config_id)] = port
-        for old in [k for k in self.services if k[0] == name and k[1] < config_id - 2]:
-            del self.services[old]  # keep the last few configurations only
-        self._registered.set()
-        self._registered = asyncio.Event()
+        self.directory.register(name, config_id, port)
 
     async def lookup_service(self, member: MemberId, name: str, config_id: int, *,
                              timeout_s: float = 30.0) -> Address:
@@ -783,26 +738,7 @@ class AgentRuntime:
             raise TransportError(f"no address for member {format_member_id(member)}")
         if member == self.member_id:
             address = self.address or address
-        deadline = self._clock() + timeout_s
-        while True:
-            left = deadline - self._clock()
-            hold_s = min(SERVICE_HOLD_S, left - SERVICE_RETRY_S)  # answered before our deadline
-            if hold_s <= 0:  # (not a flurry of ever shorter holds at the end)
-                raise TransportError(f"member {format_member_id(member)} serves no {name!r} "
-                                     f"for config {config_id} after {timeout_s} s")
-            body = msgpack.packb([name, config_id, hold_s])
-            try:
-                kind, reply = await self.transport.request(address, Kind.SERVICE_REQUEST, body,
-                                                           timeout_s=min(left, hold_s + 2.0))
-                port = msgpack.unpackb(reply) if kind == Kind.SERVICE_REPLY else None
-            except (TransportError, ValueError, msgpack.UnpackException):
-                await asyncio.sleep(SERVICE_RETRY_S)
-                continue
-            if type(port) is int and 0 < port < 65536:
-                return address[0], port
-            if type(port) is int and port == 0:
-                raise NotServed(f"member {format_member_id(member)} does not serve {name!r} "
-                                f"for config {config_id}")
+        return await self.directory.lookup(address, member, name, config_id, timeout_s)
 
     # ------------------------------------------------------------------ keys
 
