@@ -45,7 +45,8 @@ from .pulse import PulseProber
 from .pulse_wire import PulseResponder
 from .pulse_wire import available as pulse_available
 from .services.directory import NotServed, ServiceDirectory
-from .settings import AgentSettings, SettingsError, read_keyring
+from .services.keys import KeyKeeper, KeyNotAccepted
+from .settings import AgentSettings
 from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportError
 
 __all__ = ["AgentRuntime", "Change", "KeyNotAccepted", "NotServed", "Phase"]
@@ -72,19 +73,6 @@ PULSE_RELOOKUP_S = 10.0
 or starting): one held request per observer and subject every ~11 s at most."""
 PULSE_LABEL = b"torchpass_p2p pulse v1"
 """HKDF label of the pulse secrets (``Keyring.derive_secrets``)."""
-KEY_CHECK_INTERVAL_S = 1.0
-"""At most one key check (:meth:`AgentRuntime._check_key`) per this many seconds: one is due
-when something arrives under a key this member does not hold."""
-KEY_CHECK_PEERS = 5
-"""Members of the configuration a key check asks (a random sample of the others)."""
-KEY_CHECK_REFUSALS = 2
-"""Refusals a key check needs, with no member accepting, to conclude that this member's key is
-not accepted. Two, not one: a single peer that refuses may be the odd one itself (a spare on
-an old key refuses every member that moved on), and in a configuration of two a stale member
-is removed by failure detection instead."""
-KEY_CHECK_TIMEOUT_S = 2.0
-"""Seconds each member asked by a key check has to answer (a request on loopback or a LAN
-takes milliseconds); a process refused everywhere exits well within 5 s."""
 MAX_TASKS = 1024
 """Tasks an agent holds at once: the driver, the stop after its failure or a refused key, key
 checks (one a ``KEY_CHECK_INTERVAL_S`` at most, each over within ``KEY_CHECK_TIMEOUT_S``),
@@ -94,12 +82,6 @@ driver (the member then stops as if crashed)."""
 STOP_WAIT_S = 2.0
 """How long :meth:`AgentRuntime.stop` waits for the tasks it cancelled to end (seconds); each
 ends at its next await, so this bounds a stop only if one is stuck."""
-
-
-class KeyNotAccepted(TransportError):
-    """The members (or, joining, the seeds) hold none of this process's keys: its key file is
-    older or newer than the cluster's. The message names key ids, never keys. A process under
-    :func:`torchpass_p2p.start` exits with ``EXIT_KEY_REFUSED`` and this one line."""
 
 
 COUNTER_SOURCES = ("transfer_refused",)
@@ -168,15 +150,6 @@ class AgentRuntime:
         self.address: Address | None = None
         self.status_address: Address | None = None
         self.http_token = http_token(settings.keyring)
-        self.keyring = settings.keyring
-        """The keys in use: ``settings.keyring`` until :meth:`reload_keys` replaces it."""
-        self.refused: KeyNotAccepted | None = None
-        """Set when the members refused this member's key (:meth:`_check_key`); it then stops."""
-        self._key_counts: Counter[str] = Counter()
-        self._key_listeners: list[Callable[[Any], None]] = []
-        self._key_check_at = -float("inf")
-        self._key_sample = random.Random()  # not the core's: its draws stay reproducible
-        self._reloaded_at: float | None = None
         self._former_addresses: dict[MemberId, Address] = {}
         """Where members that a decided change removed were: a removed member that wakes up
         (a long pause) must still hear the certificates that tell it so."""
@@ -206,6 +179,10 @@ class AgentRuntime:
         self._tasks = OwnedTasks(f"agent-{format_member_id(settings.member_id)}", MAX_TASKS)
         """Every task of this agent: the driver, drains, key checks, pulse lookups and the
         stop after a failure."""
+        self.keys = KeyKeeper(settings.keyring, lambda: self.settings.key_file, self.transport,
+                              clock=clock, tasks=self._tasks, running=self._running,
+                              peers=self._peers, on_installed=self._keys_installed,
+                              on_refused=self._stop_refused)
         self._status_server: Any = None
         self._health: Any = health
         self.metrics: Any = None
@@ -541,7 +518,7 @@ class AgentRuntime:
             "draining": self.draining,
             "keys": {"primary_id": self.keyring.primary_id,
                      "key_ids": list(self.keyring.key_ids),
-                     "reloads": self._key_counts["reloads"], "reloaded_at": self._reloaded_at},
+                     "reloads": self.keys.counts["reloads"], "reloaded_at": self.keys.reloaded_at},
             "members": members,
             "recent_events": list(self._recent),
             "clock": self._clock(),
@@ -742,16 +719,26 @@ class AgentRuntime:
 
     # ------------------------------------------------------------------ keys
 
+    @property
+    def keyring(self) -> Any:
+        """The keys in use: ``settings.keyring`` until :meth:`reload_keys` replaces it."""
+        return self.keys.keyring
+
+    @property
+    def refused(self) -> KeyNotAccepted | None:
+        """Set when the members refused this member's key (a key check); it then stops."""
+        return self.keys.refused
+
     def add_key_listener(self, listener: Callable[[Any], None]) -> None:
         """Call ``listener(keyring)`` on the loop with each keyring :meth:`reload_keys`
         installs (the state-transfer keys follow the agent's this way)."""
-        self._key_listeners.append(listener)
+        self.keys.add_listener(listener)
 
     def key_counters(self) -> dict[str, int]:
         """``reloads``, ``reload_failed``, ``key_checks`` and the transport's key events
         (``refusals_sent``, ``unknown_key_lines``, ``unknown_key_lines_suppressed``): the
         ``torchpass_keys_total`` metric."""
-        return {**self._key_counts, **self.transport.key_events}
+        return self.keys.counters()
 
     def reload_keys(self) -> dict[str, Any]:
         """Read ``settings.key_file`` again and seal, open, answer pulses and accept status
@@ -762,29 +749,10 @@ class AgentRuntime:
 
         Returns ``{"reloaded": True, "primary_id", "key_ids"}`` or ``{"reloaded": False,
         "reason"}`` (never raises for a bad file)."""
-        path = self.settings.key_file
-        try:
-            if path is None:
-                raise SettingsError("this agent's key came from TORCHPASS_KEY, not a key file")
-            keyring = read_keyring(path)
-        except (SettingsError, OSError, ValueError) as exc:
-            self._key_counts["reload_failed"] += 1
-            log.error("key file not reloaded, keeping key ids %s: %s",
-                      ", ".join(map(str, self.keyring.key_ids)), exc)
-            return {"reloaded": False, "reason": str(exc)}
-        before = self.keyring.key_ids
-        self._install_keys(keyring)
-        self._key_counts["reloads"] += 1
-        self._reloaded_at = self._clock()
-        log.info("key file reloaded: primary key id %d, accepted key ids %s (were %s)",
-                 keyring.primary_id, ", ".join(map(str, keyring.key_ids)),
-                 ", ".join(map(str, before)))
-        return {"reloaded": True, "primary_id": keyring.primary_id,
-                "key_ids": list(keyring.key_ids)}
+        return self.keys.reload()
 
-    def _install_keys(self, keyring: Any) -> None:
-        self.keyring = keyring
-        self.transport.rekey(keyring)
+    def _keys_installed(self, keyring: Any) -> None:
+        """The runtime's own users of keys follow ``keyring`` (after the transport's)."""
         self.http_token = http_token(keyring)
         if self._status_server is not None:
             self._status_server.set_tokens(http_tokens(keyring))
@@ -793,73 +761,22 @@ class AgentRuntime:
             self.pulse.rekey(self._pulse_secrets)
         if self._prober is not None:
             self._prober.rekey(keyring.primary_id, self._pulse_secrets)
-        for listener in list(self._key_listeners):
-            try:
-                listener(keyring)
-            except Exception:  # the host's code: it must not stop the reload here
-                log.exception("a key listener failed")
 
     def _on_unknown_key(self, address: Address) -> None:
-        """Something arrived under a key this member does not hold: check, at most once per
-        :data:`KEY_CHECK_INTERVAL_S`, whether it is this member whose key is refused."""
-        now = self._clock()
-        if (self.member is None or self.stopped or self.refused is not None
-                or now - self._key_check_at < KEY_CHECK_INTERVAL_S):
-            return
-        self._key_check_at = now
-        self._tasks.spawn(self._check_key(), name="key-check")
+        self.keys.on_unknown_key(address)
 
-    async def _check_key(self) -> None:
-        """Is this member's key refused by the others? First, a key file rewritten since it
-        was read is reloaded (the operator rotated it and this member missed the reload).
-        Then up to :data:`KEY_CHECK_PEERS` other members of the configuration are asked
-        (``Kind.KEY_CHECK``); with none accepting and at least :data:`KEY_CHECK_REFUSALS`
-        refusing, this member stops (:attr:`refused`)."""
-        self._key_counts["key_checks"] += 1
-        path = self.settings.key_file
-        if path is not None:
-            try:
-                on_file = read_keyring(path)
-            except (SettingsError, OSError, ValueError):
-                on_file = None
-            if on_file is not None and on_file.key_ids != self.keyring.key_ids:
-                log.warning("key file %s changed since it was read: reloading it", path)
-                self.reload_keys()
-                return
-        member = self.member
-        if member is None:
-            return
-        addresses = member.configuration.addresses
-        others = [m for m in member.configuration.members
-                  if m != self.member_id and m in addresses]
-        asked = self._key_sample.sample(others, min(KEY_CHECK_PEERS, len(others)))
-        answers = await asyncio.gather(*(self._ask_key(addresses[m]) for m in asked))
-        refusals = [a for a in answers if isinstance(a, KeyRefused)]
-        if (self.refused is None and not self.stopped and True not in answers
-                and len(refusals) >= KEY_CHECK_REFUSALS):
-            self._stop_refused(self._not_accepted(refusals, "member(s) asked", len(asked)))
+    def _running(self) -> bool:
+        return self.member is not None and not self.stopped
 
-    async def _ask_key(self, address: Address) -> KeyRefused | bool | None:
-        """True: ``address`` accepts our key; its refusal; None: no answer."""
-        try:
-            kind, _ = await self.transport.request(address, Kind.KEY_CHECK, b"",
-                                                   timeout_s=KEY_CHECK_TIMEOUT_S)
-        except KeyRefused as exc:
-            return exc
-        except TransportError:
+    def _peers(self) -> dict[MemberId, Address] | None:
+        """The other members of the configuration that have an address, in its order."""
+        if self.member is None:
             return None
-        return kind == Kind.KEY_CHECK_REPLY
-
-    def _not_accepted(self, refusals: list[KeyRefused], who: str, asked: int) -> KeyNotAccepted:
-        accepted = sorted({kid for r in refusals for kid in r.accepted})
-        own = self.keyring.key_ids
-        return KeyNotAccepted(
-            f"key not accepted: this process seals with key id {own[0]} (its keys: "
-            f"{', '.join(map(str, own))}) and {len(refusals)} of {asked} {who} accept only key "
-            f"ids {', '.join(map(str, accepted))}")
+        addresses = self.member.configuration.addresses
+        return {m: addresses[m] for m in self.member.configuration.members
+                if m != self.member_id and m in addresses}
 
     def _stop_refused(self, refused: KeyNotAccepted) -> None:
-        self.refused = refused
         log.debug("%s", refused)  # the host says it, once (torchpass_p2p.start)
         self._tasks.spawn(self.stop(leave=False), name="stop")
 
@@ -1095,7 +1012,7 @@ class AgentRuntime:
             if refusals and len(refusals) == len(self.settings.seeds):
                 # Every seed answered that it holds none of our keys: asking again for 30 s
                 # would only repeat that.
-                raise self._not_accepted(refusals, "seed(s)", len(refusals))
+                raise self.keys.not_accepted(refusals, "seed(s)", len(refusals))
             await asyncio.sleep(0.5)
         raise TransportError(f"no seed gave a configuration within {timeout} s: {last}")
 
