@@ -41,11 +41,10 @@ from torchpass_p2p.tasks import OwnedTasks
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
 from .history import History
 from .http import http_token, http_tokens
-from .pulse import PulseProber
 from .pulse_wire import PulseResponder
-from .pulse_wire import available as pulse_available
 from .services.directory import NotServed, ServiceDirectory
 from .services.keys import KeyKeeper, KeyNotAccepted
+from .services.pulse_watch import PulseWatch
 from .settings import AgentSettings
 from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportError
 
@@ -61,18 +60,6 @@ RECENT_EVENTS = 64
 MAX_GROUP_IDS = 256
 """Group ids (and decision times) of recent configurations kept; a change is handed over
 within a few decisions."""
-PULSE_SERVICE = "pulse"
-"""The service name of a member's pulse responder, registered under configuration 0 (it serves
-every configuration of the process)."""
-PULSE_LOOKUP_S = 5.0
-"""How long an observer asks a new subject for its pulse port. A member without a responder
-(not built) is answered "not registered" after ``SERVICE_HOLD_S``; it is watched the old way
-meanwhile, and asked again after ``PULSE_RELOOKUP_S``."""
-PULSE_RELOOKUP_S = 10.0
-"""Pause before asking a subject whose pulse port was not found again (it may have been stopped
-or starting): one held request per observer and subject every ~11 s at most."""
-PULSE_LABEL = b"torchpass_p2p pulse v1"
-"""HKDF label of the pulse secrets (``Keyring.derive_secrets``)."""
 MAX_TASKS = 1024
 """Tasks an agent holds at once: the driver, the stop after its failure or a refused key, key
 checks (one a ``KEY_CHECK_INTERVAL_S`` at most, each over within ``KEY_CHECK_TIMEOUT_S``),
@@ -206,15 +193,12 @@ class AgentRuntime:
         instead of living on unable to probe and fenced for good; ``role`` is ``failed``."""
         self.finished = asyncio.Event()
         """Set once :meth:`stop` completed, asked for or after a failure."""
-        self.pulse: PulseResponder | None = None
-        """This process's pulse responder (``settings.pulse`` and built), else None."""
-        self._prober: PulseProber | None = None
-        self._pulse_ports: dict[MemberId, int | None] = {}
-        """Subjects' pulse ports as looked up (None: not found yet)."""
-        self._pulse_lookups: dict[MemberId, asyncio.Task[None]] = {}
-        self._pulse_watched: tuple[int, tuple[MemberId, ...]] | None = None
-        self._pulse_secrets = settings.keyring.derive_secrets(PULSE_LABEL)
-        """Key id -> pulse secret, for the responder and the prober alike."""
+        self.pulse_watch = PulseWatch(
+            settings.member_id, settings.keyring, clock=clock, tasks=self._tasks,
+            member=lambda: self.member, lookup=self.lookup_service,
+            register=self.register_service, on_silent=self._on_silent,
+            key_for=self.transport.peer_key_id)
+        """This process's pulse responder and prober (``settings.pulse``)."""
         self._counter_sources: dict[str, Callable[[], Mapping[str, int]]] = {}
         """Counts kept elsewhere in this process (:meth:`add_counter_source`)."""
 
@@ -232,7 +216,8 @@ class AgentRuntime:
         s = self.settings
         self.address = await self.transport.start(s.bind, s.bind_fds)
         try:
-            self._start_pulse()
+            if s.pulse:
+                self.pulse_watch.start_responder(self.address[0])
             await self._start_member()
         except BaseException:  # also cancelled: nothing stays bound (a retry must bind again)
             await self.stop(leave=False)
@@ -259,10 +244,7 @@ class AgentRuntime:
         if s.health:
             self._start_health()
         if self.settings.pulse:
-            self._prober = PulseProber(self.member_id, self.keyring.primary_id,
-                                       self._pulse_secrets, self._on_silent, clock=self._clock,
-                                       key_for=self.transport.peer_key_id)
-            await self._prober.start(self.address[0])
+            await self.pulse_watch.start_prober(self.address[0], self.keyring.primary_id)
         self._driver = self._tasks.spawn(self._drive(), name="driver",
                                          on_done=self._driver_ended)
         self._flush()
@@ -284,10 +266,7 @@ class AgentRuntime:
             self._health.stop(1.0)
         if self._status_server is not None:
             await self._status_server.stop()
-        if self._prober is not None:
-            await self._prober.close()
-        if self.pulse is not None:
-            self.pulse.close()
+        await self.pulse_watch.close()
         await self.transport.close()
         await self._tasks.close(STOP_WAIT_S)  # not the calling task: it may be the failure's stop
         self.finished.set()
@@ -526,12 +505,7 @@ class AgentRuntime:
             "health": self._health.status() if self._health is not None else
             {"enabled": False, "reason": "disabled by settings"},
             "counters": self.counters(),
-            "pulse": {
-                "responder_port": self.pulse.port if self.pulse is not None else None,
-                "watching": len(self._prober.tracker.targets) if self._prober else 0,
-                "silent": sorted(format_member_id(m) for m in self._prober.tracker.silent)
-                if self._prober else [],
-            },
+            "pulse": self.pulse_watch.status(),
         }
 
     def counters(self) -> dict[str, int]:
@@ -541,7 +515,7 @@ class AgentRuntime:
         out.update(self.transport.traffic)
         out.update({f"rejected_{k}": v for k, v in self.transport.rejected.items()})
         out.update({f"rejected_frame_{k}": v for k, v in self.transport.rejected_frames.items()})
-        out.update({f"pulse_{k}": v for k, v in self._pulse_counters().items()})
+        out.update({f"pulse_{k}": v for k, v in self.pulse_watch.counters().items()})
         for name, counts in self._source_counts().items():
             out.update({f"{name}_{k}": v for k, v in counts.items()})
         return out
@@ -572,13 +546,6 @@ class AgentRuntime:
                     log.exception("counter source %r failed", name)
         return out
 
-    def _pulse_counters(self) -> dict[str, int]:
-        """The prober's counters, and the responder's prefixed ``responder_``."""
-        out = self._prober.counters() if self._prober is not None else {}
-        if self.pulse is not None:
-            out.update({f"responder_{k}": v for k, v in self.pulse.counts().items()})
-        return out
-
     def refresh_metrics(self) -> None:
         """Bring ``metrics`` up to date with the core and the sockets (once a second, and
         before each scrape)."""
@@ -604,7 +571,7 @@ class AgentRuntime:
                                             "received": traffic["datagrams_received"]})
         metrics.sync_counters("events", self._event_counts)
         metrics.sync_counters("health_faults", self._health_faults)
-        metrics.sync_counters("pulse", self._pulse_counters())
+        metrics.sync_counters("pulse", self.pulse_watch.counters())
         metrics.sync_counters("keys", self.key_counters())
         for name, counts in self._source_counts().items():
             metrics.sync_counters(name, counts)
@@ -628,7 +595,7 @@ class AgentRuntime:
                 with self._core_lock:
                     member.handle_timer(now)
             self._watch_hang(now)
-            self._watch_pulses()
+            self.pulse_watch.watch()
             self._flush()
             if now >= self._metrics_at:
                 self._metrics_at = now + 1.0
@@ -720,6 +687,11 @@ class AgentRuntime:
     # ------------------------------------------------------------------ keys
 
     @property
+    def pulse(self) -> PulseResponder | None:
+        """This process's pulse responder (``settings.pulse`` and built), else None."""
+        return self.pulse_watch.responder
+
+    @property
     def keyring(self) -> Any:
         """The keys in use: ``settings.keyring`` until :meth:`reload_keys` replaces it."""
         return self.keys.keyring
@@ -756,11 +728,7 @@ class AgentRuntime:
         self.http_token = http_token(keyring)
         if self._status_server is not None:
             self._status_server.set_tokens(http_tokens(keyring))
-        self._pulse_secrets = keyring.derive_secrets(PULSE_LABEL)
-        if self.pulse is not None:
-            self.pulse.rekey(self._pulse_secrets)
-        if self._prober is not None:
-            self._prober.rekey(keyring.primary_id, self._pulse_secrets)
+        self.pulse_watch.rekey(keyring)
 
     def _on_unknown_key(self, address: Address) -> None:
         self.keys.on_unknown_key(address)
@@ -878,68 +846,6 @@ class AgentRuntime:
         self._tasks.spawn(self._drain(), name="drain")
 
     # ------------------------------------------------------------------ pulses
-
-    def _start_pulse(self) -> None:
-        """Start this process's pulse responder (before joining: observers look its port up as
-        soon as we are in a configuration)."""
-        if not self.settings.pulse:
-            return
-        if not pulse_available():
-            log.warning("pulse responder not built (./scripts/build-native): a stopped or "
-                        "vanished member is removed after the 3.1 s a stalled one is owed")
-            return
-        assert self.address is not None
-        self.pulse = PulseResponder.start(self.address[0], self.member_id, self._pulse_secrets)
-        self.register_service(PULSE_SERVICE, 0, self.pulse.port)
-
-    def _watch_pulses(self) -> None:
-        """Point the prober at this member's current subjects, looking up the pulse ports of
-        new ones (owned tasks; at most K per configuration change)."""
-        member, prober = self.member, self._prober
-        if member is None or prober is None:
-            return
-        watched = (member.configuration.config_id, member.subjects)
-        if watched == self._pulse_watched:
-            return
-        self._pulse_watched = watched
-        subjects = set(member.subjects) if not (member.removed or member.left) else set()
-        for gone in [m for m in self._pulse_ports if m not in subjects]:
-            del self._pulse_ports[gone]
-            lookup = self._pulse_lookups.pop(gone, None)
-            if lookup is not None:
-                lookup.cancel()
-        for subject in subjects:
-            if subject not in self._pulse_ports:
-                self._pulse_ports[subject] = None
-                self._pulse_lookups[subject] = self._tasks.spawn(
-                    self._look_up_pulse(subject),
-                    name=f"pulse-lookup-{format_member_id(subject)}")
-        self._point_prober()
-
-    def _point_prober(self) -> None:
-        member, prober = self.member, self._prober
-        if member is None or prober is None:
-            return
-        addresses = member.configuration.addresses
-        targets = {m: (addresses[m][0], port) for m, port in self._pulse_ports.items()
-                   if port is not None and m in addresses}
-        prober.watch(targets)
-
-    async def _look_up_pulse(self, subject: MemberId) -> None:
-        """Until ``subject``'s pulse port is found; cancelled when it stops being a subject."""
-        while True:
-            try:
-                _, port = await self.lookup_service(subject, PULSE_SERVICE, 0,
-                                                    timeout_s=PULSE_LOOKUP_S)
-            except TransportError as exc:
-                log.info("no pulse responder found for %016x (%s): watched by probes alone, "
-                         "asking again in %.0f s", subject, exc, PULSE_RELOOKUP_S)
-                await asyncio.sleep(PULSE_RELOOKUP_S)
-                continue
-            self._pulse_lookups.pop(subject, None)
-            self._pulse_ports[subject] = port
-            self._point_prober()
-            return
 
     def _on_silent(self, subject: MemberId) -> None:
         member = self.member
