@@ -43,8 +43,10 @@ from .history import History
 from .http import http_token, http_tokens
 from .pulse_wire import PulseResponder
 from .services.directory import NotServed, ServiceDirectory
+from .services.gpu_health import GpuHealth
 from .services.keys import KeyKeeper, KeyNotAccepted
 from .services.pulse_watch import PulseWatch
+from .services.watchdog import HangWatchdog, Phase
 from .settings import AgentSettings
 from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportError
 
@@ -76,17 +78,6 @@ COUNTER_SOURCES = ("transfer_refused",)
 (:meth:`AgentRuntime.add_counter_source`), each with its metric (``torchpass_<name>_total``,
 :mod:`.metrics`): ``transfer_refused``, the trainer's state-transfer server's dropped
 connections by reason (``TransferServer.refusals``)."""
-
-
-class Phase:
-    """Where the training loop is within a step (``report_progress``), docs/design.md section 6."""
-
-    COMPUTE = "compute"
-    """Forward and backward: no peer involved; a hang here is this process's fault."""
-    COLLECTIVE = "collective"
-    """Inside the gradient or commit all-reduce: waiting on peers."""
-    COMMITTED = "committed"
-    """The commit all-reduce of ``step`` completed: the step rolls forward."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,7 +150,6 @@ class AgentRuntime:
         """config_id -> when (clock seconds) this member learned the decision: timelines."""
         self._accused_at: dict[MemberId, float] = {}
         self._event_counts: Counter[str] = Counter()
-        self._health_faults: Counter[str] = Counter()
         self._metrics_at = 0.0
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
@@ -171,12 +161,15 @@ class AgentRuntime:
                               peers=self._peers, on_installed=self._keys_installed,
                               on_refused=self._stop_refused)
         self._status_server: Any = None
-        self._health: Any = health
+        self.gpu_health = GpuHealth(health, clock=clock, role=lambda: self.role,
+                                    note=self._recent.append, drain=self._ask_to_drain)
+        """The health monitor (``settings.health``) and the faults it reported."""
         self.metrics: Any = None
         self.step = -1
         self.phase = Phase.COMPUTE
-        self._progress_at = clock()
-        self._hang_reported = False
+        self.watchdog = HangWatchdog(
+            clock, timeout_s=lambda: self.settings.hang_timeout_s, role=lambda: self.role,
+            on_fired=self._hang_fired, note=self._recent.append, drain=self._ask_to_drain)
         self.stopped = False
         self.draining = False
         self._committed_ranks: tuple[MemberId | None, ...] | None = None
@@ -242,7 +235,7 @@ class AgentRuntime:
         if s.status is not None:
             await self._start_status(s.status)
         if s.health:
-            self._start_health()
+            self.gpu_health.start()
         if self.settings.pulse:
             await self.pulse_watch.start_prober(self.address[0], self.keyring.primary_id)
         self._driver = self._tasks.spawn(self._drive(), name="driver",
@@ -262,8 +255,7 @@ class AgentRuntime:
         if self._driver is not None:
             self._driver.cancel()
             await asyncio.gather(self._driver, return_exceptions=True)
-        if self._health is not None:
-            self._health.stop(1.0)
+        self.gpu_health.stop()
         if self._status_server is not None:
             await self._status_server.stop()
         await self.pulse_watch.close()
@@ -336,8 +328,7 @@ class AgentRuntime:
         into this member's vote and progress report (docs/design.md section 6)."""
         self.step = max(self.step, step) if phase == Phase.COMMITTED else self.step
         self.phase = phase
-        self._progress_at = self._clock()
-        self._hang_reported = False
+        self.watchdog.progressed()
         if phase == Phase.COMMITTED and self.member is not None:
             with self._core_lock:  # also reached from a training thread (commit_now)
                 # Never lowered: a report posted from the training thread may arrive after
@@ -502,8 +493,7 @@ class AgentRuntime:
             "recent_events": list(self._recent),
             "clock": self._clock(),
             **self.history.status(),
-            "health": self._health.status() if self._health is not None else
-            {"enabled": False, "reason": "disabled by settings"},
+            "health": self.gpu_health.status(),
             "counters": self.counters(),
             "pulse": self.pulse_watch.status(),
         }
@@ -570,7 +560,7 @@ class AgentRuntime:
         metrics.sync_counters("datagrams", {"sent": traffic["datagrams_sent"],
                                             "received": traffic["datagrams_received"]})
         metrics.sync_counters("events", self._event_counts)
-        metrics.sync_counters("health_faults", self._health_faults)
+        metrics.sync_counters("health_faults", self.gpu_health.faults)
         metrics.sync_counters("pulse", self.pulse_watch.counters())
         metrics.sync_counters("keys", self.key_counters())
         for name, counts in self._source_counts().items():
@@ -825,24 +815,18 @@ class AgentRuntime:
         while len(former) > MAX_JOINER_ADDRESSES:
             former.pop(next(iter(former)))
 
-    # ------------------------------------------------------------------ health and hangs
+    # ------------------------------------------------------------------ hangs
 
     def _watch_hang(self, now: float) -> None:
-        timeout = self.settings.hang_timeout_s
-        if (timeout is None or self._hang_reported or self.role != "rank"
-                or now - self._progress_at < timeout):
-            return
-        self._hang_reported = True
+        """One turn of the hang watchdog (an attribute the driver looks up at each turn)."""
+        self.watchdog.check(now, self.phase, self.step)
+
+    def _hang_fired(self) -> None:
         if self.metrics is not None:
             self.metrics.hang_fired()
-        if self.phase == Phase.COLLECTIVE:
-            # Waiting on peers: probing and their own watchdogs find the one that hangs.
-            log.warning("no progress for %.1f s inside a collective at step %d", timeout,
-                        self.step)
-            return
-        log.error("training loop made no progress for %.1f s in %s: asking to be replaced",
-                  timeout, self.phase)
-        self._recent.append({"at": now, "type": "HangDetected", "detail": self.phase})
+
+    def _ask_to_drain(self) -> None:
+        """The agent's own drain (a hang, a failing GPU): never refused (:meth:`drain`)."""
         self._tasks.spawn(self._drain(), name="drain")
 
     # ------------------------------------------------------------------ pulses
@@ -855,24 +839,6 @@ class AgentRuntime:
         with self._core_lock:
             member.report_silent(self._clock(), subject)
         self._flush()
-
-    def _start_health(self) -> None:
-        if self._health is None:
-            try:
-                from .health import HealthMonitor
-            except ImportError:  # the health module is optional at this layer
-                return
-            self._health = HealthMonitor()
-        loop = asyncio.get_running_loop()
-        self._health.start(lambda fault: loop.call_soon_threadsafe(self._on_health_fault, fault))
-
-    def _on_health_fault(self, fault: Any) -> None:
-        self._recent.append({"at": self._clock(), "type": "HealthFault",
-                             "detail": f"{fault.kind}: {fault.detail}"})
-        self._health_faults[str(fault.kind)] += 1
-        if fault.severity == "migrate" and self.role == "rank":
-            log.error("GPU fault %s (%s): asking to be migrated", fault.kind, fault.detail)
-            self._tasks.spawn(self._drain(), name="drain")
 
     # ------------------------------------------------------------------ pieces built on demand
 
