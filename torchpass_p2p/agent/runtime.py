@@ -18,31 +18,30 @@ sent, events are logged, counted and handed to listeners. One task owns the time
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.configuration import Address, Configuration
 from torchpass_p2p.core.membership import Member
 from torchpass_p2p.core.messages import Join, Joiner, MemberId, MemberState, format_member_id
-from torchpass_p2p.core.plan import Plan, Policy
+from torchpass_p2p.core.plan import Policy
 from torchpass_p2p.tasks import OwnedTasks
 
 from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
 from .history import History
 from .http import http_token, http_tokens
 from .pulse_wire import PulseResponder
+from .services.addresses import AddressBook
 from .services.directory import NotServed, ServiceDirectory
+from .services.events import Change, EventSink, Listener
 from .services.gpu_health import GpuHealth
 from .services.keys import KeyKeeper, KeyNotAccepted
 from .services.pulse_watch import PulseWatch
@@ -53,15 +52,7 @@ from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportEr
 __all__ = ["AgentRuntime", "Change", "KeyNotAccepted", "NotServed", "Phase"]
 
 log = logging.getLogger("torchpass_p2p.agent")
-events_log = logging.getLogger("torchpass_p2p.events")
 
-MAX_JOINER_ADDRESSES = 1024
-"""Joiners' addresses kept (oldest dropped first): far above the joins one change admits."""
-RECENT_EVENTS = 64
-"""Events kept for ``/status``."""
-MAX_GROUP_IDS = 256
-"""Group ids (and decision times) of recent configurations kept; a change is handed over
-within a few decisions."""
 MAX_TASKS = 1024
 """Tasks an agent holds at once: the driver, the stop after its failure or a refused key, key
 checks (one a ``KEY_CHECK_INTERVAL_S`` at most, each over within ``KEY_CHECK_TIMEOUT_S``),
@@ -78,29 +69,6 @@ COUNTER_SOURCES = ("transfer_refused",)
 (:meth:`AgentRuntime.add_counter_source`), each with its metric (``torchpass_<name>_total``,
 :mod:`.metrics`): ``transfer_refused``, the trainer's state-transfer server's dropped
 connections by reason (``TransferServer.refusals``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """A decided configuration change, handed to the host once its plan is ready.
-
-    ``plan.resume_step`` is set: every member of ``configuration`` resumes there. ``group_id``:
-    the configuration whose process group this one uses, the first of the consecutive decided
-    configurations with this rank map (a change that only admits or removes spares keeps the
-    group). Every member derives it from the same decisions, so members handed different
-    changes of one rank map (a plan that was not ready yet when the next change was decided
-    is never handed over) still meet in one rendezvous.
-    """
-
-    configuration: Configuration
-    plan: Plan
-    round: int
-    decided_at: float
-    ready_at: float
-    group_id: int
-
-
-Listener = Callable[[Change], None]
 
 
 class AgentRuntime:
@@ -128,28 +96,19 @@ class AgentRuntime:
         self.address: Address | None = None
         self.status_address: Address | None = None
         self.http_token = http_token(settings.keyring)
-        self._former_addresses: dict[MemberId, Address] = {}
-        """Where members that a decided change removed were: a removed member that wakes up
-        (a long pause) must still hear the certificates that tell it so."""
-        self._seen_configuration: Configuration | None = None
-        self._joiner_addresses: dict[MemberId, Address] = {}
-        """Where processes asking to join are: from their authenticated Join messages, never
-        from a datagram's source address (a replayed datagram would move a member)."""
+        self.addresses = AddressBook()
+        """Where former members and joiners are (the configuration says where members are)."""
         self.directory = ServiceDirectory(self.transport, clock, self.transport.rejected_frames)
         self.services = self.directory.services
         """(name, config_id) -> port this process serves it on (:meth:`register_service`)."""
-        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self.history = History(clock)
         """Configurations, recoveries and transfers seen, for the status page."""
-        self._listeners: list[Listener] = []
-        self._changes: deque[Change] = deque(maxlen=64)
-        self._decided: dict[int, ev.ConfigurationDecided] = {}
-        self._group_ids: dict[int, int] = {}
-        """config_id -> the configuration whose group it uses (:class:`Change`)."""
-        self.decided_at: dict[int, float] = {}
+        self.events = EventSink(
+            settings.member_id, self.history, config_id=self._config_id,
+            metrics=lambda: self.metrics, on_decided=self.addresses.decided)
+        """What the core's events became: recent events, counts, changes handed over."""
+        self.decided_at = self.events.decided_at
         """config_id -> when (clock seconds) this member learned the decision: timelines."""
-        self._accused_at: dict[MemberId, float] = {}
-        self._event_counts: Counter[str] = Counter()
         self._metrics_at = 0.0
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
@@ -162,14 +121,14 @@ class AgentRuntime:
                               on_refused=self._stop_refused)
         self._status_server: Any = None
         self.gpu_health = GpuHealth(health, clock=clock, role=lambda: self.role,
-                                    note=self._recent.append, drain=self._ask_to_drain)
+                                    note=self.events.note, drain=self._ask_to_drain)
         """The health monitor (``settings.health``) and the faults it reported."""
         self.metrics: Any = None
         self.step = -1
         self.phase = Phase.COMPUTE
         self.watchdog = HangWatchdog(
             clock, timeout_s=lambda: self.settings.hang_timeout_s, role=lambda: self.role,
-            on_fired=self._hang_fired, note=self._recent.append, drain=self._ask_to_drain)
+            on_fired=self._hang_fired, note=self.events.note, drain=self._ask_to_drain)
         self.stopped = False
         self.draining = False
         self._committed_ranks: tuple[MemberId | None, ...] | None = None
@@ -230,7 +189,7 @@ class AgentRuntime:
             joiner = Joiner(s.member_id, self.address[0], self.address[1], s.topology)
             self.member = Member(s.member_id, config, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy, joining=joiner, seeds=seeds)
-        self._seen_configuration = self.member.configuration
+        self.events.begin(self.member.configuration)
         self._start_metrics()
         if s.status is not None:
             await self._start_status(s.status)
@@ -273,6 +232,9 @@ class AgentRuntime:
         self._tasks.spawn(self.stop(leave=False), name="stop")
 
     # ------------------------------------------------------------------ queries
+
+    def _config_id(self) -> int:
+        return self.member.configuration.config_id if self.member else -1
 
     @property
     def configuration(self) -> Configuration:
@@ -452,7 +414,7 @@ class AgentRuntime:
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(change)`` on the loop for every ready change from now on."""
-        self._listeners.append(listener)
+        self.events.add_listener(listener)
 
     # ------------------------------------------------------------------ status
 
@@ -490,7 +452,7 @@ class AgentRuntime:
                      "key_ids": list(self.keyring.key_ids),
                      "reloads": self.keys.counts["reloads"], "reloaded_at": self.keys.reloaded_at},
             "members": members,
-            "recent_events": list(self._recent),
+            "recent_events": list(self.events.recent),
             "clock": self._clock(),
             **self.history.status(),
             "health": self.gpu_health.status(),
@@ -531,8 +493,8 @@ class AgentRuntime:
             try:
                 out[name] = read()
             except Exception:  # the host's code: a failed read must not break /status
-                self._event_counts["counter_source_failed"] += 1
-                if self._event_counts["counter_source_failed"] == 1:  # logged once, then counted
+                self.events.counts["counter_source_failed"] += 1
+                if self.events.counts["counter_source_failed"] == 1:  # logged once, then counted
                     log.exception("counter source %r failed", name)
         return out
 
@@ -559,7 +521,7 @@ class AgentRuntime:
                                         "received": traffic["bytes_received"]})
         metrics.sync_counters("datagrams", {"sent": traffic["datagrams_sent"],
                                             "received": traffic["datagrams_received"]})
-        metrics.sync_counters("events", self._event_counts)
+        metrics.sync_counters("events", self.events.counts)
         metrics.sync_counters("health_faults", self.gpu_health.faults)
         metrics.sync_counters("pulse", self.pulse_watch.counters())
         metrics.sync_counters("keys", self.key_counters())
@@ -597,17 +559,16 @@ class AgentRuntime:
             return
         out = member.messages_to_send()
         if out:
-            addresses = member.configuration.addresses
+            configuration = member.configuration
             incarnation = member.incarnation
             for dest, message in out:
-                address = (addresses.get(dest) or self._former_addresses.get(dest)
-                           or self._joiner_addresses.get(dest))
+                address = self.addresses.send_to(configuration, dest)
                 if address is None:
                     self.transport.traffic["dropped_no_address"] += 1
                     continue
                 self.transport.send(address, message, incarnation, dest)
         while (event := member.next_event()) is not None:
-            self._on_event(event)
+            self.events.on_event(event)
         self._wake.set()
 
     def _on_message(self, received: Received) -> None:
@@ -617,10 +578,7 @@ class AgentRuntime:
         message = received.message
         if type(message) is Join and message.joiner.member not in member.configuration:
             # A joiner is in no configuration yet: its own Join says where it listens.
-            joiners = self._joiner_addresses
-            if len(joiners) >= MAX_JOINER_ADDRESSES:
-                joiners.pop(next(iter(joiners)))
-            joiners[message.joiner.member] = (message.joiner.host, message.joiner.port)
+            self.addresses.heard_join(message.joiner)
         with self._core_lock:
             member.receive(self._clock(), received.sender, received.message)
         self._flush()
@@ -629,7 +587,7 @@ class AgentRuntime:
         member = self.member
         if member is None:
             return
-        dest = self._member_at(address)
+        dest = self.addresses.member_at(member.configuration, address)
         if dest is not None:
             with self._core_lock:
                 member.report_send_error(self._clock(), dest)
@@ -667,7 +625,7 @@ class AgentRuntime:
             TransportError: not registered within ``timeout_s`` seconds, or ``member`` has no
                 known address.
         """
-        address = self.configuration.addresses.get(member) or self._joiner_addresses.get(member)
+        address = self.addresses.ask_at(self.configuration, member)
         if address is None:
             raise TransportError(f"no address for member {format_member_id(member)}")
         if member == self.member_id:
@@ -737,83 +695,6 @@ class AgentRuntime:
     def _stop_refused(self, refused: KeyNotAccepted) -> None:
         log.debug("%s", refused)  # the host says it, once (torchpass_p2p.start)
         self._tasks.spawn(self.stop(leave=False), name="stop")
-
-    def _member_at(self, address: Address) -> MemberId | None:
-        if self.member is not None:
-            for member, addr in self.member.configuration.addresses.items():
-                if addr == address:
-                    return member
-        for member, addr in self._joiner_addresses.items():
-            if addr == address:
-                return member
-        return None
-
-    # ------------------------------------------------------------------ events
-
-    def _on_event(self, event: ev.Event) -> None:
-        kind = type(event).__name__
-        detail = _describe(event)
-        self._recent.append({"at": event.at, "type": kind, "detail": detail})
-        self.history.on_event(event)
-        config_id = self.member.configuration.config_id if self.member else -1
-        events_log.info("%s %s", kind, detail,
-                        extra={"member_id": format_member_id(self.member_id),
-                               "config_id": config_id})
-        self._event_counts[kind] += 1
-        if isinstance(event, (ev.MemberSuspected, ev.AlertRaised)):
-            subject = event.member if isinstance(event, ev.MemberSuspected) else event.subject
-            self._accused_at.setdefault(subject, event.at)
-        elif isinstance(event, ev.MemberAlive):
-            self._accused_at.pop(event.member, None)  # refuted: a later accusation starts anew
-        elif isinstance(event, ev.ConfigurationDecided):
-            self._track_group(event.configuration)
-            self._remember_former(event.configuration)
-            self._decided[event.configuration.config_id] = event
-            self.decided_at[event.configuration.config_id] = event.at
-            while len(self.decided_at) > MAX_GROUP_IDS:
-                self.decided_at.pop(next(iter(self.decided_at)))
-            if self.metrics is not None:
-                self.metrics.decided("fast" if event.round == 0 else "classic")
-                self.metrics.set_config(event.configuration.config_id)
-            for gone in event.plan.removed:
-                accused = self._accused_at.pop(gone, None)
-                if accused is not None and self.metrics is not None:
-                    self.metrics.observe_detection(event.at - accused)
-        elif isinstance(event, ev.PlanReady):
-            decided = self._decided.pop(event.plan.config_id, None)
-            if decided is not None:
-                change = Change(decided.configuration, event.plan, decided.round, decided.at,
-                                event.at, self._group_ids.get(event.plan.config_id,
-                                                              event.plan.config_id))
-                self._changes.append(change)
-                for listener in list(self._listeners):
-                    try:
-                        listener(change)
-                    except Exception:  # the host's code: it must not end the timer task
-                        log.exception("a change listener failed on configuration %d",
-                                      change.configuration.config_id)
-
-    def _track_group(self, new: Configuration) -> None:
-        """``group_id`` of ``new`` (see :class:`Change`); decisions come in config_id order."""
-        old = self._seen_configuration
-        groups = self._group_ids
-        if old is not None and old.ranks == new.ranks:
-            groups[new.config_id] = groups.get(old.config_id, old.config_id)
-        else:
-            groups[new.config_id] = new.config_id
-        while len(groups) > MAX_GROUP_IDS:
-            groups.pop(next(iter(groups)))
-
-    def _remember_former(self, new: Configuration) -> None:
-        old, self._seen_configuration = self._seen_configuration, new
-        if old is None:
-            return
-        former = self._former_addresses
-        for member, address in old.addresses.items():
-            if member not in new:
-                former[member] = address
-        while len(former) > MAX_JOINER_ADDRESSES:
-            former.pop(next(iter(former)))
 
     # ------------------------------------------------------------------ hangs
 
@@ -893,25 +774,3 @@ def _seed_members(config: Configuration, seeds: tuple[Address, ...]) -> tuple[Me
     at = {addr: m for m, addr in config.addresses.items()}
     chosen = tuple(at[s] for s in seeds if s in at)
     return chosen or config.members[:3]
-
-
-def _describe(event: ev.Event) -> str:
-    parts = []
-    for field in dataclasses.fields(event):  # compiled events have no __slots__
-        name = field.name
-        if name == "at":
-            continue
-        value = getattr(event, name)
-        if isinstance(value, Configuration):
-            value = f"config {value.config_id} ({value.world_size} ranks, " \
-                    f"{len(value.spares)} spares)"
-        elif isinstance(value, Plan):
-            assigned = ", ".join(f"rank {r} -> {format_member_id(m)}"
-                                 for r, m in value.assignments)
-            removed = ", ".join(format_member_id(m) for m in value.removed)
-            value = (f"plan {value.config_id}: removed [{removed}], assignments [{assigned}], "
-                     f"resume {value.resume_step}")
-        elif isinstance(value, int) and name in ("member", "observer", "subject", "confirmer"):
-            value = format_member_id(value)
-        parts.append(f"{name}={value}")
-    return " ".join(parts)
