@@ -22,7 +22,6 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
@@ -45,11 +44,12 @@ from .services.events import Change, EventSink, Listener
 from .services.gpu_health import GpuHealth
 from .services.keys import KeyKeeper, KeyNotAccepted
 from .services.pulse_watch import PulseWatch
+from .services.telemetry import COUNTER_SOURCES, Telemetry
 from .services.watchdog import HangWatchdog, Phase
 from .settings import AgentSettings
 from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportError
 
-__all__ = ["AgentRuntime", "Change", "KeyNotAccepted", "NotServed", "Phase"]
+__all__ = ["COUNTER_SOURCES", "AgentRuntime", "Change", "KeyNotAccepted", "NotServed", "Phase"]
 
 log = logging.getLogger("torchpass_p2p.agent")
 
@@ -62,13 +62,6 @@ driver (the member then stops as if crashed)."""
 STOP_WAIT_S = 2.0
 """How long :meth:`AgentRuntime.stop` waits for the tasks it cancelled to end (seconds); each
 ends at its next await, so this bounds a stop only if one is stuck."""
-
-
-COUNTER_SOURCES = ("transfer_refused",)
-"""Counts that live outside the agent, in a part of this process that registers them
-(:meth:`AgentRuntime.add_counter_source`), each with its metric (``torchpass_<name>_total``,
-:mod:`.metrics`): ``transfer_refused``, the trainer's state-transfer server's dropped
-connections by reason (``TransferServer.refusals``)."""
 
 
 class AgentRuntime:
@@ -123,7 +116,6 @@ class AgentRuntime:
         self.gpu_health = GpuHealth(health, clock=clock, role=lambda: self.role,
                                     note=self.events.note, drain=self._ask_to_drain)
         """The health monitor (``settings.health``) and the faults it reported."""
-        self.metrics: Any = None
         self.step = -1
         self.phase = Phase.COMPUTE
         self.watchdog = HangWatchdog(
@@ -151,8 +143,12 @@ class AgentRuntime:
             register=self.register_service, on_silent=self._on_silent,
             key_for=self.transport.peer_key_id)
         """This process's pulse responder and prober (``settings.pulse``)."""
-        self._counter_sources: dict[str, Callable[[], Mapping[str, int]]] = {}
-        """Counts kept elsewhere in this process (:meth:`add_counter_source`)."""
+        self.telemetry = Telemetry(
+            self.transport, member=lambda: self.member, fenced=lambda: self.fenced,
+            stragglers=self.history.stragglers, events=self.events.counts,
+            health_faults=self.gpu_health.faults, pulse=self.pulse_watch.counters,
+            keys=self.key_counters)
+        """Counts for ``/status`` and ``/metrics``; the metrics once the core runs."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -190,7 +186,7 @@ class AgentRuntime:
             self.member = Member(s.member_id, config, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy, joining=joiner, seeds=seeds)
         self.events.begin(self.member.configuration)
-        self._start_metrics()
+        self.telemetry.start_metrics()
         if s.status is not None:
             await self._start_status(s.status)
         if s.health:
@@ -461,16 +457,8 @@ class AgentRuntime:
         }
 
     def counters(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        if self.member is not None:
-            out.update(self.member.counters)
-        out.update(self.transport.traffic)
-        out.update({f"rejected_{k}": v for k, v in self.transport.rejected.items()})
-        out.update({f"rejected_frame_{k}": v for k, v in self.transport.rejected_frames.items()})
-        out.update({f"pulse_{k}": v for k, v in self.pulse_watch.counters().items()})
-        for name, counts in self._source_counts().items():
-            out.update({f"{name}_{k}": v for k, v in counts.items()})
-        return out
+        """Every count of this agent, flat (``counters`` of ``/status``)."""
+        return self.telemetry.counters()
 
     def add_counter_source(self, name: str, read: Callable[[], Mapping[str, int]]) -> None:
         """Show counts kept outside the agent, by reason, with its own: in ``/status``
@@ -482,51 +470,18 @@ class AgentRuntime:
         Raises:
             KeyError: ``name`` is not one of :data:`COUNTER_SOURCES`.
         """
-        if name not in COUNTER_SOURCES:
-            raise KeyError(f"no counter source named {name!r}; known: "
-                           f"{', '.join(COUNTER_SOURCES)}")
-        self._counter_sources[name] = read
+        self.telemetry.add_source(name, read)
 
-    def _source_counts(self) -> dict[str, Mapping[str, int]]:
-        out: dict[str, Mapping[str, int]] = {}
-        for name, read in self._counter_sources.items():
-            try:
-                out[name] = read()
-            except Exception:  # the host's code: a failed read must not break /status
-                self.events.counts["counter_source_failed"] += 1
-                if self.events.counts["counter_source_failed"] == 1:  # logged once, then counted
-                    log.exception("counter source %r failed", name)
-        return out
+    @property
+    def metrics(self) -> Any:
+        """This agent's :class:`~.metrics.AgentMetrics` once started (None before, or without
+        prometheus_client)."""
+        return self.telemetry.metrics
 
     def refresh_metrics(self) -> None:
         """Bring ``metrics`` up to date with the core and the sockets (once a second, and
         before each scrape)."""
-        metrics, member = self.metrics, self.member
-        if metrics is None or member is None:
-            return
-        by_state: Counter[str] = Counter()
-        by_role: Counter[str] = Counter()
-        config = member.configuration
-        for m in config.members:
-            by_state[MemberState(member.state_of(m)[0]).name.lower()] += 1
-            by_role[config.role_of(m) or "removed"] += 1
-        metrics.set_members(by_state, by_role)
-        metrics.set_config(config.config_id)
-        metrics.set_fenced(self.fenced)
-        metrics.set_stragglers(self.history.stragglers())
-        traffic = self.transport.traffic
-        metrics.sync_rejected(self.transport.rejected)
-        metrics.sync_rejected_frames(self.transport.rejected_frames)
-        metrics.sync_counters("bytes", {"sent": traffic["bytes_sent"],
-                                        "received": traffic["bytes_received"]})
-        metrics.sync_counters("datagrams", {"sent": traffic["datagrams_sent"],
-                                            "received": traffic["datagrams_received"]})
-        metrics.sync_counters("events", self.events.counts)
-        metrics.sync_counters("health_faults", self.gpu_health.faults)
-        metrics.sync_counters("pulse", self.pulse_watch.counters())
-        metrics.sync_counters("keys", self.key_counters())
-        for name, counts in self._source_counts().items():
-            metrics.sync_counters(name, counts)
+        self.telemetry.refresh()
 
     # ------------------------------------------------------------------ driving the core
 
@@ -722,13 +677,6 @@ class AgentRuntime:
         self._flush()
 
     # ------------------------------------------------------------------ pieces built on demand
-
-    def _start_metrics(self) -> None:
-        try:
-            from .metrics import AgentMetrics
-        except ImportError:
-            return
-        self.metrics = AgentMetrics()
 
     async def _start_status(self, address: Address) -> None:
         from .http import StatusServer
