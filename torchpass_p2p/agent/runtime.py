@@ -30,24 +30,26 @@ import msgpack
 from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.configuration import Address, Configuration
 from torchpass_p2p.core.membership import Member
-from torchpass_p2p.core.messages import Join, Joiner, MemberId, MemberState, format_member_id
-from torchpass_p2p.core.plan import Policy
+from torchpass_p2p.core.messages import Join, Joiner, MemberId, format_member_id
 from torchpass_p2p.tasks import OwnedTasks
 
-from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
+from .bootstrap import configuration_to_data
 from .history import History
-from .http import http_token, http_tokens
+from .http import http_token
 from .pulse_wire import PulseResponder
 from .services.addresses import AddressBook
 from .services.directory import NotServed, ServiceDirectory
+from .services.drain_guard import drain_refusal
 from .services.events import Change, EventSink, Listener
 from .services.gpu_health import GpuHealth
 from .services.keys import KeyKeeper, KeyNotAccepted
 from .services.pulse_watch import PulseWatch
+from .services.seeds import fetch_configuration, seed_members
+from .services.status_page import StatusPage, member_rows
 from .services.telemetry import COUNTER_SOURCES, Telemetry
 from .services.watchdog import HangWatchdog, Phase
 from .settings import AgentSettings
-from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportError
+from .transport import Kind, Received, Reply, Transport, TransportError
 
 __all__ = ["COUNTER_SOURCES", "AgentRuntime", "Change", "KeyNotAccepted", "NotServed", "Phase"]
 
@@ -112,7 +114,8 @@ class AgentRuntime:
                               clock=clock, tasks=self._tasks, running=self._running,
                               peers=self._peers, on_installed=self._keys_installed,
                               on_refused=self._stop_refused)
-        self._status_server: Any = None
+        self.status_page = StatusPage()
+        """The status server (``settings.status``), once started."""
         self.gpu_health = GpuHealth(health, clock=clock, role=lambda: self.role,
                                     note=self.events.note, drain=self._ask_to_drain)
         """The health monitor (``settings.health``) and the faults it reported."""
@@ -180,15 +183,18 @@ class AgentRuntime:
             self.member = Member(s.member_id, s.configuration, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy, started=s.started)
         else:
-            config = await self._fetch_configuration()
-            seeds = _seed_members(config, s.seeds)
+            config = await fetch_configuration(self.transport, s.seeds, s.join_timeout_s,
+                                               self._clock, self.keys.not_accepted)
+            seeds = seed_members(config, s.seeds)
             joiner = Joiner(s.member_id, self.address[0], self.address[1], s.topology)
             self.member = Member(s.member_id, config, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy, joining=joiner, seeds=seeds)
         self.events.begin(self.member.configuration)
         self.telemetry.start_metrics()
         if s.status is not None:
-            await self._start_status(s.status)
+            self.status_address = await self.status_page.start(
+                self, self.metrics, s.status, token=self.http_token, keyring=self.keyring,
+                fd=s.status_fd)
         if s.health:
             self.gpu_health.start()
         if self.settings.pulse:
@@ -211,8 +217,7 @@ class AgentRuntime:
             self._driver.cancel()
             await asyncio.gather(self._driver, return_exceptions=True)
         self.gpu_health.stop()
-        if self._status_server is not None:
-            await self._status_server.stop()
+        await self.status_page.stop()
         await self.pulse_watch.close()
         await self.transport.close()
         await self._tasks.close(STOP_WAIT_S)  # not the calling task: it may be the failure's stop
@@ -375,24 +380,12 @@ class AgentRuntime:
         m = self.member
         if m is None or self.stopped or self.draining or self.rank is None:
             return await self._drain()
-        others = [h for h in m.configuration.ranks if h is not None and h != self.member_id]
         known = self._committed_ranks
         if known is None:
             started = self.settings.configuration
             known = () if started is None else tuple(started.ranks)
-        others = [h for h in others if h in known]
-        if not any(m.state_of(h)[0] == MemberState.ALIVE for h in others):
-            return {"draining": False, "reason": "last_holder",
-                    "detail": "no other rank holder is alive and known to hold the state "
-                              "(a spare promoted since the last committed step may still be "
-                              "receiving it): the configuration would lose it and stop the "
-                              "job; retry after the next step"}
-        if self.settings.policy is Policy.WAIT and not m.configuration.spares:
-            return {"draining": False, "reason": "no_spare",
-                    "detail": "no spare to take the rank: under policy wait training would "
-                              "stop until one joins (start a spare first, or use policy "
-                              "shrink)"}
-        return await self._drain()
+        refusal = drain_refusal(m, self.member_id, known, self.settings.policy)
+        return refusal if refusal is not None else await self._drain()
 
     async def _drain(self) -> dict[str, Any]:
         """Hand this member's rank to a spare (planned maintenance, a failing GPU): leave
@@ -417,20 +410,6 @@ class AgentRuntime:
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (schema in :mod:`.http`)."""
         m = self.member
-        members = []
-        if m is not None:
-            config = m.configuration
-            for member in config.members:
-                state, inc = m.state_of(member)
-                addr = config.addresses.get(member)
-                members.append({
-                    "member_id": format_member_id(member),
-                    "role": config.role_of(member),
-                    "rank": config.rank_of(member),
-                    "state": MemberState(state).name.lower(),
-                    "incarnation": inc,
-                    "address": f"{addr[0]}:{addr[1]}" if addr else "",
-                })
         return {
             "member_id": format_member_id(self.member_id),
             "cluster": self.settings.cluster,
@@ -447,7 +426,7 @@ class AgentRuntime:
             "keys": {"primary_id": self.keyring.primary_id,
                      "key_ids": list(self.keyring.key_ids),
                      "reloads": self.keys.counts["reloads"], "reloaded_at": self.keys.reloaded_at},
-            "members": members,
+            "members": member_rows(m),
             "recent_events": list(self.events.recent),
             "clock": self._clock(),
             **self.history.status(),
@@ -629,8 +608,7 @@ class AgentRuntime:
     def _keys_installed(self, keyring: Any) -> None:
         """The runtime's own users of keys follow ``keyring`` (after the transport's)."""
         self.http_token = http_token(keyring)
-        if self._status_server is not None:
-            self._status_server.set_tokens(http_tokens(keyring))
+        self.status_page.set_keys(keyring)
         self.pulse_watch.rekey(keyring)
 
     def _on_unknown_key(self, address: Address) -> None:
@@ -675,50 +653,3 @@ class AgentRuntime:
         with self._core_lock:
             member.report_silent(self._clock(), subject)
         self._flush()
-
-    # ------------------------------------------------------------------ pieces built on demand
-
-    async def _start_status(self, address: Address) -> None:
-        from .http import StatusServer
-
-        self._status_server = StatusServer(self, self.metrics, host=address[0],
-                                           port=address[1], token=self.http_token)
-        self._status_server.set_tokens(http_tokens(self.keyring))
-        self.status_address = await self._status_server.start(self.settings.status_fd)
-
-    async def _fetch_configuration(self) -> Configuration:
-        timeout = self.settings.join_timeout_s
-        deadline = self._clock() + timeout
-        last: Exception | None = None
-        while self._clock() < deadline:
-            refusals: list[KeyRefused] = []
-            for seed in self.settings.seeds:
-                left = deadline - self._clock()
-                if left <= 0:
-                    break
-                try:
-                    kind, body = await self.transport.request(seed, Kind.CONFIG_REQUEST, b"",
-                                                              timeout_s=min(5.0, left))
-                    if kind != Kind.CONFIG_REPLY:
-                        raise TransportError(f"unexpected reply kind {kind}")
-                    return configuration_from_data(msgpack.unpackb(
-                        body, raw=False, strict_map_key=False, max_array_len=MAX_MEMBERS,
-                        max_map_len=MAX_MEMBERS, max_str_len=1024, max_bin_len=0,
-                        max_ext_len=0))
-                except KeyRefused as exc:
-                    refusals.append(exc)  # said once, by the exit line, if every seed does
-                except (TransportError, BootstrapError, ValueError) as exc:
-                    last = exc
-                    log.warning("seed %s:%d gave no configuration: %s", *seed, exc)
-            if refusals and len(refusals) == len(self.settings.seeds):
-                # Every seed answered that it holds none of our keys: asking again for 30 s
-                # would only repeat that.
-                raise self.keys.not_accepted(refusals, "seed(s)", len(refusals))
-            await asyncio.sleep(0.5)
-        raise TransportError(f"no seed gave a configuration within {timeout} s: {last}")
-
-
-def _seed_members(config: Configuration, seeds: tuple[Address, ...]) -> tuple[MemberId, ...]:
-    at = {addr: m for m, addr in config.addresses.items()}
-    chosen = tuple(at[s] for s in seeds if s in at)
-    return chosen or config.members[:3]
