@@ -1,18 +1,31 @@
 """One live agent on an asyncio loop: the sans-IO core driven by sockets and a real clock.
 
-Why one module of this size: :class:`AgentRuntime` is where every input of the core meets
-asyncio, and the services it starts (timers, pulse, health, fast evidence, the service
-directory) hand their results back to the core on its one driving task (``_drive``); the parts with
-a job of their own live apart (:mod:`.transport`, :mod:`.http`, :mod:`.metrics`, :mod:`.history`,
-:mod:`.pulse`, :mod:`.health`).
-
 :class:`AgentRuntime` is the async API. Many of them can share one loop (the tests run 16);
 :func:`torchpass_p2p.start` runs one in a background thread of a training process.
 
-The driving rule is aioquic's: every input (a datagram, a timer, a call from the host) goes into
-the core with ``now``, then everything the core queued is pulled at once: datagrams are sealed and
-sent, events are logged, counted and handed to listeners. One task owns the timer; it sleeps until
-``Member.next_deadline()`` or until an input moved the deadline.
+This module holds the loop driver and the public surface; the services the runtime runs live
+in :mod:`.services`, one a module, each given only the values and callbacks it needs:
+the service directory, keys, pulse watching, the hang watchdog, GPU health, where peers are,
+what events become, telemetry, joining through the seeds, the status page and the drain guard.
+The parts below them keep their own modules (:mod:`.transport`, :mod:`.http`, :mod:`.metrics`,
+:mod:`.history`, :mod:`.pulse`, :mod:`.health`).
+
+The driving rule is aioquic's: every input (a datagram, a timer, a call from the host, a
+service's finding such as a silent subject) goes into the core with ``now``, under
+``_core_lock``, then everything the core queued is pulled at once (``_flush``): datagrams are
+sealed and sent, events handed to the event sink. One task owns the timer (``_drive``); it
+sleeps until ``Member.next_deadline()`` or until an input moved the deadline, and at each turn
+also runs the hang watchdog, points the pulse prober and refreshes the metrics once a second.
+
+Task ownership: every task of an agent (the driver, drains, key checks, pulse lookups, the stop
+after a failure or a refused key) is held by one :class:`~torchpass_p2p.tasks.OwnedTasks`, made
+here and handed to each service that starts tasks; :meth:`AgentRuntime.stop` closes it last.
+Not an :class:`asyncio.TaskGroup`: a task group lives within one ``async with`` of one task,
+while the services start in :meth:`~AgentRuntime.start` and end in :meth:`~AgentRuntime.stop`,
+often called by another task, or by a task of the group itself (the stop after the driver
+failed); a task group also cancels every task when one fails, while here a failed key check
+or lookup is logged and only the driver's failure stops the member (``_driver_ended``); and
+it holds any number of tasks, while an agent's are bounded (:data:`MAX_TASKS`).
 """
 
 from __future__ import annotations
@@ -127,13 +140,13 @@ class AgentRuntime:
         self.stopped = False
         self.draining = False
         self._committed_ranks: tuple[MemberId | None, ...] | None = None
+        """The rank map of the last group in which a step committed here (:meth:`report_commit`):
+        every member in it held the state then. None until the host's first commit (:meth:`drain`
+        then counts the ranks this member was started with)."""
         self._core_lock = threading.RLock()
         """Held by this loop while the core handles an input (a decision can only come from
         one) and by a training thread's :meth:`commit_now`: a commit is checked and recorded
         either wholly before a decision or wholly after it."""
-        """The rank map of the last group in which a step committed here (:meth:`report_commit`):
-        every member in it held the state then. None until the host's first commit (:meth:`drain`
-        then counts the ranks this member was started with)."""
         self.failure: BaseException | None = None
         """What ended the timer task other than :meth:`stop` (a bug in the core or in a
         callback). The member then stops as if it had crashed, so that its peers replace it,
