@@ -247,9 +247,6 @@ class AgentRuntime:
 
     # ------------------------------------------------------------------ queries
 
-    def _config_id(self) -> int:
-        return self.member.configuration.config_id if self.member else -1
-
     @property
     def configuration(self) -> Configuration:
         assert self.member is not None, "start() first"
@@ -475,6 +472,11 @@ class AgentRuntime:
         before each scrape)."""
         self.telemetry.refresh()
 
+    @property
+    def pulse(self) -> PulseResponder | None:
+        """This process's pulse responder (``settings.pulse`` and built), else None."""
+        return self.pulse_watch.responder
+
     # ------------------------------------------------------------------ driving the core
 
     async def _drive(self) -> None:
@@ -540,6 +542,15 @@ class AgentRuntime:
                 member.report_send_error(self._clock(), dest)
             self._flush()
 
+    def _on_silent(self, subject: MemberId) -> None:
+        member = self.member
+        if member is None or self.stopped:
+            return
+        log.info("pulse: %016x silent", subject)
+        with self._core_lock:
+            member.report_silent(self._clock(), subject)
+        self._flush()
+
     def _on_request(self, kind: int, body: bytes) -> Reply | Coroutine[Any, Any, Reply] | None:
         if self.member is None:
             return None
@@ -551,6 +562,8 @@ class AgentRuntime:
         if kind == Kind.SERVICE_REQUEST:
             return self.directory.on_request(body)
         return None
+
+    # ------------------------------------------------------------------ service directory
 
     def register_service(self, name: str, config_id: int, port: int) -> None:
         """Announce that this process serves ``name`` for ``config_id`` on ``port`` of this
@@ -564,7 +577,8 @@ class AgentRuntime:
     async def lookup_service(self, member: MemberId, name: str, config_id: int, *,
                              timeout_s: float = 30.0) -> Address:
         """(host, port) where ``member`` serves ``name`` for ``config_id``. Each request is
-        held by ``member`` until the port is registered or ``SERVICE_HOLD_S`` passed; then
+        held by ``member`` until the port is registered or
+        :data:`~.services.directory.SERVICE_HOLD_S` passed; then
         this asks again, until ``timeout_s`` seconds passed.
 
         Raises:
@@ -580,11 +594,6 @@ class AgentRuntime:
         return await self.directory.lookup(address, member, name, config_id, timeout_s)
 
     # ------------------------------------------------------------------ keys
-
-    @property
-    def pulse(self) -> PulseResponder | None:
-        """This process's pulse responder (``settings.pulse`` and built), else None."""
-        return self.pulse_watch.responder
 
     @property
     def keyring(self) -> Any:
@@ -618,6 +627,8 @@ class AgentRuntime:
         "reason"}`` (never raises for a bad file)."""
         return self.keys.reload()
 
+    # ------------------------------------------------------------------ what services call
+
     def _keys_installed(self, keyring: Any) -> None:
         """The runtime's own users of keys follow ``keyring`` (after the transport's)."""
         self.http_token = http_token(keyring)
@@ -642,8 +653,6 @@ class AgentRuntime:
         log.debug("%s", refused)  # the host says it, once (torchpass_p2p.start)
         self._tasks.spawn(self.stop(leave=False), name="stop")
 
-    # ------------------------------------------------------------------ hangs
-
     def _watch_hang(self, now: float) -> None:
         """One turn of the hang watchdog (an attribute the driver looks up at each turn)."""
         self.watchdog.check(now, self.phase, self.step)
@@ -656,13 +665,5 @@ class AgentRuntime:
         """The agent's own drain (a hang, a failing GPU): never refused (:meth:`drain`)."""
         self._tasks.spawn(self._drain(), name="drain")
 
-    # ------------------------------------------------------------------ pulses
-
-    def _on_silent(self, subject: MemberId) -> None:
-        member = self.member
-        if member is None or self.stopped:
-            return
-        log.info("pulse: %016x silent", subject)
-        with self._core_lock:
-            member.report_silent(self._clock(), subject)
-        self._flush()
+    def _config_id(self) -> int:
+        return self.member.configuration.config_id if self.member else -1
