@@ -65,7 +65,7 @@ async def test_a_spare_on_the_old_key_joins_while_it_is_accepted_and_is_refused_
         assert answers == [{"reloaded": True, "primary_id": k2_id,
                             "key_ids": [k2_id, k1_id]}] * 3
         assert all(a.status()["keys"] == {"primary_id": k2_id, "key_ids": [k2_id, k1_id],
-                                          "reloads": 1, "reloaded_at": a._reloaded_at}
+                                          "reloads": 1, "reloaded_at": a.keys.reloaded_at}
                    for a in cluster.live())
         # A process on the old key alone joins, and hears its peers under it.
         old = _joiner(cluster, 9, k1, tmp_path / "old.key")

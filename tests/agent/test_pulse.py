@@ -291,7 +291,7 @@ async def test_a_crashed_agents_observers_find_it_silent_and_remove_it_without_a
     try:
         # Every agent found its subjects' responders and hears them.
         await cluster.until(lambda: all(
-            len(a._prober.tracker.targets) == len(a.member.subjects)
+            len(a.pulse_watch.prober.tracker.targets) == len(a.member.subjects)
             and a.counters().get("pulse_pongs", 0) >= 2 * len(a.member.subjects)
             for a in cluster.live()), timeout_s=10)
         observers = cluster.configuration.observers_of(2)
@@ -321,7 +321,7 @@ async def test_without_the_pulse_setting_nothing_pulses():
     cluster = LocalCluster(2, 1, seed=6, pulse=False)
     await cluster.start()
     try:
-        assert all(a.pulse is None and a._prober is None for a in cluster.live())
+        assert all(a.pulse is None and a.pulse_watch.prober is None for a in cluster.live())
         assert all(a.status()["pulse"] == {"responder_port": None, "watching": 0, "silent": []}
                    for a in cluster.live())
         assert all(not any(k.startswith("pulse") for k in a.counters()) for a in cluster.live())
@@ -339,10 +339,10 @@ def test_the_environment_turns_the_pulse_off():
 
 @needs_native
 async def test_a_subject_whose_responder_is_not_found_is_asked_again(monkeypatch):
-    from torchpass_p2p.agent import runtime
+    from torchpass_p2p.agent.services import pulse_watch
 
-    monkeypatch.setattr(runtime, "PULSE_LOOKUP_S", 1.2)  # one held request, then a pause
-    monkeypatch.setattr(runtime, "PULSE_RELOOKUP_S", 0.2)
+    monkeypatch.setattr(pulse_watch, "PULSE_LOOKUP_S", 1.2)  # one held request, then a pause
+    monkeypatch.setattr(pulse_watch, "PULSE_RELOOKUP_S", 0.2)
     cluster = LocalCluster(3, 0, seed=7)
     late = cluster[3]
     late.settings = replace(late.settings, pulse=False)  # starts without a responder
@@ -350,13 +350,14 @@ async def test_a_subject_whose_responder_is_not_found_is_asked_again(monkeypatch
     try:
         observers = [cluster[m] for m in cluster.configuration.observers_of(3)]
         await asyncio.sleep(2.0)  # at least one lookup failed and is waiting to ask again
-        assert all(3 not in a._prober.tracker.targets for a in observers)
-        assert all(not a._pulse_lookups[3].done() for a in observers)
-        secrets = late.settings.keyring.derive_secrets(runtime.PULSE_LABEL)
-        late.pulse = pulse_wire.PulseResponder.start("127.0.0.1", 3, secrets)
-        late.register_service(runtime.PULSE_SERVICE, 0, late.pulse.port)
-        await cluster.until(lambda: all(3 in a._prober.tracker.targets for a in observers),
-                            timeout_s=10)
-        assert all(3 not in a._pulse_lookups for a in observers)
+        assert all(3 not in a.pulse_watch.prober.tracker.targets for a in observers)
+        assert all(not a.pulse_watch.lookups[3].done() for a in observers)
+        secrets = late.settings.keyring.derive_secrets(pulse_watch.PULSE_LABEL)
+        late.pulse_watch.responder = pulse_wire.PulseResponder.start("127.0.0.1", 3, secrets)
+        late.register_service(pulse_watch.PULSE_SERVICE, 0, late.pulse.port)
+        await cluster.until(
+            lambda: all(3 in a.pulse_watch.prober.tracker.targets for a in observers),
+            timeout_s=10)
+        assert all(3 not in a.pulse_watch.lookups for a in observers)
     finally:
         await cluster.stop()

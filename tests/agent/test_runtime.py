@@ -188,7 +188,7 @@ async def test_fast_evidence_makes_observers_alert_without_waiting_for_probes():
         observers = set(cluster.configuration.observers_of(2))
         assert {m for m, r in raised.items() if r} == observers & {1, 3, 4, 5}
         for m in observers & {1, 3, 4, 5}:
-            alerts = [e for e in cluster[m]._recent if e["type"] == "AlertRaised"]
+            alerts = [e for e in cluster[m].events.recent if e["type"] == "AlertRaised"]
             assert alerts and alerts[0]["detail"].startswith(f"observer={m:016x}")
         await cluster.until(lambda: all(
             a.configuration.config_id == 1 for a in cluster.live()), timeout_s=15)
@@ -204,7 +204,7 @@ async def test_an_exit_reported_by_the_launcher_removes_the_member_as_a_departur
         await cluster[2].stop(leave=False)
         assert cluster[3].report_unreachable(2, "exited with -9", exited=True) is True
         assert cluster[3].report_unreachable(2, "exited with -9", exited=True) is False
-        left = [e for e in cluster[3]._recent if e["type"] == "MemberLeft"]
+        left = [e for e in cluster[3].events.recent if e["type"] == "MemberLeft"]
         assert left and left[0]["detail"].startswith(f"member={2:016x}")
         await cluster.until(lambda: all(
             a.configuration.config_id == 1 for a in cluster.live()), timeout_s=15)
@@ -230,7 +230,7 @@ async def test_status_document_lists_every_member(role):
 
 
 def test_every_event_is_described_compiled_or_not():
-    from torchpass_p2p.agent.runtime import _describe
+    from torchpass_p2p.agent.services.events import describe as _describe
 
     text = _describe(ev.MemberSuspected(1.0, 2, 3, 4))
     assert text == f"member={2:016x} incarnation=3 observer={4:016x}"
@@ -322,7 +322,7 @@ async def test_hang_watchdog_drains_a_rank_stuck_in_compute_but_not_one_waiting_
         await cluster.until(lambda: cluster[5].rank == 1, timeout_s=15)
         assert cluster[2].role in ("leaving", "removed")
         assert cluster[3].role == "rank" and not cluster[3].draining
-        assert [e["detail"] for e in cluster[2]._recent if e["type"] == "HangDetected"] \
+        assert [e["detail"] for e in cluster[2].events.recent if e["type"] == "HangDetected"] \
             == ["compute"]
     finally:
         await cluster.stop()

@@ -21,7 +21,11 @@ if TYPE_CHECKING:
 
     from .api import Agent, AgentError, start
     from .interface import ACCUSATIONS, AgentEvent, TrainingAgent
-    from .runtime import COUNTER_SOURCES, Change, KeyNotAccepted, NotServed, Phase
+    from .services.directory import NotServed
+    from .services.events import Change
+    from .services.keys import KeyNotAccepted
+    from .services.telemetry import COUNTER_SOURCES
+    from .services.watchdog import Phase
     from .transport import TransportError
 
 __all__ = ["ACCUSATIONS", "COUNTER_SOURCES", "Agent", "AgentError", "AgentEvent", "Change",
@@ -31,8 +35,9 @@ __all__ = ["ACCUSATIONS", "COUNTER_SOURCES", "Agent", "AgentError", "AgentEvent"
 _HOMES = {
     "Agent": ".api", "AgentError": ".api", "start": ".api",
     "ACCUSATIONS": ".interface", "AgentEvent": ".interface", "TrainingAgent": ".interface",
-    "COUNTER_SOURCES": ".runtime", "Change": ".runtime", "KeyNotAccepted": ".runtime",
-    "NotServed": ".runtime", "Phase": ".runtime",
+    "COUNTER_SOURCES": ".services.telemetry", "Change": ".services.events",
+    "KeyNotAccepted": ".services.keys", "NotServed": ".services.directory",
+    "Phase": ".services.watchdog",
     "TransportError": ".transport",
     # The one spelling of an address (what parse_address reads), for the trainer's log.
     "format_address": "torchpass_p2p.launch.childspec",

@@ -1,99 +1,77 @@
 """One live agent on an asyncio loop: the sans-IO core driven by sockets and a real clock.
 
-Why one module of this size: :class:`AgentRuntime` is where every input of the core meets
-asyncio, and the services it starts (timers, pulse, health, fast evidence, the service
-directory) hand their results back to the core on its one driving task (``_drive``); the parts with
-a job of their own live apart (:mod:`.transport`, :mod:`.http`, :mod:`.metrics`, :mod:`.history`,
-:mod:`.pulse`, :mod:`.health`).
-
 :class:`AgentRuntime` is the async API. Many of them can share one loop (the tests run 16);
 :func:`torchpass_p2p.start` runs one in a background thread of a training process.
 
-The driving rule is aioquic's: every input (a datagram, a timer, a call from the host) goes into
-the core with ``now``, then everything the core queued is pulled at once: datagrams are sealed and
-sent, events are logged, counted and handed to listeners. One task owns the timer; it sleeps until
-``Member.next_deadline()`` or until an input moved the deadline.
+This module holds the loop driver and the public surface; the services the runtime runs live
+in :mod:`.services`, one a module, each given only the values and callbacks it needs:
+the service directory, keys, pulse watching, the hang watchdog, GPU health, where peers are,
+what events become, telemetry, joining through the seeds, the status page and the drain guard.
+The parts below them keep their own modules (:mod:`.transport`, :mod:`.http`, :mod:`.metrics`,
+:mod:`.history`, :mod:`.pulse`, :mod:`.health`).
+
+The driving rule is aioquic's: every input (a datagram, a timer, a call from the host, a
+service's finding such as a silent subject) goes into the core with ``now``, under
+``_core_lock``, then everything the core queued is pulled at once (``_flush``): datagrams are
+sealed and sent, events handed to the event sink. One task owns the timer (``_drive``); it
+sleeps until ``Member.next_deadline()`` or until an input moved the deadline, and at each turn
+also runs the hang watchdog, points the pulse prober and refreshes the metrics once a second.
+
+Task ownership: every task of an agent (the driver, drains, key checks, pulse lookups, the stop
+after a failure or a refused key) is held by one :class:`~torchpass_p2p.tasks.OwnedTasks`, made
+here and handed to each service that starts tasks; :meth:`AgentRuntime.stop` closes it last.
+Not an :class:`asyncio.TaskGroup`: a task group lives within one ``async with`` of one task,
+while the services start in :meth:`~AgentRuntime.start` and end in :meth:`~AgentRuntime.stop`,
+often called by another task, or by a task of the group itself (the stop after the driver
+failed); a task group also cancels every task when one fails, while here a failed key check
+or lookup is logged and only the driver's failure stops the member (``_driver_ended``); and
+it holds any number of tasks, while an agent's are bounded (:data:`MAX_TASKS`).
+
+Over 500 lines because :class:`AgentRuntime` is the agent's whole public surface: some 30
+methods and properties whose docstrings are the contract (units, errors) and whose bodies
+delegate to the services in a line or two.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import random
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from torchpass_p2p.core import events as ev
 from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.configuration import Address, Configuration
 from torchpass_p2p.core.membership import Member
-from torchpass_p2p.core.messages import Join, Joiner, MemberId, MemberState, format_member_id
-from torchpass_p2p.core.plan import Plan, Policy
+from torchpass_p2p.core.messages import Join, Joiner, MemberId, format_member_id
 from torchpass_p2p.tasks import OwnedTasks
 
-from .bootstrap import MAX_MEMBERS, BootstrapError, configuration_from_data, configuration_to_data
+from .bootstrap import configuration_to_data
 from .history import History
-from .http import http_token, http_tokens
-from .pulse import PulseProber
+from .http import http_token
 from .pulse_wire import PulseResponder
-from .pulse_wire import available as pulse_available
-from .settings import AgentSettings, SettingsError, read_keyring
-from .transport import KeyRefused, Kind, Received, Reply, Transport, TransportError
+from .services.addresses import AddressBook
+from .services.directory import NotServed, ServiceDirectory
+from .services.drain_guard import drain_refusal
+from .services.events import Change, EventSink, Listener
+from .services.gpu_health import GpuHealth
+from .services.keys import KeyKeeper, KeyNotAccepted
+from .services.pulse_watch import PulseWatch
+from .services.seeds import fetch_configuration, seed_members
+from .services.status_page import StatusPage, member_rows
+from .services.telemetry import COUNTER_SOURCES, Telemetry
+from .services.watchdog import HangWatchdog, Phase
+from .settings import AgentSettings
+from .transport import Kind, Received, Reply, Transport, TransportError
 
-__all__ = ["AgentRuntime", "Change", "KeyNotAccepted", "Phase"]
+__all__ = ["COUNTER_SOURCES", "AgentRuntime", "Change", "KeyNotAccepted", "NotServed", "Phase"]
 
 log = logging.getLogger("torchpass_p2p.agent")
-events_log = logging.getLogger("torchpass_p2p.events")
 
-MAX_JOINER_ADDRESSES = 1024
-"""Joiners' addresses kept (oldest dropped first): far above the joins one change admits."""
-RECENT_EVENTS = 64
-"""Events kept for ``/status``."""
-MAX_GROUP_IDS = 256
-"""Group ids (and decision times) of recent configurations kept; a change is handed over
-within a few decisions."""
-SERVICE_HOLD_S = 1.0
-"""Seconds a service request waits at the serving member for a registration before it is
-answered "not registered" (the asker then asks again). A promoted spare asks its sources for
-their state servers as soon as the change is decided, often before they have registered: held,
-the answer leaves the moment the port is registered (polling every 50 ms cost 25 ms per fault
-on average, in the recovery's critical path). Ours; inbound connections are bounded, and so
-are the requests held."""
-SERVICE_RETRY_S = 0.05
-"""Pause before asking again after a failed service request (no connection, a bad reply); also
-the margin a lookup keeps before its deadline (no request is sent with less time left)."""
-PULSE_SERVICE = "pulse"
-"""The service name of a member's pulse responder, registered under configuration 0 (it serves
-every configuration of the process)."""
-PULSE_LOOKUP_S = 5.0
-"""How long an observer asks a new subject for its pulse port. A member without a responder
-(not built) is answered "not registered" after ``SERVICE_HOLD_S``; it is watched the old way
-meanwhile, and asked again after ``PULSE_RELOOKUP_S``."""
-PULSE_RELOOKUP_S = 10.0
-"""Pause before asking a subject whose pulse port was not found again (it may have been stopped
-or starting): one held request per observer and subject every ~11 s at most."""
-PULSE_LABEL = b"torchpass_p2p pulse v1"
-"""HKDF label of the pulse secrets (``Keyring.derive_secrets``)."""
-KEY_CHECK_INTERVAL_S = 1.0
-"""At most one key check (:meth:`AgentRuntime._check_key`) per this many seconds: one is due
-when something arrives under a key this member does not hold."""
-KEY_CHECK_PEERS = 5
-"""Members of the configuration a key check asks (a random sample of the others)."""
-KEY_CHECK_REFUSALS = 2
-"""Refusals a key check needs, with no member accepting, to conclude that this member's key is
-not accepted. Two, not one: a single peer that refuses may be the odd one itself (a spare on
-an old key refuses every member that moved on), and in a configuration of two a stale member
-is removed by failure detection instead."""
-KEY_CHECK_TIMEOUT_S = 2.0
-"""Seconds each member asked by a key check has to answer (a request on loopback or a LAN
-takes milliseconds); a process refused everywhere exits well within 5 s."""
 MAX_TASKS = 1024
 """Tasks an agent holds at once: the driver, the stop after its failure or a refused key, key
 checks (one a ``KEY_CHECK_INTERVAL_S`` at most, each over within ``KEY_CHECK_TIMEOUT_S``),
@@ -103,58 +81,6 @@ driver (the member then stops as if crashed)."""
 STOP_WAIT_S = 2.0
 """How long :meth:`AgentRuntime.stop` waits for the tasks it cancelled to end (seconds); each
 ends at its next await, so this bounds a stop only if one is stuck."""
-
-
-class KeyNotAccepted(TransportError):
-    """The members (or, joining, the seeds) hold none of this process's keys: its key file is
-    older or newer than the cluster's. The message names key ids, never keys. A process under
-    :func:`torchpass_p2p.start` exits with ``EXIT_KEY_REFUSED`` and this one line."""
-
-
-class NotServed(TransportError):
-    """A member registered a service as not served for a configuration (port 0): it will not
-    serve it there, so waiting for it is pointless (:meth:`AgentRuntime.register_service`)."""
-
-
-COUNTER_SOURCES = ("transfer_refused",)
-"""Counts that live outside the agent, in a part of this process that registers them
-(:meth:`AgentRuntime.add_counter_source`), each with its metric (``torchpass_<name>_total``,
-:mod:`.metrics`): ``transfer_refused``, the trainer's state-transfer server's dropped
-connections by reason (``TransferServer.refusals``)."""
-
-
-class Phase:
-    """Where the training loop is within a step (``report_progress``), docs/design.md section 6."""
-
-    COMPUTE = "compute"
-    """Forward and backward: no peer involved; a hang here is this process's fault."""
-    COLLECTIVE = "collective"
-    """Inside the gradient or commit all-reduce: waiting on peers."""
-    COMMITTED = "committed"
-    """The commit all-reduce of ``step`` completed: the step rolls forward."""
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """A decided configuration change, handed to the host once its plan is ready.
-
-    ``plan.resume_step`` is set: every member of ``configuration`` resumes there. ``group_id``:
-    the configuration whose process group this one uses, the first of the consecutive decided
-    configurations with this rank map (a change that only admits or removes spares keeps the
-    group). Every member derives it from the same decisions, so members handed different
-    changes of one rank map (a plan that was not ready yet when the next change was decided
-    is never handed over) still meet in one rendezvous.
-    """
-
-    configuration: Configuration
-    plan: Plan
-    round: int
-    decided_at: float
-    ready_at: float
-    group_id: int
-
-
-Listener = Callable[[Change], None]
 
 
 class AgentRuntime:
@@ -182,79 +108,67 @@ class AgentRuntime:
         self.address: Address | None = None
         self.status_address: Address | None = None
         self.http_token = http_token(settings.keyring)
-        self.keyring = settings.keyring
-        """The keys in use: ``settings.keyring`` until :meth:`reload_keys` replaces it."""
-        self.refused: KeyNotAccepted | None = None
-        """Set when the members refused this member's key (:meth:`_check_key`); it then stops."""
-        self._key_counts: Counter[str] = Counter()
-        self._key_listeners: list[Callable[[Any], None]] = []
-        self._key_check_at = -float("inf")
-        self._key_sample = random.Random()  # not the core's: its draws stay reproducible
-        self._reloaded_at: float | None = None
-        self._former_addresses: dict[MemberId, Address] = {}
-        """Where members that a decided change removed were: a removed member that wakes up
-        (a long pause) must still hear the certificates that tell it so."""
-        self._seen_configuration: Configuration | None = None
-        self._joiner_addresses: dict[MemberId, Address] = {}
-        """Where processes asking to join are: from their authenticated Join messages, never
-        from a datagram's source address (a replayed datagram would move a member)."""
-        self.services: dict[tuple[str, int], int] = {}
+        self.addresses = AddressBook()
+        """Where former members and joiners are (the configuration says where members are)."""
+        self.directory = ServiceDirectory(self.transport, clock, self.transport.rejected_frames)
+        self.services = self.directory.services
         """(name, config_id) -> port this process serves it on (:meth:`register_service`)."""
-        self._registered = asyncio.Event()
-        """Set (and replaced) by every registration: wakes the requests held for one."""
-        self._recent: deque[dict[str, Any]] = deque(maxlen=RECENT_EVENTS)
         self.history = History(clock)
         """Configurations, recoveries and transfers seen, for the status page."""
-        self._listeners: list[Listener] = []
-        self._changes: deque[Change] = deque(maxlen=64)
-        self._decided: dict[int, ev.ConfigurationDecided] = {}
-        self._group_ids: dict[int, int] = {}
-        """config_id -> the configuration whose group it uses (:class:`Change`)."""
-        self.decided_at: dict[int, float] = {}
+        self.events = EventSink(
+            settings.member_id, self.history, config_id=self._config_id,
+            metrics=lambda: self.metrics, on_decided=self.addresses.decided)
+        """What the core's events became: recent events, counts, changes handed over."""
+        self.decided_at = self.events.decided_at
         """config_id -> when (clock seconds) this member learned the decision: timelines."""
-        self._accused_at: dict[MemberId, float] = {}
-        self._event_counts: Counter[str] = Counter()
-        self._health_faults: Counter[str] = Counter()
         self._metrics_at = 0.0
         self._wake = asyncio.Event()
         self._driver: asyncio.Task[None] | None = None
         self._tasks = OwnedTasks(f"agent-{format_member_id(settings.member_id)}", MAX_TASKS)
         """Every task of this agent: the driver, drains, key checks, pulse lookups and the
         stop after a failure."""
-        self._status_server: Any = None
-        self._health: Any = health
-        self.metrics: Any = None
+        self.keys = KeyKeeper(settings.keyring, lambda: self.settings.key_file, self.transport,
+                              clock=clock, tasks=self._tasks, running=self._running,
+                              peers=self._peers, on_installed=self._keys_installed,
+                              on_refused=self._stop_refused)
+        self.status_page = StatusPage()
+        """The status server (``settings.status``), once started."""
+        self.gpu_health = GpuHealth(health, clock=clock, role=lambda: self.role,
+                                    note=self.events.note, drain=self._ask_to_drain)
+        """The health monitor (``settings.health``) and the faults it reported."""
         self.step = -1
         self.phase = Phase.COMPUTE
-        self._progress_at = clock()
-        self._hang_reported = False
+        self.watchdog = HangWatchdog(
+            clock, timeout_s=lambda: self.settings.hang_timeout_s, role=lambda: self.role,
+            on_fired=self._hang_fired, note=self.events.note, drain=self._ask_to_drain)
         self.stopped = False
         self.draining = False
         self._committed_ranks: tuple[MemberId | None, ...] | None = None
+        """The rank map of the last group in which a step committed here (:meth:`report_commit`):
+        every member in it held the state then. None until the host's first commit (:meth:`drain`
+        then counts the ranks this member was started with)."""
         self._core_lock = threading.RLock()
         """Held by this loop while the core handles an input (a decision can only come from
         one) and by a training thread's :meth:`commit_now`: a commit is checked and recorded
         either wholly before a decision or wholly after it."""
-        """The rank map of the last group in which a step committed here (:meth:`report_commit`):
-        every member in it held the state then. None until the host's first commit (:meth:`drain`
-        then counts the ranks this member was started with)."""
         self.failure: BaseException | None = None
         """What ended the timer task other than :meth:`stop` (a bug in the core or in a
         callback). The member then stops as if it had crashed, so that its peers replace it,
         instead of living on unable to probe and fenced for good; ``role`` is ``failed``."""
         self.finished = asyncio.Event()
         """Set once :meth:`stop` completed, asked for or after a failure."""
-        self.pulse: PulseResponder | None = None
-        """This process's pulse responder (``settings.pulse`` and built), else None."""
-        self._prober: PulseProber | None = None
-        self._pulse_ports: dict[MemberId, int | None] = {}
-        """Subjects' pulse ports as looked up (None: not found yet)."""
-        self._pulse_lookups: dict[MemberId, asyncio.Task[None]] = {}
-        self._pulse_watched: tuple[int, tuple[MemberId, ...]] | None = None
-        self._pulse_secrets = settings.keyring.derive_secrets(PULSE_LABEL)
-        """Key id -> pulse secret, for the responder and the prober alike."""
-        self._counter_sources: dict[str, Callable[[], Mapping[str, int]]] = {}
-        """Counts kept elsewhere in this process (:meth:`add_counter_source`)."""
+        self.pulse_watch = PulseWatch(
+            settings.member_id, settings.keyring, clock=clock, tasks=self._tasks,
+            member=lambda: self.member, lookup=self.lookup_service,
+            register=self.register_service, on_silent=self._on_silent,
+            key_for=self.transport.peer_key_id)
+        """This process's pulse responder and prober (``settings.pulse``)."""
+        self.telemetry = Telemetry(
+            self.transport, member=lambda: self.member, fenced=lambda: self.fenced,
+            stragglers=self.history.stragglers, events=self.events.counts,
+            health_faults=self.gpu_health.faults, pulse=self.pulse_watch.counters,
+            keys=self.key_counters)
+        """Counts for ``/status`` and ``/metrics``; the metrics once the core runs."""
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -270,7 +184,8 @@ class AgentRuntime:
         s = self.settings
         self.address = await self.transport.start(s.bind, s.bind_fds)
         try:
-            self._start_pulse()
+            if s.pulse:
+                self.pulse_watch.start_responder(self.address[0])
             await self._start_member()
         except BaseException:  # also cancelled: nothing stays bound (a retry must bind again)
             await self.stop(leave=False)
@@ -285,22 +200,22 @@ class AgentRuntime:
             self.member = Member(s.member_id, s.configuration, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy, started=s.started)
         else:
-            config = await self._fetch_configuration()
-            seeds = _seed_members(config, s.seeds)
+            config = await fetch_configuration(self.transport, s.seeds, s.join_timeout_s,
+                                               self._clock, self.keys.not_accepted)
+            seeds = seed_members(config, s.seeds)
             joiner = Joiner(s.member_id, self.address[0], self.address[1], s.topology)
             self.member = Member(s.member_id, config, params=s.params, rng=self._rng,
                                  now=self._clock(), policy=s.policy, joining=joiner, seeds=seeds)
-        self._seen_configuration = self.member.configuration
-        self._start_metrics()
+        self.events.begin(self.member.configuration)
+        self.telemetry.start_metrics()
         if s.status is not None:
-            await self._start_status(s.status)
+            self.status_address = await self.status_page.start(
+                self, self.metrics, s.status, token=self.http_token, keyring=self.keyring,
+                fd=s.status_fd)
         if s.health:
-            self._start_health()
+            self.gpu_health.start()
         if self.settings.pulse:
-            self._prober = PulseProber(self.member_id, self.keyring.primary_id,
-                                       self._pulse_secrets, self._on_silent, clock=self._clock,
-                                       key_for=self.transport.peer_key_id)
-            await self._prober.start(self.address[0])
+            await self.pulse_watch.start_prober(self.address[0], self.keyring.primary_id)
         self._driver = self._tasks.spawn(self._drive(), name="driver",
                                          on_done=self._driver_ended)
         self._flush()
@@ -318,14 +233,9 @@ class AgentRuntime:
         if self._driver is not None:
             self._driver.cancel()
             await asyncio.gather(self._driver, return_exceptions=True)
-        if self._health is not None:
-            self._health.stop(1.0)
-        if self._status_server is not None:
-            await self._status_server.stop()
-        if self._prober is not None:
-            await self._prober.close()
-        if self.pulse is not None:
-            self.pulse.close()
+        self.gpu_health.stop()
+        await self.status_page.stop()
+        await self.pulse_watch.close()
         await self.transport.close()
         await self._tasks.close(STOP_WAIT_S)  # not the calling task: it may be the failure's stop
         self.finished.set()
@@ -395,8 +305,7 @@ class AgentRuntime:
         into this member's vote and progress report (docs/design.md section 6)."""
         self.step = max(self.step, step) if phase == Phase.COMMITTED else self.step
         self.phase = phase
-        self._progress_at = self._clock()
-        self._hang_reported = False
+        self.watchdog.progressed()
         if phase == Phase.COMMITTED and self.member is not None:
             with self._core_lock:  # also reached from a training thread (commit_now)
                 # Never lowered: a report posted from the training thread may arrive after
@@ -485,24 +394,12 @@ class AgentRuntime:
         m = self.member
         if m is None or self.stopped or self.draining or self.rank is None:
             return await self._drain()
-        others = [h for h in m.configuration.ranks if h is not None and h != self.member_id]
         known = self._committed_ranks
         if known is None:
             started = self.settings.configuration
             known = () if started is None else tuple(started.ranks)
-        others = [h for h in others if h in known]
-        if not any(m.state_of(h)[0] == MemberState.ALIVE for h in others):
-            return {"draining": False, "reason": "last_holder",
-                    "detail": "no other rank holder is alive and known to hold the state "
-                              "(a spare promoted since the last committed step may still be "
-                              "receiving it): the configuration would lose it and stop the "
-                              "job; retry after the next step"}
-        if self.settings.policy is Policy.WAIT and not m.configuration.spares:
-            return {"draining": False, "reason": "no_spare",
-                    "detail": "no spare to take the rank: under policy wait training would "
-                              "stop until one joins (start a spare first, or use policy "
-                              "shrink)"}
-        return await self._drain()
+        refusal = drain_refusal(m, self.member_id, known, self.settings.policy)
+        return refusal if refusal is not None else await self._drain()
 
     async def _drain(self) -> dict[str, Any]:
         """Hand this member's rank to a spare (planned maintenance, a failing GPU): leave
@@ -520,27 +417,13 @@ class AgentRuntime:
 
     def add_listener(self, listener: Listener) -> None:
         """Call ``listener(change)`` on the loop for every ready change from now on."""
-        self._listeners.append(listener)
+        self.events.add_listener(listener)
 
     # ------------------------------------------------------------------ status
 
     def status(self) -> dict[str, Any]:
         """The ``/status`` document (schema in :mod:`.http`)."""
         m = self.member
-        members = []
-        if m is not None:
-            config = m.configuration
-            for member in config.members:
-                state, inc = m.state_of(member)
-                addr = config.addresses.get(member)
-                members.append({
-                    "member_id": format_member_id(member),
-                    "role": config.role_of(member),
-                    "rank": config.rank_of(member),
-                    "state": MemberState(state).name.lower(),
-                    "incarnation": inc,
-                    "address": f"{addr[0]}:{addr[1]}" if addr else "",
-                })
         return {
             "member_id": format_member_id(self.member_id),
             "cluster": self.settings.cluster,
@@ -556,33 +439,19 @@ class AgentRuntime:
             "draining": self.draining,
             "keys": {"primary_id": self.keyring.primary_id,
                      "key_ids": list(self.keyring.key_ids),
-                     "reloads": self._key_counts["reloads"], "reloaded_at": self._reloaded_at},
-            "members": members,
-            "recent_events": list(self._recent),
+                     "reloads": self.keys.counts["reloads"], "reloaded_at": self.keys.reloaded_at},
+            "members": member_rows(m),
+            "recent_events": list(self.events.recent),
             "clock": self._clock(),
             **self.history.status(),
-            "health": self._health.status() if self._health is not None else
-            {"enabled": False, "reason": "disabled by settings"},
+            "health": self.gpu_health.status(),
             "counters": self.counters(),
-            "pulse": {
-                "responder_port": self.pulse.port if self.pulse is not None else None,
-                "watching": len(self._prober.tracker.targets) if self._prober else 0,
-                "silent": sorted(format_member_id(m) for m in self._prober.tracker.silent)
-                if self._prober else [],
-            },
+            "pulse": self.pulse_watch.status(),
         }
 
     def counters(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        if self.member is not None:
-            out.update(self.member.counters)
-        out.update(self.transport.traffic)
-        out.update({f"rejected_{k}": v for k, v in self.transport.rejected.items()})
-        out.update({f"rejected_frame_{k}": v for k, v in self.transport.rejected_frames.items()})
-        out.update({f"pulse_{k}": v for k, v in self._pulse_counters().items()})
-        for name, counts in self._source_counts().items():
-            out.update({f"{name}_{k}": v for k, v in counts.items()})
-        return out
+        """Every count of this agent, flat (``counters`` of ``/status``)."""
+        return self.telemetry.counters()
 
     def add_counter_source(self, name: str, read: Callable[[], Mapping[str, int]]) -> None:
         """Show counts kept outside the agent, by reason, with its own: in ``/status``
@@ -594,58 +463,23 @@ class AgentRuntime:
         Raises:
             KeyError: ``name`` is not one of :data:`COUNTER_SOURCES`.
         """
-        if name not in COUNTER_SOURCES:
-            raise KeyError(f"no counter source named {name!r}; known: "
-                           f"{', '.join(COUNTER_SOURCES)}")
-        self._counter_sources[name] = read
+        self.telemetry.add_source(name, read)
 
-    def _source_counts(self) -> dict[str, Mapping[str, int]]:
-        out: dict[str, Mapping[str, int]] = {}
-        for name, read in self._counter_sources.items():
-            try:
-                out[name] = read()
-            except Exception:  # the host's code: a failed read must not break /status
-                self._event_counts["counter_source_failed"] += 1
-                if self._event_counts["counter_source_failed"] == 1:  # logged once, then counted
-                    log.exception("counter source %r failed", name)
-        return out
-
-    def _pulse_counters(self) -> dict[str, int]:
-        """The prober's counters, and the responder's prefixed ``responder_``."""
-        out = self._prober.counters() if self._prober is not None else {}
-        if self.pulse is not None:
-            out.update({f"responder_{k}": v for k, v in self.pulse.counts().items()})
-        return out
+    @property
+    def metrics(self) -> Any:
+        """This agent's :class:`~.metrics.AgentMetrics` once started (None before, or without
+        prometheus_client)."""
+        return self.telemetry.metrics
 
     def refresh_metrics(self) -> None:
         """Bring ``metrics`` up to date with the core and the sockets (once a second, and
         before each scrape)."""
-        metrics, member = self.metrics, self.member
-        if metrics is None or member is None:
-            return
-        by_state: Counter[str] = Counter()
-        by_role: Counter[str] = Counter()
-        config = member.configuration
-        for m in config.members:
-            by_state[MemberState(member.state_of(m)[0]).name.lower()] += 1
-            by_role[config.role_of(m) or "removed"] += 1
-        metrics.set_members(by_state, by_role)
-        metrics.set_config(config.config_id)
-        metrics.set_fenced(self.fenced)
-        metrics.set_stragglers(self.history.stragglers())
-        traffic = self.transport.traffic
-        metrics.sync_rejected(self.transport.rejected)
-        metrics.sync_rejected_frames(self.transport.rejected_frames)
-        metrics.sync_counters("bytes", {"sent": traffic["bytes_sent"],
-                                        "received": traffic["bytes_received"]})
-        metrics.sync_counters("datagrams", {"sent": traffic["datagrams_sent"],
-                                            "received": traffic["datagrams_received"]})
-        metrics.sync_counters("events", self._event_counts)
-        metrics.sync_counters("health_faults", self._health_faults)
-        metrics.sync_counters("pulse", self._pulse_counters())
-        metrics.sync_counters("keys", self.key_counters())
-        for name, counts in self._source_counts().items():
-            metrics.sync_counters(name, counts)
+        self.telemetry.refresh()
+
+    @property
+    def pulse(self) -> PulseResponder | None:
+        """This process's pulse responder (``settings.pulse`` and built), else None."""
+        return self.pulse_watch.responder
 
     # ------------------------------------------------------------------ driving the core
 
@@ -666,7 +500,7 @@ class AgentRuntime:
                 with self._core_lock:
                     member.handle_timer(now)
             self._watch_hang(now)
-            self._watch_pulses()
+            self.pulse_watch.watch()
             self._flush()
             if now >= self._metrics_at:
                 self._metrics_at = now + 1.0
@@ -678,17 +512,16 @@ class AgentRuntime:
             return
         out = member.messages_to_send()
         if out:
-            addresses = member.configuration.addresses
+            configuration = member.configuration
             incarnation = member.incarnation
             for dest, message in out:
-                address = (addresses.get(dest) or self._former_addresses.get(dest)
-                           or self._joiner_addresses.get(dest))
+                address = self.addresses.send_to(configuration, dest)
                 if address is None:
                     self.transport.traffic["dropped_no_address"] += 1
                     continue
                 self.transport.send(address, message, incarnation, dest)
         while (event := member.next_event()) is not None:
-            self._on_event(event)
+            self.events.on_event(event)
         self._wake.set()
 
     def _on_message(self, received: Received) -> None:
@@ -698,10 +531,7 @@ class AgentRuntime:
         message = received.message
         if type(message) is Join and message.joiner.member not in member.configuration:
             # A joiner is in no configuration yet: its own Join says where it listens.
-            joiners = self._joiner_addresses
-            if len(joiners) >= MAX_JOINER_ADDRESSES:
-                joiners.pop(next(iter(joiners)))
-            joiners[message.joiner.member] = (message.joiner.host, message.joiner.port)
+            self.addresses.heard_join(message.joiner)
         with self._core_lock:
             member.receive(self._clock(), received.sender, received.message)
         self._flush()
@@ -710,383 +540,11 @@ class AgentRuntime:
         member = self.member
         if member is None:
             return
-        dest = self._member_at(address)
+        dest = self.addresses.member_at(member.configuration, address)
         if dest is not None:
             with self._core_lock:
                 member.report_send_error(self._clock(), dest)
             self._flush()
-
-    def _on_request(self, kind: int, body: bytes) -> Reply | Coroutine[Any, Any, Reply] | None:
-        if self.member is None:
-            return None
-        if kind == Kind.KEY_CHECK:  # it opened: the key it came under is accepted here
-            return Kind.KEY_CHECK_REPLY, b""
-        if kind == Kind.CONFIG_REQUEST:
-            data = configuration_to_data(self.member.configuration)
-            return Kind.CONFIG_REPLY, msgpack.packb(data)
-        if kind == Kind.SERVICE_REQUEST:
-            try:
-                request = msgpack.unpackb(body, max_str_len=64, max_array_len=3)
-                if type(request) is not list or len(request) < 2:
-                    raise ValueError("not [name, config_id, hold_s]")
-                name, config_id, *hold = request
-                key = (str(name), int(config_id))
-                hold_s = min(float(hold[0]), SERVICE_HOLD_S) if hold else 0.0
-                if not hold_s >= 0.0:  # also NaN
-                    raise ValueError(f"hold of {hold_s} s")
-            except (ValueError, TypeError, OverflowError, msgpack.UnpackException):
-                self.transport.rejected_frames["bad_service_request"] += 1
-                return None
-            port = self.services.get(key)
-            if port is None and hold_s > 0.0:
-                return self._held_service_reply(key, hold_s)
-            return Kind.SERVICE_REPLY, msgpack.packb(port)
-        return None
-
-    async def _held_service_reply(self, key: tuple[str, int], hold_s: float) -> Reply:
-        """The reply to a service request once ``key`` is registered, or ``None`` (not
-        registered) after ``hold_s`` seconds."""
-        try:
-            async with asyncio.timeout(hold_s):
-                while (port := self.services.get(key)) is None:
-                    await self._registered.wait()
-        except TimeoutError:
-            port = None
-        return Kind.SERVICE_REPLY, msgpack.packb(port)
-
-    def register_service(self, name: str, config_id: int, port: int) -> None:
-        """Announce that this process serves ``name`` for ``config_id`` on ``port`` of this
-        member's host (e.g. the rendezvous store of a configuration; docs/design.md section 8).
-        Peers find it with :meth:`lookup_service`, over the authenticated TCP port; requests that
-        were waiting for it are answered at once. ``port`` 0 says this member will not serve
-        ``name`` for ``config_id`` (a promoted spare that holds no state yet): lookups then
-        raise :class:`NotServed` at once instead of waiting; a later registration replaces it."""
-        self.services[(name, config_id)] = port
-        for old in [k for k in self.services if k[0] == name and k[1] < config_id - 2]:
-            del self.services[old]  # keep the last few configurations only
-        self._registered.set()
-        self._registered = asyncio.Event()
-
-    async def lookup_service(self, member: MemberId, name: str, config_id: int, *,
-                             timeout_s: float = 30.0) -> Address:
-        """(host, port) where ``member`` serves ``name`` for ``config_id``. Each request is
-        held by ``member`` until the port is registered or ``SERVICE_HOLD_S`` passed; then
-        this asks again, until ``timeout_s`` seconds passed.
-
-        Raises:
-            NotServed: ``member`` registered it as not served (port 0).
-            TransportError: not registered within ``timeout_s`` seconds, or ``member`` has no
-                known address.
-        """
-        address = self.configuration.addresses.get(member) or self._joiner_addresses.get(member)
-        if address is None:
-            raise TransportError(f"no address for member {format_member_id(member)}")
-        if member == self.member_id:
-            address = self.address or address
-        deadline = self._clock() + timeout_s
-        while True:
-            left = deadline - self._clock()
-            hold_s = min(SERVICE_HOLD_S, left - SERVICE_RETRY_S)  # answered before our deadline
-            if hold_s <= 0:  # (not a flurry of ever shorter holds at the end)
-                raise TransportError(f"member {format_member_id(member)} serves no {name!r} "
-                                     f"for config {config_id} after {timeout_s} s")
-            body = msgpack.packb([name, config_id, hold_s])
-            try:
-                kind, reply = await self.transport.request(address, Kind.SERVICE_REQUEST, body,
-                                                           timeout_s=min(left, hold_s + 2.0))
-                port = msgpack.unpackb(reply) if kind == Kind.SERVICE_REPLY else None
-            except (TransportError, ValueError, msgpack.UnpackException):
-                await asyncio.sleep(SERVICE_RETRY_S)
-                continue
-            if type(port) is int and 0 < port < 65536:
-                return address[0], port
-            if type(port) is int and port == 0:
-                raise NotServed(f"member {format_member_id(member)} does not serve {name!r} "
-                                f"for config {config_id}")
-
-    # ------------------------------------------------------------------ keys
-
-    def add_key_listener(self, listener: Callable[[Any], None]) -> None:
-        """Call ``listener(keyring)`` on the loop with each keyring :meth:`reload_keys`
-        installs (the state-transfer keys follow the agent's this way)."""
-        self._key_listeners.append(listener)
-
-    def key_counters(self) -> dict[str, int]:
-        """``reloads``, ``reload_failed``, ``key_checks`` and the transport's key events
-        (``refusals_sent``, ``unknown_key_lines``, ``unknown_key_lines_suppressed``): the
-        ``torchpass_keys_total`` metric."""
-        return {**self._key_counts, **self.transport.key_events}
-
-    def reload_keys(self) -> dict[str, Any]:
-        """Read ``settings.key_file`` again and seal, open, answer pulses and accept status
-        tokens under its keys from now on (``docs/running.md``, "Keys"): its first key becomes
-        the primary, the others stay accepted, a key no longer listed is refused. Counters and
-        replay windows are kept; nothing else changes. A file that cannot be read or parsed
-        changes nothing.
-
-        Returns ``{"reloaded": True, "primary_id", "key_ids"}`` or ``{"reloaded": False,
-        "reason"}`` (never raises for a bad file)."""
-        path = self.settings.key_file
-        try:
-            if path is None:
-                raise SettingsError("this agent's key came from TORCHPASS_KEY, not a key file")
-            keyring = read_keyring(path)
-        except (SettingsError, OSError, ValueError) as exc:
-            self._key_counts["reload_failed"] += 1
-            log.error("key file not reloaded, keeping key ids %s: %s",
-                      ", ".join(map(str, self.keyring.key_ids)), exc)
-            return {"reloaded": False, "reason": str(exc)}
-        before = self.keyring.key_ids
-        self._install_keys(keyring)
-        self._key_counts["reloads"] += 1
-        self._reloaded_at = self._clock()
-        log.info("key file reloaded: primary key id %d, accepted key ids %s (were %s)",
-                 keyring.primary_id, ", ".join(map(str, keyring.key_ids)),
-                 ", ".join(map(str, before)))
-        return {"reloaded": True, "primary_id": keyring.primary_id,
-                "key_ids": list(keyring.key_ids)}
-
-    def _install_keys(self, keyring: Any) -> None:
-        self.keyring = keyring
-        self.transport.rekey(keyring)
-        self.http_token = http_token(keyring)
-        if self._status_server is not None:
-            self._status_server.set_tokens(http_tokens(keyring))
-        self._pulse_secrets = keyring.derive_secrets(PULSE_LABEL)
-        if self.pulse is not None:
-            self.pulse.rekey(self._pulse_secrets)
-        if self._prober is not None:
-            self._prober.rekey(keyring.primary_id, self._pulse_secrets)
-        for listener in list(self._key_listeners):
-            try:
-                listener(keyring)
-            except Exception:  # the host's code: it must not stop the reload here
-                log.exception("a key listener failed")
-
-    def _on_unknown_key(self, address: Address) -> None:
-        """Something arrived under a key this member does not hold: check, at most once per
-        :data:`KEY_CHECK_INTERVAL_S`, whether it is this member whose key is refused."""
-        now = self._clock()
-        if (self.member is None or self.stopped or self.refused is not None
-                or now - self._key_check_at < KEY_CHECK_INTERVAL_S):
-            return
-        self._key_check_at = now
-        self._tasks.spawn(self._check_key(), name="key-check")
-
-    async def _check_key(self) -> None:
-        """Is this member's key refused by the others? First, a key file rewritten since it
-        was read is reloaded (the operator rotated it and this member missed the reload).
-        Then up to :data:`KEY_CHECK_PEERS` other members of the configuration are asked
-        (``Kind.KEY_CHECK``); with none accepting and at least :data:`KEY_CHECK_REFUSALS`
-        refusing, this member stops (:attr:`refused`)."""
-        self._key_counts["key_checks"] += 1
-        path = self.settings.key_file
-        if path is not None:
-            try:
-                on_file = read_keyring(path)
-            except (SettingsError, OSError, ValueError):
-                on_file = None
-            if on_file is not None and on_file.key_ids != self.keyring.key_ids:
-                log.warning("key file %s changed since it was read: reloading it", path)
-                self.reload_keys()
-                return
-        member = self.member
-        if member is None:
-            return
-        addresses = member.configuration.addresses
-        others = [m for m in member.configuration.members
-                  if m != self.member_id and m in addresses]
-        asked = self._key_sample.sample(others, min(KEY_CHECK_PEERS, len(others)))
-        answers = await asyncio.gather(*(self._ask_key(addresses[m]) for m in asked))
-        refusals = [a for a in answers if isinstance(a, KeyRefused)]
-        if (self.refused is None and not self.stopped and True not in answers
-                and len(refusals) >= KEY_CHECK_REFUSALS):
-            self._stop_refused(self._not_accepted(refusals, "member(s) asked", len(asked)))
-
-    async def _ask_key(self, address: Address) -> KeyRefused | bool | None:
-        """True: ``address`` accepts our key; its refusal; None: no answer."""
-        try:
-            kind, _ = await self.transport.request(address, Kind.KEY_CHECK, b"",
-                                                   timeout_s=KEY_CHECK_TIMEOUT_S)
-        except KeyRefused as exc:
-            return exc
-        except TransportError:
-            return None
-        return kind == Kind.KEY_CHECK_REPLY
-
-    def _not_accepted(self, refusals: list[KeyRefused], who: str, asked: int) -> KeyNotAccepted:
-        accepted = sorted({kid for r in refusals for kid in r.accepted})
-        own = self.keyring.key_ids
-        return KeyNotAccepted(
-            f"key not accepted: this process seals with key id {own[0]} (its keys: "
-            f"{', '.join(map(str, own))}) and {len(refusals)} of {asked} {who} accept only key "
-            f"ids {', '.join(map(str, accepted))}")
-
-    def _stop_refused(self, refused: KeyNotAccepted) -> None:
-        self.refused = refused
-        log.debug("%s", refused)  # the host says it, once (torchpass_p2p.start)
-        self._tasks.spawn(self.stop(leave=False), name="stop")
-
-    def _member_at(self, address: Address) -> MemberId | None:
-        if self.member is not None:
-            for member, addr in self.member.configuration.addresses.items():
-                if addr == address:
-                    return member
-        for member, addr in self._joiner_addresses.items():
-            if addr == address:
-                return member
-        return None
-
-    # ------------------------------------------------------------------ events
-
-    def _on_event(self, event: ev.Event) -> None:
-        kind = type(event).__name__
-        detail = _describe(event)
-        self._recent.append({"at": event.at, "type": kind, "detail": detail})
-        self.history.on_event(event)
-        config_id = self.member.configuration.config_id if self.member else -1
-        events_log.info("%s %s", kind, detail,
-                        extra={"member_id": format_member_id(self.member_id),
-                               "config_id": config_id})
-        self._event_counts[kind] += 1
-        if isinstance(event, (ev.MemberSuspected, ev.AlertRaised)):
-            subject = event.member if isinstance(event, ev.MemberSuspected) else event.subject
-            self._accused_at.setdefault(subject, event.at)
-        elif isinstance(event, ev.MemberAlive):
-            self._accused_at.pop(event.member, None)  # refuted: a later accusation starts anew
-        elif isinstance(event, ev.ConfigurationDecided):
-            self._track_group(event.configuration)
-            self._remember_former(event.configuration)
-            self._decided[event.configuration.config_id] = event
-            self.decided_at[event.configuration.config_id] = event.at
-            while len(self.decided_at) > MAX_GROUP_IDS:
-                self.decided_at.pop(next(iter(self.decided_at)))
-            if self.metrics is not None:
-                self.metrics.decided("fast" if event.round == 0 else "classic")
-                self.metrics.set_config(event.configuration.config_id)
-            for gone in event.plan.removed:
-                accused = self._accused_at.pop(gone, None)
-                if accused is not None and self.metrics is not None:
-                    self.metrics.observe_detection(event.at - accused)
-        elif isinstance(event, ev.PlanReady):
-            decided = self._decided.pop(event.plan.config_id, None)
-            if decided is not None:
-                change = Change(decided.configuration, event.plan, decided.round, decided.at,
-                                event.at, self._group_ids.get(event.plan.config_id,
-                                                              event.plan.config_id))
-                self._changes.append(change)
-                for listener in list(self._listeners):
-                    try:
-                        listener(change)
-                    except Exception:  # the host's code: it must not end the timer task
-                        log.exception("a change listener failed on configuration %d",
-                                      change.configuration.config_id)
-
-    def _track_group(self, new: Configuration) -> None:
-        """``group_id`` of ``new`` (see :class:`Change`); decisions come in config_id order."""
-        old = self._seen_configuration
-        groups = self._group_ids
-        if old is not None and old.ranks == new.ranks:
-            groups[new.config_id] = groups.get(old.config_id, old.config_id)
-        else:
-            groups[new.config_id] = new.config_id
-        while len(groups) > MAX_GROUP_IDS:
-            groups.pop(next(iter(groups)))
-
-    def _remember_former(self, new: Configuration) -> None:
-        old, self._seen_configuration = self._seen_configuration, new
-        if old is None:
-            return
-        former = self._former_addresses
-        for member, address in old.addresses.items():
-            if member not in new:
-                former[member] = address
-        while len(former) > MAX_JOINER_ADDRESSES:
-            former.pop(next(iter(former)))
-
-    # ------------------------------------------------------------------ health and hangs
-
-    def _watch_hang(self, now: float) -> None:
-        timeout = self.settings.hang_timeout_s
-        if (timeout is None or self._hang_reported or self.role != "rank"
-                or now - self._progress_at < timeout):
-            return
-        self._hang_reported = True
-        if self.metrics is not None:
-            self.metrics.hang_fired()
-        if self.phase == Phase.COLLECTIVE:
-            # Waiting on peers: probing and their own watchdogs find the one that hangs.
-            log.warning("no progress for %.1f s inside a collective at step %d", timeout,
-                        self.step)
-            return
-        log.error("training loop made no progress for %.1f s in %s: asking to be replaced",
-                  timeout, self.phase)
-        self._recent.append({"at": now, "type": "HangDetected", "detail": self.phase})
-        self._tasks.spawn(self._drain(), name="drain")
-
-    # ------------------------------------------------------------------ pulses
-
-    def _start_pulse(self) -> None:
-        """Start this process's pulse responder (before joining: observers look its port up as
-        soon as we are in a configuration)."""
-        if not self.settings.pulse:
-            return
-        if not pulse_available():
-            log.warning("pulse responder not built (./scripts/build-native): a stopped or "
-                        "vanished member is removed after the 3.1 s a stalled one is owed")
-            return
-        assert self.address is not None
-        self.pulse = PulseResponder.start(self.address[0], self.member_id, self._pulse_secrets)
-        self.register_service(PULSE_SERVICE, 0, self.pulse.port)
-
-    def _watch_pulses(self) -> None:
-        """Point the prober at this member's current subjects, looking up the pulse ports of
-        new ones (owned tasks; at most K per configuration change)."""
-        member, prober = self.member, self._prober
-        if member is None or prober is None:
-            return
-        watched = (member.configuration.config_id, member.subjects)
-        if watched == self._pulse_watched:
-            return
-        self._pulse_watched = watched
-        subjects = set(member.subjects) if not (member.removed or member.left) else set()
-        for gone in [m for m in self._pulse_ports if m not in subjects]:
-            del self._pulse_ports[gone]
-            lookup = self._pulse_lookups.pop(gone, None)
-            if lookup is not None:
-                lookup.cancel()
-        for subject in subjects:
-            if subject not in self._pulse_ports:
-                self._pulse_ports[subject] = None
-                self._pulse_lookups[subject] = self._tasks.spawn(
-                    self._look_up_pulse(subject),
-                    name=f"pulse-lookup-{format_member_id(subject)}")
-        self._point_prober()
-
-    def _point_prober(self) -> None:
-        member, prober = self.member, self._prober
-        if member is None or prober is None:
-            return
-        addresses = member.configuration.addresses
-        targets = {m: (addresses[m][0], port) for m, port in self._pulse_ports.items()
-                   if port is not None and m in addresses}
-        prober.watch(targets)
-
-    async def _look_up_pulse(self, subject: MemberId) -> None:
-        """Until ``subject``'s pulse port is found; cancelled when it stops being a subject."""
-        while True:
-            try:
-                _, port = await self.lookup_service(subject, PULSE_SERVICE, 0,
-                                                    timeout_s=PULSE_LOOKUP_S)
-            except TransportError as exc:
-                log.info("no pulse responder found for %016x (%s): watched by probes alone, "
-                         "asking again in %.0f s", subject, exc, PULSE_RELOOKUP_S)
-                await asyncio.sleep(PULSE_RELOOKUP_S)
-                continue
-            self._pulse_lookups.pop(subject, None)
-            self._pulse_ports[subject] = port
-            self._point_prober()
-            return
 
     def _on_silent(self, subject: MemberId) -> None:
         member = self.member
@@ -1097,96 +555,119 @@ class AgentRuntime:
             member.report_silent(self._clock(), subject)
         self._flush()
 
-    def _start_health(self) -> None:
-        if self._health is None:
-            try:
-                from .health import HealthMonitor
-            except ImportError:  # the health module is optional at this layer
-                return
-            self._health = HealthMonitor()
-        loop = asyncio.get_running_loop()
-        self._health.start(lambda fault: loop.call_soon_threadsafe(self._on_health_fault, fault))
+    def _on_request(self, kind: int, body: bytes) -> Reply | Coroutine[Any, Any, Reply] | None:
+        if self.member is None:
+            return None
+        if kind == Kind.KEY_CHECK:  # it opened: the key it came under is accepted here
+            return Kind.KEY_CHECK_REPLY, b""
+        if kind == Kind.CONFIG_REQUEST:
+            data = configuration_to_data(self.member.configuration)
+            return Kind.CONFIG_REPLY, msgpack.packb(data)
+        if kind == Kind.SERVICE_REQUEST:
+            return self.directory.on_request(body)
+        return None
 
-    def _on_health_fault(self, fault: Any) -> None:
-        self._recent.append({"at": self._clock(), "type": "HealthFault",
-                             "detail": f"{fault.kind}: {fault.detail}"})
-        self._health_faults[str(fault.kind)] += 1
-        if fault.severity == "migrate" and self.role == "rank":
-            log.error("GPU fault %s (%s): asking to be migrated", fault.kind, fault.detail)
-            self._tasks.spawn(self._drain(), name="drain")
+    # ------------------------------------------------------------------ service directory
 
-    # ------------------------------------------------------------------ pieces built on demand
+    def register_service(self, name: str, config_id: int, port: int) -> None:
+        """Announce that this process serves ``name`` for ``config_id`` on ``port`` of this
+        member's host (e.g. the rendezvous store of a configuration; docs/design.md section 8).
+        Peers find it with :meth:`lookup_service`, over the authenticated TCP port; requests that
+        were waiting for it are answered at once. ``port`` 0 says this member will not serve
+        ``name`` for ``config_id`` (a promoted spare that holds no state yet): lookups then
+        raise :class:`NotServed` at once instead of waiting; a later registration replaces it."""
+        self.directory.register(name, config_id, port)
 
-    def _start_metrics(self) -> None:
-        try:
-            from .metrics import AgentMetrics
-        except ImportError:
-            return
-        self.metrics = AgentMetrics()
+    async def lookup_service(self, member: MemberId, name: str, config_id: int, *,
+                             timeout_s: float = 30.0) -> Address:
+        """(host, port) where ``member`` serves ``name`` for ``config_id``. Each request is
+        held by ``member`` until the port is registered or
+        :data:`~.services.directory.SERVICE_HOLD_S` passed; then
+        this asks again, until ``timeout_s`` seconds passed.
 
-    async def _start_status(self, address: Address) -> None:
-        from .http import StatusServer
+        Raises:
+            NotServed: ``member`` registered it as not served (port 0).
+            TransportError: not registered within ``timeout_s`` seconds, or ``member`` has no
+                known address.
+        """
+        address = self.addresses.ask_at(self.configuration, member)
+        if address is None:
+            raise TransportError(f"no address for member {format_member_id(member)}")
+        if member == self.member_id:
+            address = self.address or address
+        return await self.directory.lookup(address, member, name, config_id, timeout_s)
 
-        self._status_server = StatusServer(self, self.metrics, host=address[0],
-                                           port=address[1], token=self.http_token)
-        self._status_server.set_tokens(http_tokens(self.keyring))
-        self.status_address = await self._status_server.start(self.settings.status_fd)
+    # ------------------------------------------------------------------ keys
 
-    async def _fetch_configuration(self) -> Configuration:
-        timeout = self.settings.join_timeout_s
-        deadline = self._clock() + timeout
-        last: Exception | None = None
-        while self._clock() < deadline:
-            refusals: list[KeyRefused] = []
-            for seed in self.settings.seeds:
-                left = deadline - self._clock()
-                if left <= 0:
-                    break
-                try:
-                    kind, body = await self.transport.request(seed, Kind.CONFIG_REQUEST, b"",
-                                                              timeout_s=min(5.0, left))
-                    if kind != Kind.CONFIG_REPLY:
-                        raise TransportError(f"unexpected reply kind {kind}")
-                    return configuration_from_data(msgpack.unpackb(
-                        body, raw=False, strict_map_key=False, max_array_len=MAX_MEMBERS,
-                        max_map_len=MAX_MEMBERS, max_str_len=1024, max_bin_len=0,
-                        max_ext_len=0))
-                except KeyRefused as exc:
-                    refusals.append(exc)  # said once, by the exit line, if every seed does
-                except (TransportError, BootstrapError, ValueError) as exc:
-                    last = exc
-                    log.warning("seed %s:%d gave no configuration: %s", *seed, exc)
-            if refusals and len(refusals) == len(self.settings.seeds):
-                # Every seed answered that it holds none of our keys: asking again for 30 s
-                # would only repeat that.
-                raise self._not_accepted(refusals, "seed(s)", len(refusals))
-            await asyncio.sleep(0.5)
-        raise TransportError(f"no seed gave a configuration within {timeout} s: {last}")
+    @property
+    def keyring(self) -> Any:
+        """The keys in use: ``settings.keyring`` until :meth:`reload_keys` replaces it."""
+        return self.keys.keyring
 
+    @property
+    def refused(self) -> KeyNotAccepted | None:
+        """Set when the members refused this member's key (a key check); it then stops."""
+        return self.keys.refused
 
-def _seed_members(config: Configuration, seeds: tuple[Address, ...]) -> tuple[MemberId, ...]:
-    at = {addr: m for m, addr in config.addresses.items()}
-    chosen = tuple(at[s] for s in seeds if s in at)
-    return chosen or config.members[:3]
+    def add_key_listener(self, listener: Callable[[Any], None]) -> None:
+        """Call ``listener(keyring)`` on the loop with each keyring :meth:`reload_keys`
+        installs (the state-transfer keys follow the agent's this way)."""
+        self.keys.add_listener(listener)
 
+    def key_counters(self) -> dict[str, int]:
+        """``reloads``, ``reload_failed``, ``key_checks`` and the transport's key events
+        (``refusals_sent``, ``unknown_key_lines``, ``unknown_key_lines_suppressed``): the
+        ``torchpass_keys_total`` metric."""
+        return self.keys.counters()
 
-def _describe(event: ev.Event) -> str:
-    parts = []
-    for field in dataclasses.fields(event):  # compiled events have no __slots__
-        name = field.name
-        if name == "at":
-            continue
-        value = getattr(event, name)
-        if isinstance(value, Configuration):
-            value = f"config {value.config_id} ({value.world_size} ranks, " \
-                    f"{len(value.spares)} spares)"
-        elif isinstance(value, Plan):
-            assigned = ", ".join(f"rank {r} -> {format_member_id(m)}"
-                                 for r, m in value.assignments)
-            removed = ", ".join(format_member_id(m) for m in value.removed)
-            value = (f"plan {value.config_id}: removed [{removed}], assignments [{assigned}], "
-                     f"resume {value.resume_step}")
-        elif isinstance(value, int) and name in ("member", "observer", "subject", "confirmer"):
-            value = format_member_id(value)
-        parts.append(f"{name}={value}")
-    return " ".join(parts)
+    def reload_keys(self) -> dict[str, Any]:
+        """Read ``settings.key_file`` again and seal, open, answer pulses and accept status
+        tokens under its keys from now on (``docs/running.md``, "Keys"): its first key becomes
+        the primary, the others stay accepted, a key no longer listed is refused. Counters and
+        replay windows are kept; nothing else changes. A file that cannot be read or parsed
+        changes nothing.
+
+        Returns ``{"reloaded": True, "primary_id", "key_ids"}`` or ``{"reloaded": False,
+        "reason"}`` (never raises for a bad file)."""
+        return self.keys.reload()
+
+    # ------------------------------------------------------------------ what services call
+
+    def _keys_installed(self, keyring: Any) -> None:
+        """The runtime's own users of keys follow ``keyring`` (after the transport's)."""
+        self.http_token = http_token(keyring)
+        self.status_page.set_keys(keyring)
+        self.pulse_watch.rekey(keyring)
+
+    def _on_unknown_key(self, address: Address) -> None:
+        self.keys.on_unknown_key(address)
+
+    def _running(self) -> bool:
+        return self.member is not None and not self.stopped
+
+    def _peers(self) -> dict[MemberId, Address] | None:
+        """The other members of the configuration that have an address, in its order."""
+        if self.member is None:
+            return None
+        addresses = self.member.configuration.addresses
+        return {m: addresses[m] for m in self.member.configuration.members
+                if m != self.member_id and m in addresses}
+
+    def _stop_refused(self, refused: KeyNotAccepted) -> None:
+        log.debug("%s", refused)  # the host says it, once (torchpass_p2p.start)
+        self._tasks.spawn(self.stop(leave=False), name="stop")
+
+    def _watch_hang(self, now: float) -> None:
+        """One turn of the hang watchdog (an attribute the driver looks up at each turn)."""
+        self.watchdog.check(now, self.phase, self.step)
+
+    def _hang_fired(self) -> None:
+        if self.metrics is not None:
+            self.metrics.hang_fired()
+
+    def _ask_to_drain(self) -> None:
+        """The agent's own drain (a hang, a failing GPU): never refused (:meth:`drain`)."""
+        self._tasks.spawn(self._drain(), name="drain")
+
+    def _config_id(self) -> int:
+        return self.member.configuration.config_id if self.member else -1
