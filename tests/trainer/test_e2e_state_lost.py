@@ -65,8 +65,12 @@ def test_a_spare_left_without_a_majority_is_stopped_by_the_launcher(tmp_path: Pa
     assert f"exit code 5: {lost}" in run.output, run.diagnosis()
     events = run.events
     (spare,) = {r["member"] for r in events if r["event"] == "start" and r["role"] == "spare"}
-    assert [(r["member"], r["config_id"]) for r in events if r["event"] == "fenced"] == [
-        (spare, 0)]
+    # The launcher concludes only from answers that are all fenced (roles.majority_lost), so
+    # the line above proves the spare's agent fenced in configuration 0. Its trainer logs that
+    # at its next wait slice (up to 1 s later), which the launcher's SIGTERM may precede.
+    assert [(r["member"], r["config_id"]) for r in events if r["event"] == "fenced"] in (
+        [], [(spare, 0)])
+    assert run.output.count("exited with signal SIGKILL") == 2, run.diagnosis()  # both ranks
     assert f"spare ({spare}) exited with signal SIGTERM" in run.output, run.diagnosis()
     assert not [r for r in events if r["event"] in ("change", "job_stopped", "fetch_started")]
     assert run.finals == []
