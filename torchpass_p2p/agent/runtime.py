@@ -27,8 +27,8 @@ failed); a task group also cancels every task when one fails, while here a faile
 or lookup is logged and only the driver's failure stops the member (``_driver_ended``); and
 it holds any number of tasks, while an agent's are bounded (:data:`MAX_TASKS`).
 
-Over 500 lines because :class:`AgentRuntime` is the agent's whole public surface: some 30
-methods and properties whose docstrings are the contract (units, errors) and whose bodies
+Why one module of this size: :class:`AgentRuntime` is the agent's whole public surface, some
+30 methods and properties whose docstrings are the contract (units, errors) and whose bodies
 delegate to the services in a line or two.
 """
 

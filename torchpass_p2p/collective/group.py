@@ -1,5 +1,9 @@
 """One process group per configuration, waited on in slices and abandoned, never aborted.
 
+Why one module of this size: every operation, the states and the closing of connections keep
+one rule (never block in gloo, never free a group in flight) that holds only if they live
+together.
+
 Theory of operation (docs/design.md sections 8 and 13). gloo operations cannot be aborted in place:
 ``abort()``, ``shutdown()`` and destroying the group from another thread all return without
 freeing a blocked operation (a wait that times out closes every connection of the group,

@@ -1,5 +1,9 @@
 """The membership state machine of one member: SWIM probing with Lifeguard and Rapid observers.
 
+Why one module of this size: probing, evidence, suspicion, refutation, contact and the view
+are one state machine over one view and one clock; the agreement lives apart
+(:mod:`.reconfiguration`, through the narrow :class:`~.reconfiguration.Membership` seam).
+
 Theory of operation
 -------------------
 Sans-IO (docs/design.md section 3). The host feeds in datagrams (:meth:`Member.receive`) and timer

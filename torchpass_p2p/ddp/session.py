@@ -1,5 +1,10 @@
 """This process's place in the job, driven from inside the user's own training loop.
 
+Why one module of this size: the step's phases (open, hook, vote, commit, redo, roll forward)
+share one step record and run from torch's callbacks in an order only this class sees whole;
+the reduction (:mod:`.reduction`), the data (:mod:`.data`) and the recovery layers
+(:mod:`torchpass_p2p.trainer`) live apart.
+
 :class:`Session` is the recovery machinery of :class:`~torchpass_p2p.trainer.Trainer` (entering
 configurations, the commit rule, the state exchange, regroups) with the step taken apart and
 driven by the parts a training script already calls (``docs/training.md``):
