@@ -84,6 +84,26 @@ def test_verdicts_taken_without_a_majority_remove_nobody_after_the_heal(seed: in
     assert r.converged and r.final_config_ids, _describe(r)
 
 
+@pytest.mark.parametrize("seed", [2595, 2775])
+def test_verdicts_about_members_a_majority_kept_remove_nobody(seed: int) -> None:
+    """Seeds of the long run where members of a partition's minority took verdicts about the
+    majority while their views still counted a majority reachable (a member of the other side
+    that none of theirs observes stays unsuspected), so the verdicts were not marked as taken
+    without one, and their gossip ran out before the heal. In seed 2775 (23 members, 12|11)
+    one of them, kept by the majority's next configurations, coordinated a classic round
+    removing 7 healthy members of 13 (acceptors accept a coordinator's value, their own
+    removal included); the rest crashed later, leaving nobody. In seed 2595 (11 members, 6|5)
+    a minority member held every other member dead, so it neither probed nor synced with
+    anyone and never learned the change that removed it. A change that keeps a member held
+    dead sends it the verdict, which it refutes (``Member._send_kept_verdicts``); a view that
+    counts fewer than a majority reachable syncs with any member (``Member._start_sync``) and
+    proposes nothing as a coordinator (``Reconfiguration._view_holds_majority``)."""
+    r = safety_run(seed)
+    assert (r.safety_violations, r.invariant_violations) == (0, 0), r.violations
+    assert not r.majority_lost
+    assert r.converged and r.final_config_ids, _describe(r)
+
+
 def test_a_seed_replays_exactly() -> None:
     a = safety_run(3, members_range=CI_MEMBERS, fault_window_s=CI_WINDOW_S, settle_s=CI_SETTLE_S)
     b = safety_run(3, members_range=CI_MEMBERS, fault_window_s=CI_WINDOW_S, settle_s=CI_SETTLE_S)

@@ -50,7 +50,10 @@ fails, and it alerts about the new incarnation on its next failed round.
 Dissemination. New updates are pushed at once to ``gossip_fanout`` random members, then piggybacked
 on every datagram (fewest-sent first) until each was sent ``lambda * ceil(log10(N + 1))`` times.
 Every ``sync_interval`` a member sends one random peer a digest of its view; on mismatch the peer
-answers with its view in pages and asks for ours.
+answers with its view in pages and asks for ours. The peer is one the view holds alive, unless
+the view counts fewer than a majority reachable: then any member of the configuration, for the
+view may be the thing that is wrong. A decided configuration that keeps members the view holds
+dead sends each of them its verdict, which it refutes if alive.
 
 Agreement. A :class:`Dead` verdict is evidence, not a removal: a member that hears one about
 itself refutes it like an alert. Whenever the view changes, the member's
@@ -717,7 +720,22 @@ class Member:
             self._rebase_suspicion(subject)
         for key in [k for k, p in self._queue.items() if _about(p.update) not in config]:
             del self._queue[key]
+        if self.id in config and self.joining is None:
+            self._send_kept_verdicts()
         self._reconf.cut_dirty = True
+
+    def _send_kept_verdicts(self) -> None:
+        """A decided configuration keeps members our view holds dead: each such verdict goes to
+        its subject, which refutes it if it is alive. A verdict taken on the minority side of a
+        partition can look taken with a majority (a view counts reachable every member of the
+        other side that none of its own side observes), and its gossip ran out before the heal;
+        unrefuted, it would ground a cut removing a healthy member, or mute this member (it
+        neither probes nor samples a member it holds dead). A subject that is dead costs one
+        datagram per holder and change."""
+        for member, (state, inc) in self._view.items():
+            if state == DEAD and member != self.id:
+                self._send(member, Gossip((Dead(member, inc,
+                                                self._confirmers.get(member, self.id)),)))
 
     def _scaled(self, seconds: float) -> float:
         return seconds * (self.health + 1)
@@ -1221,7 +1239,15 @@ class Member:
 
     def _start_sync(self, now: float) -> None:
         self._sync_at = now + self.params.sync_interval_s * (0.5 + self._rng.random())
-        peers = self._sample_members(1)
+        if self.reachable < classic_quorum(len(self._config)):
+            # Our view counts fewer than a majority reachable: it may be wrong, not the
+            # cluster (verdicts from the minority side of a healed partition, or decisions we
+            # missed that removed us), and we neither probe nor sample members we hold dead.
+            # Any member of the configuration may be the one to tell us: its view, or its
+            # certificates if it is ahead (one datagram per sync interval).
+            peers = self._sample_any()
+        else:
+            peers = self._sample_members(1)
         if peers:
             digest, entries = self.view_digest()
             self._send(peers[0], Digest(self._config.config_id, digest, entries))
@@ -1287,6 +1313,18 @@ class Member:
                 continue
             picked.append(m)
         return picked
+
+    def _sample_any(self) -> list[MemberId]:
+        """One random member of the configuration that is not us, whatever our view holds of
+        it; none if we are alone."""
+        members = self._config.members
+        n = len(members)
+        draw = self._rng.random
+        for _ in range(8):
+            m = members[int(draw() * n)]
+            if m != self.id:
+                return [m]
+        return []
 
     def _next_seq(self) -> int:
         self._seq = (self._seq + 1) % _SEQ_MOD

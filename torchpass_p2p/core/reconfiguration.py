@@ -375,14 +375,36 @@ class Reconfiguration:
         it, as of its ``Accept``, not of its ``Prepare``: promises may come much later (a
         healed partition), and a view from before would remove members that have refuted
         since. A round that held for want of a change sends its ``Accept`` now; one deferred
-        for the same reason (:meth:`_start_classic`) starts after this member's jitter."""
+        for the same reason (:meth:`_start_classic`) starts after this member's jitter. A view
+        that counts fewer than a majority reachable offers no change
+        (:meth:`_view_holds_majority`)."""
         consensus = self.consensus
+        if cut is not None and not self._view_holds_majority():
+            cut = None
         consensus.update_fallback(cut)
         if consensus.outbox or consensus.decision is not None:
             self._after_consensus_input(now)
         if cut is not None and self._classic_deferred and self.consensus is consensus:
             self._classic_deferred = False
             self._classic_at = min(self._classic_at, now + self._classic_jitter())
+
+    def _view_holds_majority(self) -> bool:
+        """Whether this member's view counts a majority of its configuration reachable: members
+        it holds suspected or convicted are not, members that left are (they take part until
+        a decision removes them). A coordinator whose view does not proposes none of it: its
+        round needs a quorum of promises, and if one comes, some promiser is alive that the
+        view holds dead (verdicts from the minority side of a healed partition, not refuted
+        yet), while acceptors accept a coordinator's value whatever their own views, their
+        own removal included. A view that is right (a majority is gone) gets no quorum of
+        promises anyway."""
+        need = classic_quorum(len(self.configuration))
+        reachable = self._member.reachable
+        if reachable >= need:
+            return True  # the usual case: no scan of the view
+        for member, (state, _) in self._view.items():
+            if state == LEFT and member != self._id:
+                reachable += 1
+        return reachable >= need
 
     def _classic_jitter(self) -> float:
         """This member's share of ``classic_spread_s`` for the current attempt (seconds): a
@@ -552,8 +574,9 @@ class Reconfiguration:
         self._classic_at = _INF
         if consensus.decision is not None or consensus.index < 0:
             return
-        if self._proposal is None:
-            # Nothing of our own to propose: a round of ours could only hold (the empty cut is
+        if self._proposal is None or not self._view_holds_majority():
+            # Nothing of our own to propose (or a view we may not propose:
+            # _view_holds_majority): a round of ours could only hold (the empty cut is
             # never decided; agreement.py), or hold already. A value some voters may have
             # decided is proposed by whichever member has a change to propose, for its round
             # reaches the same promises. Start once our view has one (_offer); no Prepare
