@@ -8,10 +8,10 @@ is ``decided_all_p99_s`` over the run's faults: seconds from the fault until eve
 holds a decided configuration without the failed member(s), the slowest fault of a host
 failure counting (the job waits for every replacement). Several seeds: the median of the runs.
 
-The whole table takes about 2 minutes of one core in pure Python on an idle 2-core machine
-(the 256-member runs are most of it; 3-4 minutes while others load it); a 512-member run alone
-took over 4 minutes under load, so :data:`MEMBERS` stops at 256 and
-:mod:`sims.fleetmodel.decided` extrapolates beyond in log2 N.
+The whole table takes about 12 minutes of one core with the compiled core and simulator
+(scripts/build-native; the 8,192-member runs are most of it, 4,096 members about 90 s). In
+pure Python a 512-member run alone takes minutes, so there the rows beyond 256 are slow to
+regenerate. Beyond the largest row :mod:`sims.fleetmodel.decided` extrapolates in log2 N.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 from ..scenario import run_scenario, scenario_from_mapping
 from .sources import DECIDED_LATENCY
 
-MEMBERS = (32, 64, 128, 256)
+MEMBERS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 SEEDS = (1,)
 FAULT_AT_S = 8.0
 VIRTUAL_S = 16.0
