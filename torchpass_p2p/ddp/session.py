@@ -47,6 +47,7 @@ from torchpass_p2p.trainer.regroup import GIVE_UP_S
 from torchpass_p2p.trainer.seeding import seed_step
 from torchpass_p2p.transfer import Snapshot
 
+from . import untracked
 from .reduction import Layout, StepReduction, flat_tensors, unflat_into
 from .stragglers import ArrivalWatch, policy_from_env
 
@@ -156,6 +157,7 @@ class Session(Trainer):
         self._entering: Any = None
         self._in_regroup = False
         self._joined = False
+        self._unwatch_optimizers: Callable[[], None] = lambda: None
         self._first_change: Change | None = None
         self.stragglers = ArrivalWatch(self.me, policy_from_env(), self.log, self.agent.drain)
         self.step_figures: list[list[float]] = []
@@ -279,6 +281,7 @@ class Session(Trainer):
         self.epoch, self.epochs_stop = start, stop
         self.objects["progress"] = _Progress(self)
         self._joined = True
+        self._unwatch_optimizers = untracked.install(self.objects, self.ddp.module)
         self.guard(self._enter_job)
         return self.epoch
 
@@ -350,6 +353,7 @@ class Session(Trainer):
 
     def finish(self) -> None:
         """Every member holds the final state (the final barrier), then this member stops."""
+        self._unwatch_optimizers()
         if not self._joined:
             self._close()
             return
