@@ -89,6 +89,61 @@ def test_an_unknown_state_transport_is_refused_naming_the_known_ones(no_session:
     assert str(caught.value) == "state_transport 'rdma': 'auto', 'tcp' or 'pg'"
 
 
+@pytest.mark.parametrize(("nccl", "cuda", "why"), [
+    (False, False, "torch.distributed.is_nccl_available() is False here"),
+    (False, True, "torch.distributed.is_nccl_available() is False here"),
+    (True, False, "torch.cuda.is_available() is False here"),
+])
+def test_nccl_without_nccl_or_cuda_is_refused_before_anything_starts(
+        no_session: None, monkeypatch: pytest.MonkeyPatch, nccl: bool, cuda: bool,
+        why: str) -> None:
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: nccl)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torchpass_p2p, "start", _no_agent)
+    monkeypatch.setenv("TORCHPASS_KEY_FILE", "/launcher/key")
+    with pytest.raises(ValueError) as caught:
+        torchpass_p2p.init_process_group(backend="nccl")
+    assert str(caught.value) == (f'backend="nccl" needs a torch build with NCCL and a CUDA '
+                                 f'device ({why}): use backend="gloo"')
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        current()  # nothing was started
+
+
+class AgentStarted(Exception):
+    """What the stand-in for :func:`torchpass_p2p.start` raises: the refusals were passed."""
+
+
+def _no_agent(*_args: Any, **_kwargs: Any) -> Any:
+    raise AgentStarted
+
+
+def test_a_script_not_started_by_the_launcher_is_told_to_use_it(
+        no_session: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHPASS_KEY_FILE", raising=False)
+    monkeypatch.delenv("TORCHPASS_KEY", raising=False)
+    monkeypatch.setenv("RANK", "0")  # as torchrun sets it
+    monkeypatch.setattr(torchpass_p2p, "start", _no_agent)
+    with pytest.raises(RuntimeError) as caught:
+        torchpass_p2p.init_process_group("gloo")
+    assert str(caught.value) == ("init_process_group(): run this script under `torchpass-p2p "
+                                 "launch` (not python or torchrun): no TORCHPASS_KEY_FILE or "
+                                 "TORCHPASS_KEY is set, so no launcher started it")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        current()  # nothing was started
+
+
+@pytest.mark.parametrize("variable", ["TORCHPASS_KEY_FILE", "TORCHPASS_KEY"])
+def test_an_agent_configured_by_hand_is_started(no_session: None,
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                variable: str) -> None:
+    monkeypatch.delenv("TORCHPASS_KEY_FILE", raising=False)
+    monkeypatch.delenv("TORCHPASS_KEY", raising=False)
+    monkeypatch.setenv(variable, "set by hand")
+    monkeypatch.setattr(torchpass_p2p, "start", _no_agent)
+    with pytest.raises(AgentStarted):
+        torchpass_p2p.init_process_group("gloo")
+
+
 # ------------------------------------------------------------------ DistributedDataParallel
 
 @pytest.mark.parametrize(("name", "value", "instead"), [
@@ -158,6 +213,41 @@ def test_a_distributed_sampler_with_a_batch_sampler_is_refused(session: Session)
     assert str(caught.value) == ("a DistributedSampler with a batch_sampler is not supported: "
                                  "give batch_size (and drop_last) to the DataLoader instead")
     assert session.loaders == []
+
+
+class Wrapper(tud.Sampler[int]):
+    """A sampler over another, naming it ``sampler`` as torch's ``BatchSampler`` does."""
+
+    def __init__(self, sampler: tud.Sampler[Any]) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_batch_sampler_over_a_distributed_sampler_is_refused_where_made(
+        session: Session, depth: int) -> None:
+    dataset = Squares()
+    inner: tud.Sampler[Any] = DistributedSampler(dataset)
+    for _ in range(depth):
+        inner = Wrapper(inner)
+    batches = tud.BatchSampler(inner, 4, drop_last=False)
+    for args, kwargs in [((), {"batch_sampler": batches}),
+                         ((1, False, None, batches), {})]:
+        with pytest.raises(ValueError) as caught:
+            DataLoader(dataset, *args, **kwargs)
+        assert str(caught.value) == ("a batch_sampler over a torchpass_p2p.DistributedSampler "
+                                     "is not supported: give the DistributedSampler as "
+                                     "sampler=, and batch_size (and drop_last) to the "
+                                     "DataLoader")
+    assert session.loaders == []
+    # a batch_sampler over torch's own samplers stays torch's
+    plain = tud.BatchSampler(Wrapper(tud.SequentialSampler(dataset)), 4, drop_last=False)
+    assert len(list(DataLoader(dataset, batch_sampler=plain))) == 3
 
 
 def test_an_iterable_dataset_with_a_distributed_sampler_is_refused(session: Session) -> None:

@@ -59,8 +59,9 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
     Raises:
         ValueError: ``init_method``, ``store``, ``rank`` or ``world_size`` given (the
             launcher and the agreement decide them), an unknown backend or
-            state_transport.
-        RuntimeError: called twice.
+            state_transport, or ``"nccl"`` where torch has no NCCL or no CUDA device.
+        RuntimeError: called twice, or not under ``torchpass-p2p launch`` (neither
+            ``TORCHPASS_KEY_FILE`` nor ``TORCHPASS_KEY`` set).
     """
     for name in REFUSED:
         if kwargs.get(name) not in (None, -1, ""):
@@ -71,12 +72,15 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
         raise ValueError(f"backend {backend!r}: 'gloo' or 'nccl'")
     if state_transport not in ("auto", "tcp", "pg"):
         raise ValueError(f"state_transport {state_transport!r}: 'auto', 'tcp' or 'pg'")
+    if backend == "nccl":
+        _refuse_nccl_without_cuda()
     try:
         current()
     except RuntimeError:
         pass
     else:
         raise RuntimeError("init_process_group() was called already")
+    _refuse_outside_the_launcher()
     from torchpass_p2p import start
 
     agent = start()
@@ -90,6 +94,42 @@ def init_process_group(backend: str | None = "gloo", *, seed: int | None = None,
     install(session)
     session._set_env()
     _skip_teardown_of_stuck_groups()
+
+
+def _refuse_nccl_without_cuda() -> None:
+    """NCCL missing from this torch build, or no CUDA device, can never be repaired by a
+    regroup: refused here, before the agent starts, so that the script ends at once instead of
+    waiting ``give_up_s`` for a group that cannot form.
+
+    Raises:
+        ValueError: no NCCL in this torch build, or no CUDA device.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        why = "torch.distributed.is_nccl_available() is False here"
+    elif not torch.cuda.is_available():
+        why = "torch.cuda.is_available() is False here"
+    else:
+        return
+    raise ValueError(f'backend="nccl" needs a torch build with NCCL and a CUDA device ({why}): '
+                     'use backend="gloo"')
+
+
+def _refuse_outside_the_launcher() -> None:
+    """The launcher always gives its children ``TORCHPASS_KEY_FILE``; a process started by hand
+    with ``TORCHPASS_KEY`` or ``TORCHPASS_KEY_FILE`` set configures its agent itself and is let
+    through. Neither set: the script was started by ``python`` or ``torchrun``, and the agent
+    could only fail for want of a cluster key, a message that does not say what to do.
+
+    Raises:
+        RuntimeError: neither variable set.
+    """
+    if not (os.environ.get("TORCHPASS_KEY_FILE") or os.environ.get("TORCHPASS_KEY")):
+        raise RuntimeError("init_process_group(): run this script under `torchpass-p2p launch` "
+                           "(not python or torchrun): no TORCHPASS_KEY_FILE or TORCHPASS_KEY "
+                           "is set, so no launcher started it")
 
 
 _failed = False

@@ -133,18 +133,38 @@ class _SeededSamples(tud.Dataset):  # type: ignore[type-arg]
         return getattr(self.dataset, name)
 
 
+def _wraps_distributed_sampler(batch_sampler: Any) -> bool:
+    """Whether ``batch_sampler`` draws from a :class:`DistributedSampler` through its chain of
+    ``sampler`` attributes (torch's ``BatchSampler`` and most wrappers name it so). Such a
+    sampler would be iterated without its loader, which refuses only at the first batch."""
+    seen: set[int] = set()
+    inner = getattr(batch_sampler, "sampler", None)
+    while inner is not None and id(inner) not in seen:
+        if isinstance(inner, DistributedSampler):
+            return True
+        seen.add(id(inner))
+        inner = getattr(inner, "sampler", None)
+    return False
+
+
 class DataLoader(tud.DataLoader):  # type: ignore[type-arg]
     """torch's ``DataLoader`` (same arguments), whose batches are counted for the data
     position (module docstring) when its sampler is a :class:`DistributedSampler`. Workers,
     shuffling, ``drop_last``, pinned memory and collation are torch's own.
 
     Raises:
-        ValueError: a :class:`DistributedSampler` with a ``batch_sampler`` (a position counts
-            whole batches of ``batch_size``), or with an ``IterableDataset``.
+        ValueError: a :class:`DistributedSampler` with a ``batch_sampler``, or a
+            ``batch_sampler`` wrapping one (a position counts whole batches of
+            ``batch_size``), or a :class:`DistributedSampler` with an ``IterableDataset``.
     """
 
     def __init__(self, dataset: Any, *args: Any, **kwargs: Any) -> None:
         sampler = kwargs.get("sampler", args[2] if len(args) > 2 else None)
+        batch_sampler = kwargs.get("batch_sampler", args[3] if len(args) > 3 else None)
+        if _wraps_distributed_sampler(batch_sampler):
+            raise ValueError("a batch_sampler over a torchpass_p2p.DistributedSampler is not "
+                             "supported: give the DistributedSampler as sampler=, and "
+                             "batch_size (and drop_last) to the DataLoader")
         self._tracked = isinstance(sampler, DistributedSampler)
         if self._tracked:
             if kwargs.get("batch_sampler") is not None:
