@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 
+from tests.launch.slurm_cluster import slurm_or_skip
 from torchpass_p2p.launch.slurm import (
     SlurmError,
     expand_hostlist,
@@ -34,12 +35,21 @@ def test_a_host_list_expands_in_slurms_order(text, names):
     assert expand_hostlist(text) == names
 
 
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs Slurm's scontrol")
+@pytest.fixture
+def scontrol() -> str:
+    """Slurm's ``scontrol``: installed in CI as the Slurm job test does (a collection-time
+    skip would read the host before that test installed it, and never run here)."""
+    slurm_or_skip()
+    path = shutil.which("scontrol")
+    assert path is not None
+    return path
+
+
 @pytest.mark.parametrize("text", sorted(LISTS))
-def test_the_parser_agrees_with_scontrol(text, tmp_path):
+def test_the_parser_agrees_with_scontrol(text, tmp_path, scontrol):
     conf = tmp_path / "slurm.conf"  # scontrol reads one before it expands anything
     conf.write_text("ClusterName=test\nSlurmctldHost=nowhere\n")
-    done = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True,
+    done = subprocess.run([scontrol, "show", "hostnames", text], capture_output=True,
                           text=True, check=True, timeout=30, env={"SLURM_CONF": str(conf)})
     assert done.stderr == "" and expand_hostlist(text) == done.stdout.split()
 
@@ -136,10 +146,9 @@ def test_addresses_are_resolved_to_ip_literals():
         resolve_address("no-such-host.invalid")
 
 
-@pytest.mark.skipif(shutil.which("scontrol") is None, reason="needs Slurm's scontrol")
-def test_a_list_scontrol_calls_invalid_is_refused_though_it_exits_0(tmp_path):
+def test_a_list_scontrol_calls_invalid_is_refused_though_it_exits_0(tmp_path, scontrol):
     conf = tmp_path / "slurm.conf"
     conf.write_text("ClusterName=test\nSlurmctldHost=nowhere\n")
     env = step_env("x[1-2]y") | {"SLURM_CONF": str(conf), "PATH": "/usr/bin:/bin"}
     with pytest.raises(SlurmError, match="Invalid hostlist: x"):
-        place(env, scontrol=shutil.which("scontrol"))
+        place(env, scontrol=scontrol)
