@@ -33,6 +33,7 @@ from torchpass_p2p.launch.keyfile import (
 )
 from torchpass_p2p.launch.outcome import (
     EXIT_DRAINED,
+    EXIT_KEY_REFUSED,
     EXIT_REMOVED,
     EXIT_STOPPED,
     ChildExit,
@@ -40,8 +41,10 @@ from torchpass_p2p.launch.outcome import (
     decide,
     describe_exit,
     exit_code,
+    is_error,
     is_failure,
     no_majority_left,
+    script_failed,
 )
 from torchpass_p2p.launch.ports import reserve_ports
 
@@ -175,6 +178,53 @@ def test_exit_code() -> None:
     assert exit_code([gone(1, 0), late]) == (
         1, "0000000000000002 exited with signal SIGKILL after the job completed")
     assert describe_exit(-9) == "exited with signal SIGKILL" and describe_exit(2) == "exited with 2"
+
+
+def test_a_script_failing_on_every_rank_is_reported_as_such_whatever_the_timing() -> None:
+    # Every rank crashed on a bug (exit 1) while a spare lived: whether the launcher then found
+    # no majority left (and stopped the spare) or the spare went on its own, the outcome is
+    # the same: exit 1 naming the first rank that failed, never advice to resume.
+    ranks = [ChildExit(i, True, 1, name=f"rank {i - 1} (000000000000000{i})") for i in (1, 2, 3)]
+    spare_stopped = ChildExit(4, False, -15, by_launcher=True)
+    lost = no_majority_left(0, 3, 4, "exited")
+    expected = (1, "the script failed: every rank exited with an error, rank 0 "
+                   "(0000000000000001) first (exited with 1): its stderr above shows why; fix "
+                   "the script (a resume would fail the same way)")
+    assert exit_code([*ranks, spare_stopped], gave_up=lost) == expected
+    assert exit_code([*ranks, spare_stopped]) == expected
+    assert exit_code([ranks[1], spare_stopped, ranks[0], ranks[2]], gave_up=lost)[1].startswith(
+        "the script failed: every rank exited with an error, rank 1 (0000000000000002) first")
+    assert exit_code([*ranks, ChildExit(4, False, EXIT_STOPPED)]) == expected
+    assert script_failed([*ranks, spare_stopped]) == expected[1]
+    # Without a name the member id names the rank.
+    assert script_failed([gone(1, 2)]) == (
+        "the script failed: every rank exited with an error, 0000000000000001 first (exited "
+        "with 2): its stderr above shows why; fix the script (a resume would fail the same way)")
+
+
+def test_a_job_that_cannot_go_on_is_no_script_failure() -> None:
+    lost = no_majority_left(0, 2, 4, "exited")
+    # A rank still alive when the launcher stopped it: a majority died, the script may be fine.
+    assert exit_code([gone(1, 1), gone(2, 1), gone(3, -15, by_launcher=True),
+                      gone(4, -15, rank=False, by_launcher=True)], gave_up=lost) == (
+        EXIT_STOPPED, f"{lost}; the job stops: resume it from its last checkpoint")
+    # Deaths by a signal are faults, not script errors; nor are the trainer's own codes.
+    for code in (-9, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED, EXIT_KEY_REFUSED):
+        assert script_failed([gone(1, 1), gone(2, code)]) is None
+    assert [is_error(c) for c in (0, 1, 2, 255, -9, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED,
+                                  EXIT_KEY_REFUSED)] == [False, True, True, True, False, False,
+                                                         False, False, False]
+    # Some process finished: a completed job, or a failure after it, as before.
+    assert script_failed([gone(1, 1), gone(2, 0)]) is None
+    assert exit_code([gone(1, 0), gone(2, 1)])[0] == 1
+    # Only spares exited (joining through seeds): no rank failed.
+    assert script_failed([gone(1, 1, rank=False)]) is None
+    assert exit_code([gone(1, 1, rank=False)]) == (1, "no process exited 0")
+    # A rank refused twice at its join: stopped, and no resume advised (it would be refused).
+    why = "rank 2 (x) and then spare (y), which replaced it, were refused at their join: ..."
+    assert exit_code([gone(3, EXIT_STOPPED), gone(4, EXIT_STOPPED, rank=False),
+                      gone(1, -15, by_launcher=True)], mismatch=why) == (EXIT_STOPPED, why)
+    assert exit_code([gone(3, EXIT_STOPPED), gone(1, 0)], mismatch=why) == (0, "job complete")
 
 
 def test_key_file_is_private_and_round_trips(tmp_path: Path) -> None:

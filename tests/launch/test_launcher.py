@@ -556,6 +556,118 @@ def test_a_member_stopping_alone_leaves_the_job_running(tmp_path: Path) -> None:
     assert "exit code 0: job complete" in log, log
 
 
+
+A_RANK_NOBODY_CAN_RUN = '''
+import asyncio, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+rank = env.get("RANK")
+if rank == "2":
+    time.sleep(0.5)
+    sys.exit(5)  # refused at its join: its script describes another job than the others'
+if rank is None:
+    time.sleep(3.0)  # past rank 2's grace: the spare took rank 2 and runs the same script
+    sys.exit(5)
+
+
+async def main():
+    async def status(request):
+        return web.json_response({"role": "rank", "config_id": 0, "fenced": False,
+                                  "members": []})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    await asyncio.sleep(60)
+
+asyncio.run(main())
+'''
+
+
+def test_a_rank_whose_replacement_is_refused_too_stops_the_job(tmp_path: Path) -> None:
+    # Rank 2's script describes another job, and so does its replacement's (the same script):
+    # every replacement would be refused, so the launcher stops the job at the second refusal
+    # instead of leaving ranks 0 and 1 to wait for a spare until their give-up time.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", A_RANK_NOBODY_CAN_RUN)
+    launcher = start_launcher(["--nproc", "3", "--spares", "1", "--grace", "1",
+                               str(script), str(out)])
+    code, log = finish(launcher, timeout_s=20)
+    assert code == EXIT_STOPPED, log
+    assert re.search(r"rank 2 \([0-9a-f]{16}\) stopped alone \(refused at its join: its "
+                     r"script describes another job than the others', as its last line says\); "
+                     r"rank [01] \([0-9a-f]{16}\) still holds a rank in configuration 0: the "
+                     r"job goes on", log), log
+    why = (r"rank 2 \([0-9a-f]{16}\) and then spare \([0-9a-f]{16}\), which replaced it, were "
+           r"refused at their join: the script describes another job on that rank than on the "
+           r"others \(their last lines above say what differs\); every replacement runs the "
+           r"same script and would be refused too: the job stops; make every rank describe the "
+           r"same job \(epochs, dataset, model, seed, \.\.\.\)")
+    assert re.search(why + "; stopping the remaining processes", log), log
+    assert re.search("exit code 5: " + why + "$", log.rstrip()), log
+    assert "resume it from its last checkpoint" not in log, log
+    assert log.count("exited with signal SIGTERM") == 2, log
+    assert "grace period over" not in log, log
+
+
+A_RANK_LEFT_WITHOUT_A_SPARE = '''
+import asyncio, time
+from aiohttp import web
+
+out = Path(sys.argv[1])
+env = dump(out)
+rank = env.get("RANK")
+if rank == "2":
+    time.sleep(0.5)
+    sys.exit(5)  # refused at its join, and no spare is there to take its rank
+
+
+async def main():
+    started = time.monotonic()
+    while len(list(out.glob("*.json"))) < 3:
+        await asyncio.sleep(0.02)
+    envs = [json.loads(p.read_text()) for p in out.glob("*.json")]
+    ranks = [{"member_id": e["TORCHPASS_MEMBER_ID"], "role": "rank"} for e in envs
+             if e["RANK"] != "2"]
+
+    async def status(request):
+        later = time.monotonic() - started > 1.0  # the change that left rank 2 vacant
+        return web.json_response({"role": "rank", "config_id": 1 if later else 0,
+                                  "fenced": False, "world_size": 3, "members": ranks})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    await asyncio.sleep(8.0)  # the ranks wait, then finish (in a real job: their give-up time)
+
+asyncio.run(main())
+'''
+
+
+def test_a_rank_left_vacant_without_a_spare_is_said_once(tmp_path: Path) -> None:
+    # Rank 2 stops alone (EXIT_STOPPED, no failure) and no spare is left to take its rank:
+    # the launcher says once why the others wait, as after a failure.
+    out = tmp_path / "out"
+    out.mkdir()
+    script = write_script(tmp_path, "child.py", A_RANK_LEFT_WITHOUT_A_SPARE)
+    launcher = start_launcher(["--nproc", "3", "--grace", "1", str(script), str(out)])
+    code, log = finish(launcher, timeout_s=25)
+    assert code == 0, log
+    assert re.search(r"rank 2 \([0-9a-f]{16}\) stopped alone .*: the job goes on", log), log
+    hint = ("configuration 1 has 1 vacant rank(s) and no spare left to fill them, and "
+            "--respawn is off: under policy wait the members wait for a spare to join")
+    assert log.count(hint) == 1, log
+    assert "exit code 0: job complete" in log, log
+
 A_MAJORITY_DIES = '''
 import asyncio, json, time
 from aiohttp import web

@@ -5,8 +5,12 @@ Under Slurm, start one launcher per node (``srun --ntasks-per-node=1 torchpass-p
 ...``): --nodes, --node-rank and --run-id not given come from the job step's environment
 (docs/running.md, "Slurm").
 
-Exit code: 0 when the job completed (some process exited 0 and none failed afterwards), 1 when
-it failed, 2 for a usage or setup error, 128 + N when signal N stopped the launcher.
+Exit code: 0 when the job completed (some process exited 0 and none failed afterwards); 1 when
+it failed (the script failed on every rank, or a process failed after the job completed); 2 for
+a usage or setup error; 5 when the job stopped because it cannot go on (a rank nobody can fill,
+no majority of the configuration left: resume it from its last checkpoint; or a rank's script
+describes another job than the others'); 6 when no process exited 0 and the cluster refused a
+child's key; 128 + N when signal N stopped the launcher.
 """
 
 from __future__ import annotations

@@ -20,7 +20,9 @@ Lifecycle (one asyncio loop, every task owned by one ``TaskGroup``):
    spare gave up without a majority). The rest get the grace period to exit too; at its end,
    a job in which an agent still holds a rank and reaches a majority goes on (a member whose
    script describes another job than the others' stops alone:
-   :class:`torchpass_p2p.JobMismatch`).
+   :class:`torchpass_p2p.JobMismatch`). A second member that stops alone while the job goes
+   on (the spare that replaced the first one, refused for the same script) stops the job at
+   once: every replacement runs the same script and would be refused as well.
    :func:`.outcome.decide` says when the job is over. Every :data:`QUORUM_CHECK_S` the
    launcher reads the agents' status pages: after a failure, whether a majority of their
    configuration is still alive (:func:`.roles.majority_lost`); when it is not, no
@@ -117,6 +119,7 @@ from .outcome import (
     describe_exit,
     exit_code,
     is_failure,
+    script_failed,
 )
 from .ports import Reservation, reserve_ports
 from .rekey import check_rotation, describe_keys, reload_children, shared_token
@@ -285,6 +288,8 @@ class _Supervisor:
         self.respawns = 0
         self.stopped_by: int | None = None
         self.gave_up: str | None = None  # why no majority can form again (roles.majority_lost)
+        self.stopped_alone: list[str] = []  # members that exited EXIT_STOPPED as the job went on
+        self.mismatch: str | None = None  # why every replacement would be refused (_supervise)
         self.views: dict[int, StatusView] = {}  # each child's last status answer, by pgid
         self.evidence: set[asyncio.Task[int]] = set()
         self.reserved: dict[MemberId, tuple[Reservation, Reservation]] = {}
@@ -339,7 +344,8 @@ class _Supervisor:
                 log.warning("killed %d stray process(es) left by the children: pid(s) %s",
                             len(strays), ", ".join(map(str, strays)))
             remove_run_dir(self.run_dir)
-        code, reason = exit_code(self.exits, stopped_by=self.stopped_by, gave_up=self.gave_up)
+        code, reason = exit_code(self.exits, stopped_by=self.stopped_by, gave_up=self.gave_up,
+                                 mismatch=self.mismatch)
         log.info("exit code %d: %s", code, reason)
         return code
 
@@ -585,14 +591,21 @@ class _Supervisor:
                     if self.gave_up is None:
                         check_at = loop.time() + QUORUM_CHECK_S
                         continue
+                    failed = None if any(c.spec.rank is not None for c in self._running()) \
+                        else script_failed(self.exits)
                     log.warning("%s; %s; stopping the remaining processes", self.gave_up,
-                                JOB_STOPS)
+                                JOB_STOPS if failed is None else failed)
                 else:
                     if stop_grace and (training := await self._training()) is not None:
                         # A member stopped alone (its script described another job than
-                        # the others': refused at its join); the others train on.
-                        log.info("%s: the job goes on", training)
+                        # the others': refused at its join); the others train on. The look
+                        # at the agents resumes: a rank it left vacant may have no spare.
+                        alone = self.stopped_alone[-1]
+                        log.info("%s stopped alone (refused at its join: its script describes "
+                                 "another job than the others', as its last line says); %s: "
+                                 "the job goes on", alone, training)
                         finish_at, stop_grace, self.gave_up = None, False, None
+                        check_at = loop.time() + QUORUM_CHECK_S
                         continue
                     log.info("grace period over; stopping the remaining processes")
                 await self._stop(signal.SIGTERM)
@@ -612,13 +625,30 @@ class _Supervisor:
                 # so in its last status answer: say it here too, with its counts.
                 view = self.views.get(event.child.pgid)
                 lost = None if view is None else view.no_majority()
+                if lost is None and self.stopped_alone:
+                    # A member stopped alone before and the job went on: this one (most
+                    # likely the spare that took its rank) is refused too. Every
+                    # replacement runs the same script with the same arguments and the
+                    # refusal is deterministic, so waiting for another only hangs the job.
+                    self.mismatch = (
+                        f"{self.stopped_alone[0]} and then {event.child.spec.name}, which "
+                        "replaced it, were refused at their join: the script describes "
+                        "another job on that rank than on the others (their last lines above "
+                        "say what differs); every replacement runs the same script and would "
+                        "be refused too: the job stops; make every rank describe the same "
+                        "job (epochs, dataset, model, seed, ...)")
+                    log.warning("%s; stopping the remaining processes", self.mismatch)
+                    await self._stop(signal.SIGTERM)
+                    return
+                self.stopped_alone.append(event.child.spec.name)
                 if lost is not None:
                     self.gave_up = lost
                     log.warning("%s stopped the job: %s; %s; waiting up to %.1f s for the "
                                 "rest", event.child.spec.name, lost, JOB_STOPS,
                                 self.options.grace_s)
                 else:
-                    log.info("%s stopped the job; waiting up to %.1f s for the rest",
+                    log.info("%s stopped the job; waiting up to %.1f s for the rest (unless "
+                             "it stopped alone: refused at its join, the others train on)",
                              event.child.spec.name, self.options.grace_s)
                 finish_at = loop.time() + self.options.grace_s
                 stop_grace = True
@@ -708,8 +738,8 @@ class _Supervisor:
         for c, view in zip(asked, views, strict=True):
             if view is not None:
                 self.views[c.pgid] = view
-        if not any(is_failure(e.returncode) for e in self.exits):
-            return None  # nobody exited: every member may still come back (SIGCONT)
+        # A rank is vacant after a failure or a member that stopped alone (EXIT_STOPPED is no
+        # failure): the hint is due in either case.
         respawning = self.options.respawn and self.respawns < self.options.max_respawns
         vacant = None if respawning else vacant_without_spare(views)
         if vacant is not None and vacant not in self.said:
@@ -719,6 +749,8 @@ class _Supervisor:
             log.warning("%s, %s: under policy wait the members wait for a spare to join (start "
                         "one, or launch with --respawn; TORCHPASS_POLICY=shrink trains on with "
                         "fewer ranks) for up to their give-up time, then stop", vacant, why)
+        if not any(is_failure(e.returncode) for e in self.exits):
+            return None  # nobody exited: every member may still come back (SIGCONT)
         ours = {c.pgid: format_member_id(c.spec.member_id) for c in self.children}
         gone = frozenset(m for pgid, m in ours.items() if pgid in self.recorded)
         return majority_lost(views, gone, frozenset(ours.values()))
@@ -732,7 +764,7 @@ class _Supervisor:
         unordered = now - self.ticked_at > STALL_S or now < self.stalled_until
         self.exits.append(ChildExit(child.spec.member_id, child.spec.rank is not None,
                                     event.returncode, by_launcher=child.signalled,
-                                    unordered=unordered))
+                                    unordered=unordered, name=child.spec.name))
         log.info("%s %s", child.spec.name, describe_exit(event.returncode))
 
     async def _tick(self) -> None:

@@ -32,7 +32,10 @@ because it cannot go on (a member stopped it: a rank nobody can fill, or no majo
 configuration left; or a majority of a configuration of the launcher's own children exited):
 resume it from its last checkpoint, as the reason says; :data:`EXIT_KEY_REFUSED` when, with no
 process exited 0, the cluster refused a child's key; 1 otherwise (every exit failed, or a
-failure after completion).
+failure after completion). With no process exited 0, 1 also wins over :data:`EXIT_STOPPED`
+when every process started as a rank failed with an ordinary error (:func:`script_failed`):
+the script failed, and resuming it would fail the same way. Which of the two a timing gives
+must not matter (a spare left alive may have been stopped for a lost majority, or not).
 Known limitation: a rank drained on purpose that exits 0 while roles are known makes the
 launcher believe its rank is finished; if every starting rank leaves that way, the spares that
 took over get only the grace period (their agents say they hold ranks, but nothing says the job
@@ -50,8 +53,8 @@ from torchpass_p2p.core.agreement import classic_quorum
 from torchpass_p2p.core.messages import MemberId, format_member_id
 
 __all__ = ["EXIT_DRAINED", "EXIT_KEY_REFUSED", "EXIT_REMOVED", "EXIT_STOPPED", "JOB_STOPS",
-           "ChildExit", "Verdict", "decide", "describe_exit", "exit_code", "is_failure",
-           "no_majority_left"]
+           "ChildExit", "Verdict", "decide", "describe_exit", "exit_code", "is_error",
+           "is_failure", "no_majority_left", "script_failed"]
 
 EXIT_REMOVED = 3
 """What a member's script exits with once a decided configuration removed it
@@ -104,19 +107,50 @@ class ChildExit:
     """One process's end. ``returncode`` follows :mod:`subprocess`: ``-N`` is death by signal
     ``N``. ``by_launcher``: the launcher had signalled it (shutdown), so it is no failure.
     ``unordered``: reaped just after the launcher itself did not run for a while (SIGSTOP, a
-    frozen host): when it happened relative to the other exits reaped then is unknown."""
+    frozen host): when it happened relative to the other exits reaped then is unknown.
+    ``name``: how the launcher's log names the process (``rank 0 (8d2c...)``); empty: its
+    member id names it."""
 
     member_id: MemberId
     started_as_rank: bool
     returncode: int
     by_launcher: bool = False
     unordered: bool = False
+    name: str = ""
+
+    def label(self) -> str:
+        return self.name or format_member_id(self.member_id)
 
 
 def is_failure(returncode: int) -> bool:
     """A death the launcher reports to the siblings (and respawns for): anything but 0,
     :data:`EXIT_DRAINED` (a planned hand-over) and :data:`EXIT_STOPPED` (every member knows)."""
     return returncode not in (0, EXIT_DRAINED, EXIT_STOPPED)
+
+
+def is_error(returncode: int) -> bool:
+    """An ordinary error of the script: a positive exit code the trainer does not give a
+    meaning (an uncaught exception exits 1). Death by a signal is no script error (a fault of
+    the host, or a kill), nor are :data:`EXIT_REMOVED`, :data:`EXIT_DRAINED`,
+    :data:`EXIT_STOPPED` and :data:`EXIT_KEY_REFUSED`."""
+    return returncode > 0 and returncode not in (EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED,
+                                                 EXIT_KEY_REFUSED)
+
+
+def script_failed(exits: Sequence[ChildExit]) -> str | None:
+    """Why the script, not the job's processes, failed, or None: no process exited 0 and
+    every process started as a rank among ``exits`` failed with an ordinary error
+    (:func:`is_error`) before the launcher signalled it. Such a failure repeats at every
+    resume or respawn (a bug in the script or its input): the reason names the first rank that
+    failed, whose stderr shows the traceback, and never advises a resume."""
+    ranks = [e for e in exits if e.started_as_rank]
+    if (not ranks or any(e.returncode == 0 for e in exits)
+            or not all(is_error(e.returncode) and not e.by_launcher for e in ranks)):
+        return None
+    first = ranks[0]
+    return (f"the script failed: every rank exited with an error, {first.label()} first "
+            f"({describe_exit(first.returncode)}): its stderr above shows why; fix the script "
+            "(a resume would fail the same way)")
 
 
 def describe_exit(returncode: int) -> str:
@@ -156,15 +190,23 @@ def decide(
 
 
 def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
-              gave_up: str | None = None) -> tuple[int, str]:
+              gave_up: str | None = None, mismatch: str | None = None) -> tuple[int, str]:
     """The launcher's exit code and the reason (module docstring). ``stopped_by``: the signal
     number that stopped the launcher, if one did; ``gave_up``: why no majority of the
     configuration is left, if the launcher found it so (:func:`.roles.majority_lost`) or a
-    member stopped the job saying so (:meth:`.roles.StatusView.no_majority`)."""
+    member stopped the job saying so (:meth:`.roles.StatusView.no_majority`); ``mismatch``:
+    why every replacement of a rank would be refused at its join (its script describes another
+    job), if the launcher stopped the job for it: :data:`EXIT_STOPPED` with that reason alone,
+    since resuming the same script would be refused the same way."""
     if stopped_by is not None:
         return 128 + stopped_by, f"stopped by {signal.Signals(stopped_by).name}"
     first = next((i for i, e in enumerate(exits) if e.returncode == 0), None)
     if first is None:
+        failed = script_failed(exits)
+        if failed is not None:
+            return 1, failed
+        if mismatch is not None:
+            return EXIT_STOPPED, mismatch
         if gave_up is not None:
             return EXIT_STOPPED, f"{gave_up}; {JOB_STOPS}"
         if any(e.returncode == EXIT_STOPPED for e in exits):
@@ -179,6 +221,6 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
     for e in exits[first + 1:]:
         if (e.returncode not in (0, EXIT_REMOVED, EXIT_DRAINED, EXIT_STOPPED)
                 and not e.by_launcher and not (e.unordered and exits[first].unordered)):
-            return 1, (f"{format_member_id(e.member_id)} {describe_exit(e.returncode)} after "
+            return 1, (f"{e.label()} {describe_exit(e.returncode)} after "
                        "the job completed")
     return 0, "job complete"
