@@ -15,8 +15,14 @@ from .procs import finish, reports, start_launcher, write_script
 pytestmark = pytest.mark.timeout(60)
 
 REPORT = '''
+import time
 out = Path(sys.argv[1])
 dump(out)
+# A rank waits (up to 20 s) for every child's report: once the ranks have exited, the launcher
+# stops the idle spare at once, and a spare that had not yet started writing would report nothing.
+deadline = time.monotonic() + 20
+while len(list(out.glob("*.json"))) < 3 and time.monotonic() < deadline:
+    time.sleep(0.02)
 '''
 
 
