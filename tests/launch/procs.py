@@ -33,6 +33,23 @@ def dump(out: Path, **extra):
     tmp.write_text(json.dumps(env))
     tmp.rename(out / f"{me}.json")
     return env
+
+
+async def serve_status(env, answer):
+    # GET /status answers answer() (a JSON-able dict) at this child's status address, as an
+    # agent's page would; runs until the child's loop ends.
+    from aiohttp import web
+
+    async def status(request):
+        return web.json_response(answer())
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
+    await web.TCPSite(runner, host, int(port)).start()
+    return runner
 '''
 
 

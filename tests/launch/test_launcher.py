@@ -321,7 +321,6 @@ def test_the_grace_ends_when_only_stopped_members_are_left(tmp_path: Path) -> No
 
 ROLES_ON_THE_STATUS_PAGE = '''
 import asyncio, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -331,15 +330,7 @@ if rank == "1":
 role = {None: "spare", "2": "removed"}.get(rank, "rank")
 
 async def main():
-    async def status(request):
-        return web.json_response({"role": role, "members": []})
-
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    runner = await serve_status(env, lambda: {"role": role, "members": []})
     # rank 0 completes the job; rank 3 is still finishing; the spare and the removed rank 2
     # would idle for a minute
     await asyncio.sleep({"0": 1.5, "3": 3.0}.get(rank, 60))
@@ -373,7 +364,6 @@ def test_the_grace_ends_when_only_members_holding_no_rank_are_left(tmp_path: Pat
 
 PAUSED_AT_THE_END_WHILE_HOLDING_ITS_RANK = '''
 import asyncio, json, signal, subprocess, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -394,16 +384,8 @@ async def main():  # the spare: its agent's configuration still gives rank 2 to 
     (holder,) = [e["TORCHPASS_MEMBER_ID"] for e in map(json.loads, (
         p.read_text() for p in out.glob("*.json"))) if e.get("RANK") == "2"]
 
-    async def status(request):
-        return web.json_response({"role": "spare", "members": [
-            {"member_id": holder, "role": "rank", "rank": 2}]})
-
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await serve_status(env, lambda: {"role": "spare", "members": [
+               {"member_id": holder, "role": "rank", "rank": 2}]})
     await asyncio.sleep(60)
 
 time.sleep(0.5)  # rank 2 has reported its member id
@@ -435,7 +417,6 @@ def test_a_stopped_member_that_still_holds_a_rank_is_waited_for(tmp_path: Path) 
 
 A_SPARE_THAT_TOOK_A_RANK_ELSEWHERE = '''
 import asyncio, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -444,15 +425,7 @@ if env["TORCHPASS_ROLE"] == "rank":
     sys.exit(0)
 
 async def main():  # the spare replaced a rank of another host and is finishing the last step
-    async def status(request):
-        return web.json_response({"role": "rank", "members": []})
-
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    runner = await serve_status(env, lambda: {"role": "rank", "members": []})
     await asyncio.sleep(2.5)
     (out / "spare-done").touch()
     await runner.cleanup()
@@ -509,7 +482,6 @@ def test_the_agreement_stopping_the_job_stops_the_launch(tmp_path: Path) -> None
 
 A_MEMBER_STOPS_ALONE = '''
 import asyncio, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -520,17 +492,12 @@ if rank == "2":
 
 
 async def main():
-    async def status(request):
+    def answer():
         role = "spare" if rank is None else "rank"
-        return web.json_response({"role": role, "config_id": 0, "fenced": False,
-                                  "members": []})
+        return {"role": role, "config_id": 0, "fenced": False,
+                "members": []}
 
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await serve_status(env, answer)
     await asyncio.sleep(60 if rank is None else 3.5)  # the ranks train on past the grace
 
 asyncio.run(main())
@@ -559,7 +526,6 @@ def test_a_member_stopping_alone_leaves_the_job_running(tmp_path: Path) -> None:
 
 A_RANK_NOBODY_CAN_RUN = '''
 import asyncio, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -573,16 +539,8 @@ if rank is None:
 
 
 async def main():
-    async def status(request):
-        return web.json_response({"role": "rank", "config_id": 0, "fenced": False,
-                                  "members": []})
-
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await serve_status(env, lambda: {"role": "rank", "config_id": 0, "fenced": False,
+                                     "members": []})
     await asyncio.sleep(60)
 
 asyncio.run(main())
@@ -618,7 +576,6 @@ def test_a_rank_whose_replacement_is_refused_too_stops_the_job(tmp_path: Path) -
 
 A_RANK_LEFT_WITHOUT_A_SPARE = '''
 import asyncio, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -636,17 +593,12 @@ async def main():
     ranks = [{"member_id": e["TORCHPASS_MEMBER_ID"], "role": "rank"} for e in envs
              if e["RANK"] != "2"]
 
-    async def status(request):
+    def answer():
         later = time.monotonic() - started > 1.0  # the change that left rank 2 vacant
-        return web.json_response({"role": "rank", "config_id": 1 if later else 0,
-                                  "fenced": False, "world_size": 3, "members": ranks})
+        return {"role": "rank", "config_id": 1 if later else 0,
+                "fenced": False, "world_size": 3, "members": ranks}
 
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await serve_status(env, answer)
     await asyncio.sleep(8.0)  # the ranks wait, then finish (in a real job: their give-up time)
 
 asyncio.run(main())
@@ -670,7 +622,6 @@ def test_a_rank_left_vacant_without_a_spare_is_said_once(tmp_path: Path) -> None
 
 A_MAJORITY_DIES = '''
 import asyncio, json, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -688,20 +639,15 @@ async def main():
     members = [e["TORCHPASS_MEMBER_ID"] for e in map(json.loads, (
         p.read_text() for p in out.glob("*.json"))) if "TORCHPASS_SEEDS" not in e]
 
-    async def status(request):
+    def answer():
         fenced = not joining and time.monotonic() - started > 3.0  # as after the lease
         if fenced:
             (out / f"said-fenced-{rank}").touch()
         role = "joining" if joining else "spare" if rank is None else "rank"
-        return web.json_response({"role": role, "config_id": 0, "fenced": fenced,
-                                  "members": [{"member_id": m} for m in members]})
+        return {"role": role, "config_id": 0, "fenced": fenced,
+                "members": [{"member_id": m} for m in members]}
 
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await serve_status(env, answer)
     await asyncio.sleep(60)
 
 asyncio.run(main())
@@ -733,7 +679,6 @@ def test_a_job_whose_majority_died_is_stopped_once_the_agents_are_fenced(
 
 A_SURVIVOR_WITHOUT_A_MAJORITY = '''
 import asyncio, json, os, signal, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -749,20 +694,15 @@ async def main():
     members = [json.loads(p.read_text())["TORCHPASS_MEMBER_ID"] for p in out.glob("*.json")]
     started = time.monotonic()
 
-    async def status(request):
+    def answer():
         # As its agent once both peers are suspected: fenced, alone of three.
         (out / "asked").touch()
-        return web.json_response({"role": "rank", "config_id": 0, "fenced": True,
-                                  "reachable": 1, "majority": 2,
-                                  "members": [{"member_id": m, "role": "rank"}
-                                              for m in members]})
+        return {"role": "rank", "config_id": 0, "fenced": True,
+                "reachable": 1, "majority": 2,
+                "members": [{"member_id": m, "role": "rank"}
+                            for m in members]}
 
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await serve_status(env, answer)
     while not (out / "asked").exists() or time.monotonic() - started < 3.0:
         await asyncio.sleep(0.05)
     # Its give-up time is over: the trainer stops the job, with its own line.
@@ -793,7 +733,6 @@ def test_a_member_left_without_a_majority_stops_the_launch_saying_how_many_are_l
 
 A_RANK_STAYS_VACANT = '''
 import asyncio, json, time
-from aiohttp import web
 
 out = Path(sys.argv[1])
 env = dump(out)
@@ -809,17 +748,9 @@ async def main():
     members = [e["TORCHPASS_MEMBER_ID"] for e in map(json.loads, (
         p.read_text() for p in out.glob("*.json"))) if e.get("RANK") != "1"]
 
-    async def status(request):
-        return web.json_response({"role": "rank", "config_id": 1, "world_size": 3,
-                                  "members": [{"member_id": m, "role": "rank"}
-                                              for m in members]})
-
-    app = web.Application()
-    app.router.add_get("/status", status)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await serve_status(env, lambda: {"role": "rank", "config_id": 1, "world_size": 3,
+                                     "members": [{"member_id": m, "role": "rank"}
+                                                 for m in members]})
     await asyncio.sleep(4)
     sys.exit(0)
 
