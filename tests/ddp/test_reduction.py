@@ -147,3 +147,59 @@ def test_native_mode_averages_with_the_backends_all_reduce() -> None:
         got = torch.cat([g.reshape(-1) for g in out])
         torch.testing.assert_close(got, expected)
     assert all(torch.equal(outs[0][i], o[i]) for o in outs for i in range(len(SHAPES)))
+
+
+def test_consecutive_steps_reuse_the_buffers_and_each_gives_its_own_mean() -> None:
+    """A step's operation buffers serve the next step (no page faults for a fresh bucket),
+    and nothing of the last step's shards, padding or sums leaks into the next result."""
+    every = groups(6)
+
+    def steps(rank: int) -> list[tuple[list[torch.Tensor], list[int]]]:
+        reduction = StepReduction(layout(), exact=True)
+        out = []
+        for k in range(3):
+            reduction.reset()
+            for i, g in enumerate(gradients(rank + N * k)):
+                reduction.fill(i, g)
+            reduction.launch_ready(every[rank], None)
+            results = reduction.wait(every[rank], None)
+            grads = [torch.empty(s) for s in SHAPES]
+            for i, g in enumerate(grads):
+                reduction.copy_out(results, i, g)
+            out.append((grads, [r.data_ptr() for r in results]))
+        return out
+
+    per_rank = on_every_rank(steps)
+    for k in range(3):
+        flat = [torch.cat([g.reshape(-1) for g in gradients(r + N * k)]) for r in range(N)]
+        expected = divide(sum_in_rank_order(flat), N)
+        for rank_steps in per_rank:
+            got = torch.cat([r.reshape(-1) for r in rank_steps[k][0]])
+            assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
+    sharded = [b for b, n in enumerate(layout().sizes) if 4 * n >= 1 << 20]
+    assert sharded  # the layout has a bucket summed in shards
+    for rank_steps in per_rank:
+        assert [rank_steps[1][1][b] for b in sharded] == [rank_steps[0][1][b] for b in sharded]
+
+
+def test_forgetting_a_step_gives_the_redo_new_buffers() -> None:
+    """An abandoned operation may still write into its buffers: after ``forget`` the redo's
+    results live in new storage, while the held results keep their bits."""
+    every = groups(7)
+
+    def step(rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int], list[int]]:
+        reduction = StepReduction(layout(), exact=True)
+        reduction.reset()
+        for i, g in enumerate(gradients(rank)):
+            reduction.fill(i, g)
+        reduction.launch_ready(every[rank], None)
+        held = reduction.wait(every[rank], None)
+        copy = [r.clone() for r in held]
+        reduction.forget()
+        reduction.launch_ready(every[rank], None)
+        again = reduction.wait(every[rank], None)
+        return held, copy, [r.data_ptr() for r in held], [r.data_ptr() for r in again]
+
+    for held, copy, before, after in on_every_rank(step):
+        assert all(torch.equal(a, b) for a, b in zip(held, copy, strict=True))
+        assert not set(before) & set(after)

@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["divide", "flatten", "from_shards", "sum_in_rank_order", "to_shards", "unflatten_into"]
+__all__ = ["divide", "flatten", "from_shards", "shards_shape", "sum_in_rank_order", "to_shards",
+           "unflatten_into"]
 
 
 def flatten(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -69,16 +70,17 @@ def unflatten_into(flat: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> 
         offset += n
 
 
-def sum_in_rank_order(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``parts[0] + parts[1] + ...`` left to right, in a new tensor (shape and dtype of the
-    parts). ``parts[r]`` is rank ``r``'s contribution.
+def sum_in_rank_order(parts: Sequence[torch.Tensor], out: torch.Tensor | None = None,
+                      ) -> torch.Tensor:
+    """``parts[0] + parts[1] + ...`` left to right, in ``out`` (a tensor of the parts' shape,
+    dtype and device, overwritten) or a new tensor. ``parts[r]`` is rank ``r``'s contribution.
 
     Raises:
         ValueError: no parts.
     """
     if not parts:
         raise ValueError("nothing to sum")
-    out = parts[0].clone()
+    out = parts[0].clone() if out is None else out.copy_(parts[0])
     for p in parts[1:]:
         out.add_(p)
     return out
@@ -92,20 +94,33 @@ def divide(total: torch.Tensor, n: int) -> torch.Tensor:
     return total.div_(torch.tensor(n, dtype=total.dtype, device=total.device))
 
 
-def to_shards(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-    """A new ``[world_size, ceil(numel / world_size)]`` tensor (dtype and device of ``tensor``):
-    row ``r`` is the ``r``-th contiguous piece of ``tensor``'s flattened elements, the last row
-    padded with zeros. Row ``r`` is what rank ``r`` sums in a sharded reduction (module
-    docstring).
+def shards_shape(numel: int, world_size: int) -> tuple[int, int]:
+    """``(world_size, ceil(numel / world_size))``: the shape :func:`to_shards` returns.
 
     Raises:
         ValueError: ``world_size`` below 1.
     """
     if world_size < 1:
         raise ValueError(f"world_size {world_size}")
+    return world_size, -(-numel // world_size)
+
+
+def to_shards(tensor: torch.Tensor, world_size: int, out: torch.Tensor | None = None,
+              ) -> torch.Tensor:
+    """A ``[world_size, ceil(numel / world_size)]`` tensor (dtype and device of ``tensor``;
+    ``out`` of that shape, overwritten, or a new one): row ``r`` is the ``r``-th contiguous
+    piece of ``tensor``'s flattened elements, the last row padded with zeros. Row ``r`` is what
+    rank ``r`` sums in a sharded reduction (module docstring).
+
+    Raises:
+        ValueError: ``world_size`` below 1, or ``out`` of another shape.
+    """
     flat = tensor.reshape(-1)
-    width = -(-flat.numel() // world_size)
-    out = torch.empty((world_size, width), dtype=tensor.dtype, device=tensor.device)
+    shape = shards_shape(flat.numel(), world_size)
+    if out is None:
+        out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+    elif tuple(out.shape) != shape:
+        raise ValueError(f"shards of shape {tuple(out.shape)}, expected {shape}")
     out.view(-1)[:flat.numel()].copy_(flat)
     out.view(-1)[flat.numel():].zero_()
     return out

@@ -34,7 +34,13 @@ import torch
 
 from torchpass_p2p.collective import ManagedGroup
 from torchpass_p2p.collective.group import SHARDED_MIN_BYTES, Watch
-from torchpass_p2p.collective.reduce import divide, from_shards, sum_in_rank_order, to_shards
+from torchpass_p2p.collective.reduce import (
+    divide,
+    from_shards,
+    shards_shape,
+    sum_in_rank_order,
+    to_shards,
+)
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Layout", "StepReduction"]
 
@@ -103,8 +109,11 @@ class StepReduction:
     """The reduction of one step's gradients (module docstring), filled bucket by bucket.
 
     The inputs (``send``) are this member's local gradients of the step, kept until the next
-    step starts, so the same step can be reduced again on another group. Outputs are fresh
-    tensors per launch: an abandoned operation may still write into its own later.
+    step starts, so the same step can be reduced again on another group. The operations' own
+    buffers (shards, what they receive, the results) are kept for the next step's: a bucket's
+    worth allocated afresh each step is faulted in again page by page (``docs/benchmarks.md``
+    has what that cost). They are reused only after every operation that wrote into them completed; an
+    abandoned operation may still write into its buffers later, so :meth:`forget` drops them.
 
     Args:
         layout: the canonical layout.
@@ -121,6 +130,7 @@ class StepReduction:
         self._launched = 0
         self._works: list[tuple[int, str, Any, Any]] = []  # (bucket, kind, work, output)
         self._results: list[torch.Tensor | None] = [None] * len(layout.sizes)
+        self._scratch: dict[tuple[int, str], list[torch.Tensor]] = {}  # (bucket, kind)
         self._watch: Watch | None = None
         self.blocked_s = 0.0
         """Seconds this step spent blocked waiting for its collectives, since :meth:`reset`:
@@ -129,20 +139,27 @@ class StepReduction:
     # ------------------------------------------------------------------ filling
 
     def reset(self) -> None:
-        """A new step: every bucket empty again (inputs are overwritten as they are filled)."""
+        """A new step: every bucket empty again (inputs are overwritten as they are filled).
+        The buffers of the last step's operations are kept for this one's when every one of
+        them was waited for; the results handed out before are overwritten by this step's."""
         self._missing = list(self.layout.sizes)
         self.blocked_s = 0.0
-        self.forget()
+        if self._works:  # launched, never waited for: they may still write
+            self.forget()
+        self._group = None
+        self._launched = 0
+        self._results = [None] * len(self.layout.sizes)
 
     def forget(self) -> None:
-        """Drop every launched operation and result, keeping the inputs (the group they ran
-        on is being given up). A gloo group's connections close only when its last reference
-        goes, and an operation holds one: kept, it would leave the peers waiting on this
-        member in their next collective instead of failing at once."""
+        """Drop every launched operation, result and operation buffer, keeping the inputs (the
+        group they ran on is being given up). A gloo group's connections close only when its
+        last reference goes, and an operation holds one: kept, it would leave the peers waiting
+        on this member in their next collective instead of failing at once."""
         self._group = None
         self._launched = 0
         self._works = []
         self._results = [None] * len(self.layout.sizes)
+        self._scratch = {}
 
     def fill(self, index: int, grad: torch.Tensor) -> None:
         """Copy parameter ``index``'s gradient (any shape, ``numel`` elements) into its place."""
@@ -162,7 +179,8 @@ class StepReduction:
         waited for here). Raises what :meth:`ManagedGroup.complete` raises."""
         self._watch = watch
         if self._group is not group:
-            self.forget()
+            if self._group is not None or self._launched:
+                self.forget()
             self._group = group
         while self._launched < len(self.send) and self._missing[self._launched] == 0:
             self._launch(group, self._launched)
@@ -170,8 +188,18 @@ class StepReduction:
 
     def relaunch(self, group: ManagedGroup, watch: Watch | None) -> None:
         """Reduce the kept inputs again, from the first bucket, on ``group``."""
-        self._group = None
+        self.forget()
         self.launch_ready(group, watch)
+
+    def _buffers(self, b: int, kind: str, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        """Bucket ``b``'s buffers for operations of ``kind``, one per shape: last step's when
+        they have these shapes (the world size may have changed), else new ones."""
+        kept = self._scratch.get((b, kind))
+        if kept is None or [tuple(t.shape) for t in kept] != shapes:
+            src = self.send[b]
+            kept = [torch.empty(s, dtype=src.dtype, device=src.device) for s in shapes]
+            self._scratch[(b, kind)] = kept
+        return kept
 
     def _launch(self, group: ManagedGroup, b: int) -> None:
         self._flush_sharded(group, self._watch)
@@ -179,15 +207,17 @@ class StepReduction:
         n = group.spec.world_size
         small = n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES
         if not self.exact and not small:
-            buf = src.clone()
+            [buf] = self._buffers(b, "sum", [tuple(src.shape)])
+            buf.copy_(src)
             self._works.append((b, "sum", group.launch(lambda pg: pg.allreduce([buf])), buf))
         elif small:  # native mode too: one all-gather has less latency than gloo's ring
-            out = [torch.empty_like(src) for _ in range(n)]
+            out = self._buffers(b, "gather", [tuple(src.shape)] * n)
             self._works.append((b, "gather", group.launch(lambda pg: pg.allgather([out], [src])),
                                 out))
         else:
-            shards = to_shards(src, n)
-            recv = torch.empty_like(shards)
+            shape = shards_shape(src.numel(), n)
+            shards, recv, _ = self._buffers(b, "shards", [shape, shape, shape[1:]])
+            to_shards(src, n, out=shards)
             self._works.append((b, "shards", group.launch(
                 lambda pg: pg.alltoall_base(recv, shards, [], [])), recv))
 
@@ -200,8 +230,9 @@ class StepReduction:
         b, _, work, recv = self._works.pop()
         self._complete(group, work, watch)
         n = group.spec.world_size
-        mine = divide(sum_in_rank_order(recv.unbind(0)), n)
-        gathered = torch.empty((n, mine.numel()), dtype=mine.dtype, device=mine.device)
+        mine = divide(sum_in_rank_order(recv.unbind(0), out=self._scratch[(b, "shards")][2]), n)
+        # The sums are taken from what was received: its buffer receives the gathered sums.
+        gathered = recv
         self._works.append((b, "sharded", group.launch(
             lambda pg: pg._allgather_base(gathered.view(-1), mine)), gathered))
 
