@@ -2,6 +2,9 @@
 
 Faults are asserted exactly (kind, severity, detail, time stamp from a hand clock). Waits on
 threads use generous bounds and assert on what arrived, never on how fast.
+
+Why one file of this size: every section drives the same monitor through the same scripted
+fake NVML and hand clock, and the last section checks that fake against the binding itself.
 """
 
 from __future__ import annotations

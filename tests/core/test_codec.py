@@ -1,4 +1,8 @@
-"""The msgpack codec: exact round trips, a pinned wire format, and total rejection of bad bodies."""
+"""The msgpack codec: exact round trips, a pinned wire format, and total rejection of bad bodies.
+
+Why one file of this size: its sections (round trips, refusals, hostile bodies, limits, sizes)
+share the message strategies and the pinned wire bytes, and each walks every message kind.
+"""
 
 from __future__ import annotations
 

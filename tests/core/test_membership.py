@@ -5,6 +5,8 @@ one member alone whose outbox the test reads after each ``handle_timer`` at exac
 ``next_deadline()``, or a :class:`Fleet` of members 1..N on a zero-latency network. Expected times
 are computed from :class:`Params` and the seeded rngs, never copied from a run.
 
+Why one file of this size: the rules of one class, :class:`Member`, section by section, all on
+the same hand-stepped members and helpers.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """``torchpass-p2p launch`` with real processes: environment, key handling, configuration 0,
-fast evidence, respawn, join through seeds and signal handling."""
+fast evidence, respawn, join through seeds and signal handling.
+
+Why one file of this size: its tests share the child scripts and status page of
+tests/launch/procs.py and follow one launch from its environment to its signals.
+"""
 
 from __future__ import annotations
 

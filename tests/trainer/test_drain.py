@@ -6,6 +6,9 @@ when a change was decided meanwhile, and the group of a configuration is named a
 configuration of its rank map; a late spare (still joining) waits for a rank; a promoted
 spare whose first entry fails (its sources failed) waits for the next configuration instead of
 crashing.
+
+Why one file of this size: every test plays the same scripted agent against a real trainer;
+the scripts, not the tests, are most of its length.
 """
 
 from __future__ import annotations

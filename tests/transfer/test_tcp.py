@@ -1,4 +1,8 @@
-"""The TCP transfer service against bad input and failing sources, on real loopback sockets."""
+"""The TCP transfer service against bad input and failing sources, on real loopback sockets.
+
+Why one file of this size: the misbehaving servers at its top (corrupt, pickling, stalling,
+trickling, dying) are shared by the tests below, each against a real client on loopback.
+"""
 
 from __future__ import annotations
 
