@@ -212,3 +212,28 @@ def test_a_group_given_up_while_forming_counts_as_stuck_until_its_thread_ends(
     assert group_module.stuck_groups() == before
     late.abandon()
     keeper.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.uint8])
+def test_exchange_gives_every_ranks_tensor_as_its_rows_bitwise(dtype: torch.dtype) -> None:
+    pgs = gloo_pair(timeout_s=30.0)
+    groups = [ManagedGroup(pg, GroupSpec(11, r, 2, 1), "gloo") for r, pg in enumerate(pgs)]
+    sent = [(torch.randn(3, 5, generator=torch.Generator().manual_seed(r)) * 100).to(dtype)
+            for r in (0, 1)]
+    got: list[Any] = [None, None]
+
+    def run(r: int) -> None:
+        got[r] = groups[r].exchange(sent[r])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    expected = torch.stack([s.reshape(-1) for s in sent])
+    for rows in got:
+        assert rows.shape == (2, 15) and rows.dtype == dtype
+        assert torch.equal(rows.view(torch.uint8), expected.view(torch.uint8))
+    for g in groups:
+        g.close()

@@ -338,6 +338,21 @@ class ManagedGroup:
         self._run(lambda pg: pg.allgather([out], [src]), watch, slice_s)
         return [o.to(tensor.device) for o in out]
 
+    def exchange(self, tensor: torch.Tensor, *, watch: Watch | None = None,
+                 slice_s: float = SLICE_S) -> torch.Tensor:
+        """Every rank's ``tensor`` as the rows of one new ``[world_size, numel]`` tensor, row
+        ``r`` from rank ``r`` (dtype and device of ``tensor``): :meth:`allgather`'s result, by
+        one all-to-all in which every rank sends its tensor to every other at once. gloo's
+        all-gather passes each tensor along a ring instead, ``world_size - 1`` hops one after
+        another; for a small tensor each hop costs the next rank's wake-up, not the bytes, and
+        with more ranks than cores that is a scheduling delay per hop. For small tensors only:
+        the send side holds ``world_size`` copies. Errors as :meth:`allgather`."""
+        n = self.spec.world_size
+        send = self._wire(tensor).reshape(1, -1).expand(n, -1).contiguous()
+        recv = torch.empty_like(send)
+        self._run(lambda pg: pg.alltoall_base(recv, send, [], []), watch, slice_s)
+        return recv.to(tensor.device)
+
     def allreduce_sum(self, tensor: torch.Tensor, *, watch: Watch | None = None,
                       slice_s: float = SLICE_S) -> torch.Tensor:
         """The backend's sum of every rank's ``tensor``, in a new tensor (order of the sum is

@@ -11,12 +11,13 @@ step can be reduced again on another group from the kept inputs (:meth:`StepRedu
 while the spare that joined reduces it for the first time.
 
 Exact mode sums in rank order (:mod:`torchpass_p2p.collective.reduce`): a bucket below
-:data:`~torchpass_p2p.collective.group.SHARDED_MIN_BYTES` by one all-gather, a larger one by an
-all-to-all of shards, each rank summing its shard, then an all-gather of the sums. The element
-sum ``((g0 + g1) + g2) + ...`` does not depend on how elements are grouped into buckets, so the
-result is bitwise the same as one reduction of the whole gradient. Native mode uses the
+:data:`~torchpass_p2p.collective.group.SHARDED_MIN_BYTES` gathered whole (an all-to-all in which
+each rank sends its bucket to every other), a larger one by an all-to-all of shards, each rank
+summing its shard, then an all-gather of the sums. The element sum ``((g0 + g1) + g2) + ...``
+does not depend on how elements are grouped into buckets, so the result is bitwise the same as
+one reduction of the whole gradient. Native mode uses the
 backend's all-reduce (same step, not bitwise) from 1 MiB on; below, its ring's round trips cost
-more than an all-gather's, so small buckets are gathered in both modes.
+more than one exchange, so small buckets are gathered in both modes.
 
 Operations are launched from one thread (the autograd thread) in one order: a sharded bucket's
 all-gather is launched just before the next bucket's first operation, never from a completion
@@ -112,8 +113,9 @@ class StepReduction:
     step starts, so the same step can be reduced again on another group. The operations' own
     buffers (shards, what they receive, the results) are kept for the next step's: a bucket's
     worth allocated afresh each step is faulted in again page by page (``docs/benchmarks.md``
-    has what that cost). They are reused only after every operation that wrote into them completed; an
-    abandoned operation may still write into its buffers later, so :meth:`forget` drops them.
+    has what that cost). They are reused only after every operation that wrote into them
+    completed; an abandoned operation may still write into its buffers later, so
+    :meth:`forget` drops them.
 
     Args:
         layout: the canonical layout.
@@ -210,10 +212,13 @@ class StepReduction:
             [buf] = self._buffers(b, "sum", [tuple(src.shape)])
             buf.copy_(src)
             self._works.append((b, "sum", group.launch(lambda pg: pg.allreduce([buf])), buf))
-        elif small:  # native mode too: one all-gather has less latency than gloo's ring
-            out = self._buffers(b, "gather", [tuple(src.shape)] * n)
-            self._works.append((b, "gather", group.launch(lambda pg: pg.allgather([out], [src])),
-                                out))
+        elif small:  # native mode too: one exchange has less latency than gloo's ring
+            # Every rank's bucket, by one all-to-all of n copies (ManagedGroup.exchange says
+            # why not an all-gather): row r of ``out`` is rank r's.
+            copies, out = self._buffers(b, "gather", [(n, src.numel())] * 2)
+            copies.copy_(src.reshape(1, -1).expand(n, -1))
+            self._works.append((b, "gather", group.launch(
+                lambda pg: pg.alltoall_base(out, copies, [], [])), out.unbind(0)))
         else:
             shape = shards_shape(src.numel(), n)
             shards, recv, _ = self._buffers(b, "shards", [shape, shape, shape[1:]])

@@ -561,7 +561,7 @@ class Session(Trainer):
         runs = _runs_by_device(self._buffers)
         mine = torch.cat([head, *(torch.cat([b.detach().reshape(-1).to(torch.float64)
                                              for b in run]).to("cpu") for run in runs)])
-        votes = torch.stack(group.allgather(mine, watch=self._watch)).to("cpu")
+        votes = group.exchange(mine, watch=self._watch).to("cpu")
         if set(votes[:, 1].tolist()) != {float(k)}:
             group.abandon()
             raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "
