@@ -72,6 +72,21 @@ def layout() -> Layout:
     return Layout.of(params(), first_bytes=64, bytes_cap=4096)
 
 
+def one_step(reduction: StepReduction, group: ManagedGroup, grads: list[torch.Tensor],
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A new step of ``reduction`` over ``grads``: its results per bucket, and the averaged
+    gradient per parameter (written out as DDP would be handed it)."""
+    reduction.reset()
+    for i, g in enumerate(grads):
+        reduction.fill(i, g)
+    reduction.launch_ready(group, None)
+    results = reduction.wait(group, None)
+    out = [torch.empty(s) for s in SHAPES]
+    for i, g in enumerate(out):
+        reduction.copy_out(results, i, g)
+    return results, out
+
+
 def test_the_layout_is_a_function_of_the_parameters() -> None:
     a, b = layout(), layout()
     assert a == b
@@ -129,16 +144,7 @@ def test_native_mode_averages_with_the_backends_all_reduce() -> None:
     every = groups(5)
 
     def step(rank: int) -> list[torch.Tensor]:
-        reduction = StepReduction(layout(), exact=False)
-        reduction.reset()
-        for i, g in enumerate(gradients(rank)):
-            reduction.fill(i, g)
-        reduction.launch_ready(every[rank], None)
-        results = reduction.wait(every[rank], None)
-        out = [torch.empty(s) for s in SHAPES]
-        for i, g in enumerate(out):
-            reduction.copy_out(results, i, g)
-        return out
+        return one_step(StepReduction(layout(), exact=False), every[rank], gradients(rank))[1]
 
     outs = on_every_rank(step)
     flat = [torch.cat([g.reshape(-1) for g in gradients(r)]) for r in range(N)]
@@ -158,14 +164,7 @@ def test_consecutive_steps_reuse_the_buffers_and_each_gives_its_own_mean() -> No
         reduction = StepReduction(layout(), exact=True)
         out = []
         for k in range(3):
-            reduction.reset()
-            for i, g in enumerate(gradients(rank + N * k)):
-                reduction.fill(i, g)
-            reduction.launch_ready(every[rank], None)
-            results = reduction.wait(every[rank], None)
-            grads = [torch.empty(s) for s in SHAPES]
-            for i, g in enumerate(grads):
-                reduction.copy_out(results, i, g)
+            results, grads = one_step(reduction, every[rank], gradients(rank + N * k))
             out.append((grads, [r.data_ptr() for r in results]))
         return out
 
