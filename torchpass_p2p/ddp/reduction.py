@@ -15,9 +15,9 @@ Exact mode sums in rank order (:mod:`torchpass_p2p.collective.reduce`): a bucket
 each rank sends its bucket to every other), a larger one by an all-to-all of shards, each rank
 summing its shard, then an all-gather of the sums. The element sum ``((g0 + g1) + g2) + ...``
 does not depend on how elements are grouped into buckets, so the result is bitwise the same as
-one reduction of the whole gradient. Native mode uses the
-backend's all-reduce (same step, not bitwise) from 1 MiB on; below, its ring's round trips cost
-more than one exchange, so small buckets are gathered in both modes.
+one reduction of the whole gradient. Native mode uses the backend's all-reduce (same step, not
+bitwise) from 1 MiB on; below, its ring's round trips cost more than one exchange, so small
+buckets are gathered in both modes.
 
 Operations are launched from one thread (the autograd thread) in one order: a sharded bucket's
 all-gather is launched just before the next bucket's first operation, never from a completion
