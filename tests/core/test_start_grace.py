@@ -123,6 +123,16 @@ def test_reports_of_silence_or_unreachability_count_for_nothing_in_the_grace_an_
     assert m.counters["alerts_raised"] == 1
 
 
+def test_a_member_reported_started_by_a_commit_is_owed_no_grace():
+    # A rank that voted in a commit runs: a stop right after it is evidence at once, even
+    # before any datagram of its agent arrived (a short job's first second).
+    m = member({2: 0.0})
+    m.report_started(0.5, [1, 2])
+    assert m.report_silent(1.0, 2) is True
+    assert m.counters["alerts_raised"] == 1
+    assert "evidence_in_start_grace" not in m.counters
+
+
 def test_a_member_whose_process_starts_3_s_late_is_never_accused():
     # Three members of configuration 0; member 3's process starts 3 s after the others' (a
     # loaded host), its agent only then: members 1 and 2 probe it from their start.

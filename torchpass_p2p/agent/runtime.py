@@ -329,6 +329,8 @@ class AgentRuntime:
             self.report_progress(step, Phase.COLLECTIVE)  # alive, waiting for the change
             return False
         self._committed_ranks = ranks
+        # Every rank voted in the commit: they all run, and none is owed a start-up grace.
+        member.report_started(self._clock(), [m for m in ranks if m is not None])
         self.report_progress(step, Phase.COMMITTED)
         return True
 

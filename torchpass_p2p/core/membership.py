@@ -474,6 +474,16 @@ class Member:
             self._start_round(now, subject)
         return False
 
+    def report_started(self, now: float, members: list[MemberId]) -> None:
+        """``members`` run: each took part in a collective this member completed (a commit
+        needs every rank's vote). Their start-up grace ends, as a word from each would end it:
+        a rank that trained with the others and then stopped is no longer "still importing
+        torch", however early in the job it stopped."""
+        self._advance(now)
+        if self._awaiting:
+            for m in members:
+                self._awaiting.pop(m, None)
+
     def report_silent(self, now: float, subject: MemberId) -> bool:
         """Evidence from below the protocol: ``subject``'s pulse responder, a native thread
         that answers while its process runs at all (``agent/pulse_wire.py``), stopped answering
