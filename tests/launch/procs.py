@@ -35,21 +35,27 @@ def dump(out: Path, **extra):
     return env
 
 
-async def serve_status(env, answer):
-    # GET /status answers answer() (a JSON-able dict) at this child's status address, as an
-    # agent's page would; runs until the child's loop ends.
+async def serve(env, method, path, handler):
+    # handler(request) answers method path at this child's status address, as an agent's
+    # page would; runs until the child's loop ends or the returned runner is cleaned up.
     from aiohttp import web
 
-    async def status(request):
-        return web.json_response(answer())
-
     app = web.Application()
-    app.router.add_get("/status", status)
+    app.router.add_route(method, path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
     await web.TCPSite(runner, host, int(port)).start()
     return runner
+
+async def serve_status(env, answer):
+    # GET /status answers answer() (a JSON-able dict).
+    from aiohttp import web
+
+    async def status(request):
+        return web.json_response(answer())
+
+    return await serve(env, "GET", "/status", status)
 '''
 
 

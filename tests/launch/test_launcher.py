@@ -154,12 +154,7 @@ async def main():
         got.set()
         return web.json_response({"accepted": True})
 
-    app = web.Application()
-    app.router.add_post("/evidence", evidence)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    host, port = env["TORCHPASS_STATUS"].rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    runner = await serve(env, "POST", "/evidence", evidence)
     (out / f"ready-{me}").touch()
     await asyncio.wait_for(got.wait(), 15)
     if env["TORCHPASS_ROLE"] == "spare":
