@@ -127,7 +127,7 @@ def test_a_member_reported_started_by_a_commit_is_owed_no_grace():
     # A rank that voted in a commit runs: a stop right after it is evidence at once, even
     # before any datagram of its agent arrived (a short job's first second).
     m = member({2: 0.0})
-    m.report_started(0.5, [1, 2])
+    m.report_started(0.5, (1, 2, None))
     assert m.report_silent(1.0, 2) is True
     assert m.counters["alerts_raised"] == 1
     assert "evidence_in_start_grace" not in m.counters

@@ -330,7 +330,7 @@ class AgentRuntime:
             return False
         self._committed_ranks = ranks
         # Every rank voted in the commit: they all run, and none is owed a start-up grace.
-        member.report_started(self._clock(), [m for m in ranks if m is not None])
+        member.report_started(self._clock(), ranks)
         self.report_progress(step, Phase.COMMITTED)
         return True
 

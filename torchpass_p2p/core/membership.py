@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Final
 
 from . import events as ev
@@ -474,14 +474,17 @@ class Member:
             self._start_round(now, subject)
         return False
 
-    def report_started(self, now: float, members: list[MemberId]) -> None:
-        """``members`` run: each took part in a collective this member completed (a commit
-        needs every rank's vote). Their start-up grace ends, as a word from each would end it:
-        a rank that trained with the others and then stopped is no longer "still importing
-        torch", however early in the job it stopped."""
+    def report_started(self, now: float, members: Sequence[MemberId | None]) -> None:
+        """``members`` (a rank map: None for a vacant rank) run: each took part in a collective
+        this member completed (a commit needs every rank's vote). Their start-up grace ends,
+        as a word from each would end it: a rank that trained with the others and then stopped
+        is no longer "still importing torch", however early in the job it stopped. Called at
+        every commit, so it costs nothing once no grace is left."""
+        if not self._awaiting:
+            return
         self._advance(now)
-        if self._awaiting:
-            for m in members:
+        for m in members:
+            if m is not None:
                 self._awaiting.pop(m, None)
 
     def report_silent(self, now: float, subject: MemberId) -> bool:
