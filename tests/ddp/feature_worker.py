@@ -11,6 +11,9 @@ script uses (``tests/ddp/test_features.py`` runs it under the launcher, 3 ranks 
   ``DIR/epoch{E}/rank{R}``;
 * ``--sleep S``: sleep ``S`` seconds after each optimizer step (a slower job, so that a test
   can act while it trains);
+* ``--native --hidden H``: ``init_process_group(exact=False)`` (gloo's all-reduce) with a
+  hidden layer of ``H`` units, so that a bucket is big enough to take the all-reduce (below
+  1 MiB a bucket is gathered in both modes);
 * ``--odd-epochs N``: the process started as rank 2 (``RANK=2`` in its environment at start)
   runs ``N`` epochs instead of ``--epochs``: another job, refused at its join.
 
@@ -38,7 +41,7 @@ from torchpass_p2p import (
 )
 from torchpass_p2p import DistributedDataParallel as DDP
 
-DIM, HIDDEN, CLASSES = 8, 16, 4
+DIM, CLASSES = 8, 4
 
 
 class Blobs(Dataset):
@@ -58,12 +61,12 @@ class Blobs(Dataset):
 
 
 class Net(torch.nn.Module):
-    def __init__(self, unused, sometimes=False):
+    def __init__(self, hidden, unused, sometimes=False):
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(),
+        self.body = torch.nn.Sequential(torch.nn.Linear(DIM, hidden), torch.nn.ReLU(),
                                         torch.nn.Dropout(0.1))
-        self.head = torch.nn.Linear(HIDDEN, CLASSES)
-        self.spare_head = torch.nn.Linear(HIDDEN, CLASSES) if unused else None
+        self.head = torch.nn.Linear(hidden, CLASSES)
+        self.spare_head = torch.nn.Linear(hidden, CLASSES) if unused else None
         self.sometimes = sometimes
 
     def forward(self, x):
@@ -85,6 +88,8 @@ def main():
     ap.add_argument("--sometimes", action="store_true",
                     help="with --unused: the extra head is used for some batches only")
     ap.add_argument("--compile", default="")
+    ap.add_argument("--native", action="store_true")
+    ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--dcp", default="")
     ap.add_argument("--odd-epochs", type=int)
     ap.add_argument("--sleep", type=float, default=0.0)
@@ -94,10 +99,11 @@ def main():
     if args.odd_epochs is not None and os.environ.get("RANK") == "2":
         stop = args.odd_epochs
     torch.set_num_threads(1)
-    init_process_group(backend="gloo", state_transport=args.state_transport)
+    init_process_group(backend="gloo", exact=not args.native,
+                       state_transport=args.state_transport)
     torch.manual_seed(0)
     dataset = Blobs(args.samples)
-    net = Net(args.unused, args.sometimes)
+    net = Net(args.hidden, args.unused, args.sometimes)
     if args.groups:
         optimizer = torch.optim.AdamW([
             {"params": net.body.parameters(), "lr": 3e-2, "weight_decay": 0.0},

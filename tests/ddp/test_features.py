@@ -2,7 +2,8 @@
 spare (``tests/ddp/feature_worker.py``): gradient accumulation with ``no_sync()``, optimizer
 parameter groups, an unused parameter (``find_unused_parameters=True``), one used by some ranks
 in some steps only (the others must still receive its averaged gradient), a ``torch.compile``d
-DDP model (inductor) and the script's own ``torch.distributed.checkpoint`` saves.
+DDP model (inductor), the script's own ``torch.distributed.checkpoint`` saves, and native mode
+(``exact=False``) with a bucket that takes the backend's all-reduce.
 
 For each feature: a fault-free run, and a run in which rank 1 is SIGKILLed in the middle of
 step ``KILL_AT`` (epoch 1, its peers inside the gradient reduction). Must hold: both exit 0;
@@ -43,6 +44,9 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "unused_on_some_ranks": ("--unused", "--sometimes"),
     "compile": ("--compile", "inductor"),
     "dcp": ("--dcp",),  # followed by the run's checkpoint folder
+    # the first layer's weight (2 MiB) is reduced by gloo's all-reduce, in place: the
+    # survivors' redo of the killed step must send their own gradients again, not the sums
+    "native": ("--native", "--hidden", "65536"),
 }
 RUN_TIMEOUT_S = 90.0
 

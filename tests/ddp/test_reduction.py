@@ -69,7 +69,7 @@ def gradients(rank: int) -> list[torch.Tensor]:
 
 
 def layout() -> Layout:
-    return Layout.of(params(), first_bytes=64, bytes_cap=4096)
+    return Layout.of(params(), first_bytes=16, bytes_cap=512)
 
 
 def one_step(reduction: StepReduction, group: ManagedGroup, grads: list[torch.Tensor],
@@ -202,3 +202,87 @@ def test_forgetting_a_step_gives_the_redo_new_buffers() -> None:
     for held, copy, before, after in on_every_rank(step):
         assert all(torch.equal(a, b) for a, b in zip(held, copy, strict=True))
         assert not set(before) & set(after)
+
+
+def test_native_mode_reduces_its_local_gradients_again_after_forget() -> None:
+    """A native bucket's all-reduce overwrites its input with the sum: after ``forget`` (a
+    group given up) the input is the local gradient again. Rank 2 redoes the step with a new
+    reduction, as a spare that joined would; were the others to send their sums, the redo's
+    mean would be off by a third of the spread between ranks."""
+    first, second = groups(8), groups(9)
+
+    def step(rank: int) -> list[torch.Tensor]:
+        reduction = StepReduction(layout(), exact=False)
+        grads = gradients(rank)
+        one_step(reduction, first[rank], grads)
+        if rank == 2:
+            return one_step(StepReduction(layout(), exact=False), second[rank], grads)[1]
+        reduction.relaunch(second[rank], None)
+        results = reduction.wait(second[rank], None)
+        out = [torch.empty(s) for s in SHAPES]
+        for i, g in enumerate(out):
+            reduction.copy_out(results, i, g)
+        return out
+
+    flat = [torch.cat([g.reshape(-1) for g in gradients(r)]) for r in range(N)]
+    expected = divide(sum_in_rank_order(flat), N)
+    for out in on_every_rank(step):
+        torch.testing.assert_close(torch.cat([g.reshape(-1) for g in out]), expected)
+
+
+def test_ddps_own_buckets_get_the_reduced_gradient_through_the_hook_before_and_after_rebuild(
+) -> None:
+    """torch DDP's real buckets, on a group of one: each hook hands its bucket to
+    ``fill_bucket``, the last one reduces and hands every result out. In the first iteration
+    DDP's one bucket holds the parameters in registration order (each gradient copied on its
+    own); once rebuilt, DDP's buckets are the canonical ones, since a stack of layers gives its
+    gradients in reverse registration order (each bucket copied whole, its result a view DDP
+    copies from). Both give
+    every parameter its plain autograd gradient, bitwise (the mean over one rank)."""
+    from torchpass_p2p.ddp.model import _local_group
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.Tanh(),
+                              torch.nn.Linear(256, 1024), torch.nn.Tanh(),
+                              torch.nn.Linear(1024, 8))
+    plain = torch.nn.Sequential(*(torch.nn.Linear(m.in_features, m.out_features)
+                                  if isinstance(m, torch.nn.Linear) else m for m in net))
+    plain.load_state_dict(net.state_dict())
+    [group] = groups_of_one()
+    ddp = torch.nn.parallel.DistributedDataParallel(net, process_group=_local_group(),
+                                                    bucket_cap_mb=0.5)
+    params = list(net.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    reduction = StepReduction(Layout.of(params, first_bytes=1 << 20, bytes_cap=1 << 19),
+                              exact=True)
+    whole: list[bool] = []
+
+    def hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        indices = [index[id(p)] for p in bucket.parameters()]
+        whole.append(reduction._run_of(tuple(indices)) is not None)
+        future = reduction.fill_bucket(indices, bucket.gradients(), bucket.buffer())
+        reduction.launch_ready(group, None)
+        if bucket.is_last():
+            reduction.hand_out(reduction.wait(group, None))
+        return future
+
+    ddp.register_comm_hook(None, lambda state, bucket: hook(state, bucket))  # unannotated
+    per_iteration = []
+    for k in range(3):
+        x = torch.randn(32, 16)
+        reduction.reset()
+        whole.clear()
+        ddp(x).square().mean().backward()
+        plain.zero_grad()
+        plain(x).square().mean().backward()
+        per_iteration.append(list(whole))
+        for p, q in zip(params, plain.parameters(), strict=True):
+            assert torch.equal(p.grad, q.grad), k
+        ddp.zero_grad()
+    # one bucket of everything first, then the canonical buckets
+    assert per_iteration == [[False], [True, True], [True, True]]
+
+
+def groups_of_one() -> list[ManagedGroup]:
+    pg = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+    return [ManagedGroup(pg, GroupSpec(10, 0, 1, 0), "gloo")]

@@ -80,8 +80,10 @@ def sum_in_rank_order(parts: Sequence[torch.Tensor], out: torch.Tensor | None = 
     """
     if not parts:
         raise ValueError("nothing to sum")
-    out = parts[0].clone() if out is None else out.copy_(parts[0])
-    for p in parts[1:]:
+    if len(parts) == 1:
+        return parts[0].clone() if out is None else out.copy_(parts[0])
+    out = torch.add(parts[0], parts[1], out=out)
+    for p in parts[2:]:
         out.add_(p)
     return out
 

@@ -56,7 +56,11 @@ class Layout:
     """Where each trainable parameter's gradient lives in the canonical buckets.
 
     Parameters are taken in reverse registration order (gradients of the last layers are ready
-    first), a bucket closes at its cap or where the dtype or device changes.
+    first). A bucket closes where the dtype or device changes, or once it holds its cap or
+    more: as DDP closes its buckets (``_compute_bucket_assignment_by_size``). A model whose
+    gradients arrive in reverse registration order then gets, once DDP rebuilt its buckets in
+    arrival order, DDP buckets that are the canonical ones (:meth:`StepReduction.fill_bucket`
+    copies those whole).
 
     Attributes:
         sizes: elements per bucket.
@@ -85,13 +89,10 @@ class Layout:
         dtypes: list[torch.dtype] = []
         devices: list[torch.device] = []
         where: dict[int, tuple[int, int, int]] = {}
-        used = 0
+        used, full = 0, False
         for i in reversed(range(len(params))):
             p = params[i]
-            cap = first_bytes if len(sizes) <= 1 else bytes_cap
-            fits = (sizes and dtypes[-1] == p.dtype and devices[-1] == p.device
-                    and (used == 0 or used + p.numel() * p.element_size() <= cap))
-            if not fits:
+            if full or not sizes or dtypes[-1] != p.dtype or devices[-1] != p.device:
                 sizes.append(0)
                 dtypes.append(p.dtype)
                 devices.append(p.device)
@@ -99,6 +100,7 @@ class Layout:
             where[i] = (len(sizes) - 1, sizes[-1], p.numel())
             sizes[-1] += p.numel()
             used += p.numel() * p.element_size()
+            full = used >= (first_bytes if len(sizes) == 1 else bytes_cap)
         return cls(tuple(sizes), tuple(dtypes), tuple(devices), where)
 
     def describe(self) -> list[Any]:
@@ -109,13 +111,18 @@ class Layout:
 class StepReduction:
     """The reduction of one step's gradients (module docstring), filled bucket by bucket.
 
-    The inputs (``send``) are this member's local gradients of the step, kept until the next
-    step starts, so the same step can be reduced again on another group. The operations' own
-    buffers (shards, what they receive, the results) are kept for the next step's: a bucket's
-    worth allocated afresh each step is faulted in again page by page (``docs/benchmarks.md``
-    has what that cost). They are reused only after every operation that wrote into them
+    The inputs (``send``) are this member's local gradients of the step, so that the same step
+    can be reduced again on another group. Each gradient is copied once, into the buffer its
+    bucket's first operation reads: an exact bucket's all-to-all only reads it (a sharded
+    bucket's input is the prefix of its zero-padded shards), so it is kept as it is; a native
+    bucket's all-reduce overwrites it with the sum, so :meth:`forget` copies it again from the
+    gradients ``fill`` was given, which the caller must keep unchanged until the step closes
+    (DDP keeps its bucket's gradients until the hook's future completes). The operations' own
+    buffers (what they receive, the sums) are kept for the next step's: a bucket's worth
+    allocated afresh each step is faulted in again page by page (``docs/benchmarks.md`` has
+    what that cost). They are reused only after every operation that wrote into them
     completed; an abandoned operation may still write into its buffers later, so
-    :meth:`forget` drops them.
+    :meth:`forget` drops them, and a native bucket's input with them.
 
     Args:
         layout: the canonical layout.
@@ -127,6 +134,14 @@ class StepReduction:
         self.exact = exact
         self.send = [torch.empty(n, dtype=d, device=v) for n, d, v in
                      zip(layout.sizes, layout.dtypes, layout.devices, strict=True)]
+        self._padded: dict[int, torch.Tensor] = {}  # bucket: shards whose prefix is its send
+        # native mode: (bucket, offset, flat gradient) of each fill, copied again by forget
+        self._sources: list[tuple[int, int, torch.Tensor]] = []
+        self._runs: dict[tuple[int, ...], tuple[int, int, int] | None] = {}
+        self._handed: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor,
+                                 Sequence[torch.Tensor], Sequence[int],
+                                 tuple[int, int, int] | None]] = []  # DDP's buckets this step
+        self._overwritten: set[int] = set()  # native buckets whose send holds a sum
         self._missing = list(layout.sizes)
         self._group: ManagedGroup | None = None
         self._launched = 0
@@ -146,28 +161,93 @@ class StepReduction:
         them was waited for; the results handed out before are overwritten by this step's."""
         self._missing = list(self.layout.sizes)
         self.blocked_s = 0.0
+        self._sources = []  # the last step's: nothing to copy again
+        self._handed = []
         if self._works:  # launched, never waited for: they may still write
             self.forget()
+        self._overwritten = set()
         self._group = None
         self._launched = 0
         self._results = [None] * len(self.layout.sizes)
 
     def forget(self) -> None:
         """Drop every launched operation, result and operation buffer, keeping the inputs (the
-        group they ran on is being given up). A gloo group's connections close only when its
-        last reference goes, and an operation holds one: kept, it would leave the peers waiting
-        on this member in their next collective instead of failing at once."""
+        group they ran on is being given up): a native bucket's input, overwritten by its
+        all-reduce, is copied again into new storage from the gradients ``fill`` was given. A
+        gloo group's connections close only when its last reference goes, and an operation
+        holds one: kept, it would leave the peers waiting on this member in their next
+        collective instead of failing at once."""
         self._group = None
         self._launched = 0
         self._works = []
         self._results = [None] * len(self.layout.sizes)
         self._scratch = {}
+        for b in self._overwritten:
+            self.send[b] = torch.empty_like(self.send[b])
+        for b, offset, flat in self._sources:
+            if b in self._overwritten:
+                self.send[b][offset:offset + flat.numel()].copy_(flat)
+        self._overwritten = set()
 
     def fill(self, index: int, grad: torch.Tensor) -> None:
-        """Copy parameter ``index``'s gradient (any shape, ``numel`` elements) into its place."""
+        """Copy parameter ``index``'s gradient (any shape, ``numel`` elements) into its place.
+        In native mode ``grad`` must keep its values until the step closes (class docstring)."""
         b, offset, n = self.layout.where[index]
-        self.send[b][offset:offset + n].copy_(grad.reshape(-1))
-        self._missing[b] -= n
+        self._put(b, offset, grad.reshape(-1))
+
+    def fill_bucket(self, indices: Sequence[int], grads: Sequence[torch.Tensor],
+                    flat: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """Copy a DDP bucket's gradients (``grads[j]`` of parameter ``indices[j]``; ``flat``
+        the bucket's buffer, ``grads`` concatenated, as ``GradBucket`` gives them) into their
+        places. Returns the future for DDP's communication hook: :meth:`hand_out` completes
+        it with the bucket's averaged gradient. When the parameters lie back to back, in this
+        order, in one canonical bucket (DDP's rebuilt buckets of a model whose gradients
+        arrive in reverse registration order do), ``flat`` is copied at once and the result
+        is a view of the canonical result, which DDP copies into the gradients itself; else
+        each gradient is copied on its own, and back into ``grads``. As for :meth:`fill`, in
+        native mode the gradients must keep their values until the step closes."""
+        run = self._run_of(tuple(indices))
+        if run is None or flat.numel() != run[2]:
+            run = None
+            for i, g in zip(indices, grads, strict=True):
+                self.fill(i, g)
+        else:
+            self._put(run[0], run[1], flat.reshape(-1))
+        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        self._handed.append((future, flat, grads, indices, run))
+        return future
+
+    def hand_out(self, results: list[torch.Tensor]) -> None:
+        """Complete the future of every bucket :meth:`fill_bucket` took this step, with its
+        averaged gradient from ``results`` (as :meth:`wait` returns them)."""
+        handed, self._handed = self._handed, []
+        for future, flat, grads, indices, run in handed:
+            if run is not None:
+                b, offset, n = run
+                future.set_result(results[b][offset:offset + n])
+                continue
+            for i, g in zip(indices, grads, strict=True):
+                self.copy_out(results, i, g)
+            future.set_result(flat)
+
+    def _run_of(self, indices: tuple[int, ...]) -> tuple[int, int, int] | None:
+        if indices not in self._runs:
+            b, start, n = self.layout.where[indices[0]]
+            end: int | None = start + n
+            for i in indices[1:]:
+                bi, offset, n = self.layout.where[i]
+                if bi != b or offset != end:
+                    end = None
+                    break
+                end = offset + n
+            self._runs[indices] = None if end is None else (b, start, end - start)
+        return self._runs[indices]
+
+    def _put(self, b: int, offset: int, flat: torch.Tensor) -> None:
+        self.send[b][offset:offset + flat.numel()].copy_(flat)
+        self._missing[b] -= flat.numel()
+        if not self.exact:
+            self._sources.append((b, offset, flat))
 
     @property
     def filled(self) -> bool:
@@ -209,9 +289,8 @@ class StepReduction:
         n = group.spec.world_size
         small = n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES
         if not self.exact and not small:
-            [buf] = self._buffers(b, "sum", [tuple(src.shape)])
-            buf.copy_(src)
-            self._works.append((b, "sum", group.launch(lambda pg: pg.allreduce([buf])), buf))
+            self._overwritten.add(b)
+            self._works.append((b, "sum", group.launch(lambda pg: pg.allreduce([src])), src))
         elif small:  # native mode too: one exchange has less latency than gloo's ring
             # Every rank's bucket, by one all-to-all of n copies (ManagedGroup.exchange says
             # why not an all-gather): row r of ``out`` is rank r's.
@@ -221,8 +300,13 @@ class StepReduction:
                 lambda pg: pg.alltoall_base(out, copies, [], [])), out.unbind(0)))
         else:
             shape = shards_shape(src.numel(), n)
-            shards, recv, _ = self._buffers(b, "shards", [shape, shape, shape[1:]])
-            to_shards(src, n, out=shards)
+            shards = self._padded.get(b)
+            if shards is None or tuple(shards.shape) != shape:
+                # Once, and again when the world size changes: from then on fill writes the
+                # shards' prefix and the padding stays zero.
+                shards = self._padded[b] = to_shards(src, n)
+                self.send[b] = shards.view(-1)[:src.numel()]
+            recv, _ = self._buffers(b, "shards", [shape, shape[1:]])
             self._works.append((b, "shards", group.launch(
                 lambda pg: pg.alltoall_base(recv, shards, [], [])), recv))
 
@@ -235,7 +319,7 @@ class StepReduction:
         b, _, work, recv = self._works.pop()
         self._complete(group, work, watch)
         n = group.spec.world_size
-        mine = divide(sum_in_rank_order(recv.unbind(0), out=self._scratch[(b, "shards")][2]), n)
+        mine = divide(sum_in_rank_order(recv.unbind(0), out=self._scratch[(b, "shards")][1]), n)
         # The sums are taken from what was received: its buffer receives the gathered sums.
         gathered = recv
         self._works.append((b, "sharded", group.launch(

@@ -48,7 +48,14 @@ from torchpass_p2p.trainer.seeding import seed_step
 from torchpass_p2p.transfer import Snapshot
 
 from . import untracked
-from .reduction import Layout, StepReduction, flat_tensors, unflat_into
+from .reduction import (
+    BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    Layout,
+    StepReduction,
+    flat_tensors,
+    unflat_into,
+)
 from .stragglers import ArrivalWatch, policy_from_env
 
 if TYPE_CHECKING:
@@ -149,8 +156,6 @@ class Session(Trainer):
         self._open = False
         self._frozen: list[list[int]] | None = None
         self._last_handed: tuple[DataLoader, list[int]] | None = None
-        self._buckets: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor,
-                                  list[torch.Tensor], list[int]]] = []
         self._step_error: BaseException | None = None
         self._pending: Any = None
         self._deferred_check: tuple[ManagedGroup, str, int] | None = None
@@ -240,7 +245,11 @@ class Session(Trainer):
                                                                        self._used, i))
             entries.insert(0, self._used)
         first = len(entries) - len(params)
-        self.layout = Layout.of(entries)
+        # DDP's own caps (its bucket_cap_mb), so that its rebuilt buckets are canonical ones
+        config = getattr(ddp, "_bucket_config", None)
+        self.layout = Layout.of(
+            entries, first_bytes=getattr(config, "first_bucket_bytes_cap", FIRST_BUCKET_BYTES),
+            bytes_cap=getattr(ddp, "bucket_bytes_cap", BUCKET_BYTES))
         self.reduction = StepReduction(self.layout, exact=self.exact)
         self._index = {id(p): first + i for i, p in enumerate(params)}
         self._buffers = list(ddp.module.buffers())
@@ -446,7 +455,6 @@ class Session(Trainer):
             self._used.zero_()
         assert self.reduction is not None
         self.reduction.reset()
-        self._buckets = []
         self._step_error = None
         self.stragglers.opened()
 
@@ -477,14 +485,10 @@ class Session(Trainer):
             raise RuntimeError("a backward without a forward of the torchpass_p2p "
                                "DistributedDataParallel")
         indices = [self._index[id(p)] for p in bucket.parameters()]
-        grads = bucket.gradients()
-        for i, g in zip(indices, grads, strict=True):
-            reduction.fill(i, g)
+        future = reduction.fill_bucket(indices, bucket.gradients(), bucket.buffer())
         if bucket.is_last() and self._used is not None:
             # every parameter this rank used was accumulated before DDP's last bucket
             reduction.fill(0, self._used)
-        future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._buckets.append((future, bucket.buffer(), grads, indices))
         if self._step_error is None and self.group is not None:
             try:
                 reduction.launch_ready(self.group, self._watch)
@@ -587,11 +591,7 @@ class Session(Trainer):
         """Step ``k`` is committed (or rolled forward): hand DDP the averaged gradients."""
         reduction = self.reduction
         assert reduction is not None
-        for future, buffer, grads, indices in self._buckets:
-            for i, g in zip(indices, grads, strict=True):
-                reduction.copy_out(results, i, g)
-            future.set_result(buffer)
-        self._buckets = []
+        reduction.hand_out(results)
         if self._used is not None:
             # Used by another rank only: DDP leaves its gradient alone (it knows only this
             # process's use); in a torch DDP job every rank gets the average, as here.
