@@ -96,6 +96,16 @@ def test_a_killed_and_a_stopped_rank_are_replaced_exactly(
         assert (r["epoch"], r["positions"]) == (expected["epoch"], expected["positions"])
     assert first_of_rank(first, 1)["positions"] == [[1, 8]]  # epoch 1, its 9th batch
 
+    # The console says each takeover in one line (the timeline above is in the log folder).
+    took = sorted(line for line in faulty.output.splitlines() if " took rank " in line)
+    joined: dict[str, dict[str, Any]] = {}  # a spare's first join: the one with the fetch
+    for r in events(faulty, "joined"):
+        if r["member"] in spares:
+            joined.setdefault(r["member"], r)
+    assert len(took) == 2 and took == sorted(
+        f"torchpass_p2p: member {r['member']} took rank {r['rank']} at step {r['step']} "
+        f"(configuration {r['config_id']})" for r in joined.values())
+
 
 def first_of_rank(first: dict[str, dict[str, Any]], rank: int) -> dict[str, Any]:
     [record] = [r for r in first.values() if r["rank"] == rank]

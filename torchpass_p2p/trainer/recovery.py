@@ -36,6 +36,7 @@ itself is the step loop's (:meth:`Recovery._apply` is how a roll forward applies
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -256,6 +257,12 @@ class Recovery(StateExchange):
                 fetch_from = kept
         self._enter_configuration(configuration, group_id=change.group_id, resume=resume,
                                   fetch_from=fetch_from, plan=plan)
+        if assigned:
+            # The console's one word of a recovery (the timeline is in TORCHPASS_LOG_DIR): one
+            # write, as the launcher's children share its stderr.
+            sys.stderr.write(f"torchpass_p2p: member {self.log.member} took rank {rank} at "
+                             f"step {resume} (configuration {configuration.config_id})\n")
+            sys.stderr.flush()
 
     def _enter_configuration(self, configuration: Any, *, group_id: int, resume: int,
                              fetch_from: tuple[int, ...] | None, plan: Any = None) -> None:
