@@ -57,12 +57,28 @@ def members_of(events: list[dict], config_id: int) -> dict[int, str]:
             if r["event"] == "joined" and r["config_id"] == config_id}
 
 
+def run_scenario(tmp_path: Path) -> Run:
+    """The faulty run, once more when its second fault could not fire: the victim must be
+    asked for its share, and on a loaded host its connection may open only once the other two
+    sources served nearly every chunk (seen: 1.4 MB of 270 MB from it, the fetch complete in
+    0.26 s). That run is a fetch with one source less, not S10; a second such run fails."""
+    for attempt in range(2):
+        faulty = run_job(tmp_path / f"faults-{attempt}", nproc=4, spares=2, steps=STEPS,
+                         faults=FAULTS, script_args=S10_ARGS, timeout_s=RUN_LIMIT_S)
+        assert faulty.code == 0, faulty.diagnosis()
+        fired = [r for r in faulty.events if r["event"] == "fault"]
+        if len(fired) == 2 or [r["point"] for r in fired] != ["grad"]:
+            return faulty
+        [fetched, *_] = [r for r in faulty.events if r["event"] == "state_fetched"]
+        victim = members_of(faulty.events, 0)[2]
+        assert fetched["served_by"].get(victim, 0) < SERVED_FRACTION * fetched["bytes"]
+    return faulty
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_s10_source_killed_mid_transfer_is_replaced_exactly(tmp_path: Path, clean: Run) -> None:
-    faulty = run_job(tmp_path / "faults", nproc=4, spares=2, steps=STEPS, faults=FAULTS,
-                     script_args=S10_ARGS, timeout_s=RUN_LIMIT_S)
-    assert faulty.code == 0, faulty.diagnosis()
+    faulty = run_scenario(tmp_path)
     events = faulty.events
     before = members_of(events, 0)
 

@@ -717,9 +717,27 @@ async def test_only_bad_sources_fail_cleanly(snap, keys):
 
 
 async def test_stalled_source_is_dropped_after_no_progress(snap, keys):
-    servers = await serving(snap, keys, StallServer, TransferServer)
+    """The healthy source serves nothing before the stalling one was asked for a chunk: else,
+    on a loaded host, it serves the whole (small) state while the other is still connecting,
+    and a source left unopened when every chunk is in is not counted as failed."""
+    asked = asyncio.Event()
+
+    class Stalls(StallServer):
+        async def serve_chunk(self, conn, snapshot, index, header, skip=0):
+            asked.set()
+            await super().serve_chunk(conn, snapshot, index, header, skip)
+
+    class AfterIt(TransferServer):
+        async def serve_chunk(self, conn, snapshot, index, header, skip=0):
+            async with asyncio.timeout(30):
+                await asked.wait()
+            await super().serve_chunk(conn, snapshot, index, header, skip)
+
+    servers = await serving(snap, keys, Stalls, AfterIt)
     try:
-        res = await fetch([s.address for s in servers], keys, CONFIG, progress_timeout_s=0.3)
+        # Below STRAGGLER_FLOOR_S (1 s), which would drop the stalled one too_slow first; not
+        # much below: the healthy source waits for the other's first request meanwhile.
+        res = await fetch([s.address for s in servers], keys, CONFIG, progress_timeout_s=0.6)
         assert res.failures == {"no_progress": 1}
         assert received_fingerprint(res) == snap.fingerprint()
     finally:
