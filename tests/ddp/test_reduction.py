@@ -230,6 +230,74 @@ def test_native_mode_reduces_its_local_gradients_again_after_forget() -> None:
         torch.testing.assert_close(torch.cat([g.reshape(-1) for g in out]), expected)
 
 
+def test_native_mode_divides_as_it_fills_and_refills_for_another_world_size() -> None:
+    """Native mode divides each gradient by the world size given to ``reset`` as it copies it
+    in. Filled for a world size the group does not have (the configuration changed meanwhile),
+    every bucket is written again for the group's at its launch: were it not, the mean would
+    be the sum over four ranks' worth. Both ways give the same bits."""
+    first, second = groups(11), groups(12)
+
+    def step(rank: int) -> list[torch.Tensor]:
+        means = []
+        for world_size, group in ((N, first[rank]), (N + 1, second[rank])):
+            reduction = StepReduction(layout(), exact=False)
+            reduction.reset(world_size)
+            for i, g in enumerate(gradients(rank)):
+                reduction.fill(i, g)
+            reduction.launch_ready(group, None)
+            results = reduction.wait(group, None)
+            out = [torch.empty(s) for s in SHAPES]
+            for i, g in enumerate(out):
+                reduction.copy_out(results, i, g)
+            means.append(torch.cat([g.reshape(-1) for g in out]))
+        return means
+
+    flat = [torch.cat([g.reshape(-1) for g in gradients(r)]) for r in range(N)]
+    expected = divide(sum_in_rank_order(flat), N)
+    for right, refilled in on_every_rank(step):
+        assert torch.equal(right, refilled)
+        torch.testing.assert_close(right, expected)
+
+
+def test_exact_mode_reduces_a_whole_ddp_bucket_where_it_lies_and_again_on_a_new_group() -> None:
+    """A DDP bucket that is a whole canonical bucket is the exact reduction's input itself (no
+    copy): its all-to-all sends shards of uneven length (263,000 elements over three ranks)
+    straight from it, and a redo on another group reads it again. Both reductions and the
+    hook's future give the rank-order mean bitwise."""
+    shapes = [(5,), (1000, 263)]
+    sharded = Layout.of([torch.nn.Parameter(torch.empty(s)) for s in shapes],
+                        first_bytes=16, bytes_cap=512)
+    assert sharded.sizes == (263_000, 5)
+    first, second = groups(13), groups(14)
+
+    def grads_of(rank: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(rank)
+        return [torch.randn(s, generator=g) * 10 ** (rank - 1) for s in shapes]
+
+    def step(rank: int) -> list[torch.Tensor]:
+        grads = grads_of(rank)
+        reduction = StepReduction(sharded, exact=True)
+        reduction.reset()
+        bucket = grads[1].reshape(-1).clone()  # DDP's buffer
+        future = reduction.fill_bucket([1], [bucket.view(shapes[1])], bucket)
+        reduction.fill(0, grads[0])
+        assert reduction.send[0].data_ptr() == bucket.data_ptr()
+        reduction.launch_ready(first[rank], None)
+        before = [r.clone() for r in reduction.wait(first[rank], None)]
+        reduction.relaunch(second[rank], None)
+        after = reduction.wait(second[rank], None)
+        reduction.hand_out(after)
+        assert torch.equal(bucket, grads[1].reshape(-1))  # only read
+        return [*before, *after, future.value()]
+
+    expected = [divide(sum_in_rank_order([grads_of(r)[i].reshape(-1) for r in range(N)]), N)
+                for i in (1, 0)]
+    for before0, before1, after0, after1, handed in on_every_rank(step):
+        for got, want in ((before0, expected[0]), (before1, expected[1]),
+                          (after0, expected[0]), (after1, expected[1]), (handed, expected[0])):
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def test_ddps_own_buckets_get_the_reduced_gradient_through_the_hook_before_and_after_rebuild(
 ) -> None:
     """torch DDP's real buckets, on a group of one: each hook hands its bucket to

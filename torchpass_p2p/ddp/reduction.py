@@ -15,9 +15,11 @@ Exact mode sums in rank order (:mod:`torchpass_p2p.collective.reduce`): a bucket
 each rank sends its bucket to every other), a larger one by an all-to-all of shards, each rank
 summing its shard, then an all-gather of the sums. The element sum ``((g0 + g1) + g2) + ...``
 does not depend on how elements are grouped into buckets, so the result is bitwise the same as
-one reduction of the whole gradient. Native mode uses the backend's all-reduce (same step, not
-bitwise) from 1 MiB on; below, its ring's round trips cost more than one exchange, so small
-buckets are gathered in both modes.
+one reduction of the whole gradient. Native mode (same step, not bitwise) sums from 1 MiB on
+with the backend's all-reduce, of each rank's gradient divided by the world size first, as
+DDP's default hook does; the division is the copy into the bucket, not a pass of its own. Below
+1 MiB the ring's round trips cost more than one exchange, so small buckets are gathered in
+both modes.
 
 Operations are launched from one thread (the autograd thread) in one order: a sharded bucket's
 all-gather is launched just before the next bucket's first operation, never from a completion
@@ -38,9 +40,7 @@ from torchpass_p2p.collective.group import SHARDED_MIN_BYTES, Watch
 from torchpass_p2p.collective.reduce import (
     divide,
     from_shards,
-    shards_shape,
     sum_in_rank_order,
-    to_shards,
 )
 
 __all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Layout", "StepReduction"]
@@ -112,12 +112,15 @@ class StepReduction:
     """The reduction of one step's gradients (module docstring), filled bucket by bucket.
 
     The inputs (``send``) are this member's local gradients of the step, so that the same step
-    can be reduced again on another group. Each gradient is copied once, into the buffer its
-    bucket's first operation reads: an exact bucket's all-to-all only reads it (a sharded
-    bucket's input is the prefix of its zero-padded shards), so it is kept as it is; a native
-    bucket's all-reduce overwrites it with the sum, so :meth:`forget` copies it again from the
-    gradients ``fill`` was given, which the caller must keep unchanged until the step closes
-    (DDP keeps its bucket's gradients until the hook's future completes). The operations' own
+    can be reduced again on another group. An exact bucket's all-to-all only reads its input,
+    so the input is kept as it is, and when DDP's bucket is a whole canonical bucket it is
+    DDP's own buffer, not a copy (DDP keeps it until the hook's future completes); any other
+    gradient is copied once, into the buffer its bucket's first operation reads. A native
+    all-reduced bucket's input is the gradient divided by the world size given to
+    :meth:`reset`, and its all-reduce overwrites it with the sum: such a bucket is written
+    again at its next launch from the gradients ``fill`` was given (after :meth:`forget`, or on
+    a group of another size), which the caller must keep unchanged until the step closes (DDP
+    keeps its bucket's gradients until the hook's future completes). The operations' own
     buffers (what they receive, the sums) are kept for the next step's: a bucket's worth
     allocated afresh each step is faulted in again page by page (``docs/benchmarks.md`` has
     what that cost). They are reused only after every operation that wrote into them
@@ -132,11 +135,13 @@ class StepReduction:
     def __init__(self, layout: Layout, *, exact: bool) -> None:
         self.layout = layout
         self.exact = exact
-        self.send = [torch.empty(n, dtype=d, device=v) for n, d, v in
+        self._own = [torch.empty(n, dtype=d, device=v) for n, d, v in
                      zip(layout.sizes, layout.dtypes, layout.devices, strict=True)]
-        self._padded: dict[int, torch.Tensor] = {}  # bucket: shards whose prefix is its send
-        # native mode: (bucket, offset, flat gradient) of each fill, copied again by forget
-        self._sources: list[tuple[int, int, torch.Tensor]] = []
+        self.send = list(self._own)  # a bucket's input: its own buffer, or DDP's (fill_bucket)
+        # native mode: each bucket's fills, (offset, flat gradient), to write it again from
+        self._sources: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self._n: int | None = None  # native mode: the world size fills divide by
+        self._stale: set[int] = set()  # native buckets whose send is not yet what launch sends
         self._runs: dict[tuple[int, ...], tuple[int, int, int] | None] = {}
         self._handed: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor,
                                  Sequence[torch.Tensor], Sequence[int],
@@ -155,16 +160,22 @@ class StepReduction:
 
     # ------------------------------------------------------------------ filling
 
-    def reset(self) -> None:
+    def reset(self, world_size: int | None = None) -> None:
         """A new step: every bucket empty again (inputs are overwritten as they are filled).
         The buffers of the last step's operations are kept for this one's when every one of
-        them was waited for; the results handed out before are overwritten by this step's."""
+        them was waited for; the results handed out before are overwritten by this step's.
+        ``world_size``: the size of the group the step will be reduced on, if known (native
+        mode divides as it fills; a bucket filled for another size is written again at its
+        launch)."""
         self._missing = list(self.layout.sizes)
         self.blocked_s = 0.0
-        self._sources = []  # the last step's: nothing to copy again
+        self.send = list(self._own)  # DDP's buffers are its own again
+        self._sources = {}  # the last step's: nothing to copy again
         self._handed = []
         if self._works:  # launched, never waited for: they may still write
             self.forget()
+        self._n = world_size
+        self._stale = set()  # every element of every bucket is filled again
         self._overwritten = set()
         self._group = None
         self._launched = 0
@@ -173,7 +184,8 @@ class StepReduction:
     def forget(self) -> None:
         """Drop every launched operation, result and operation buffer, keeping the inputs (the
         group they ran on is being given up): a native bucket's input, overwritten by its
-        all-reduce, is copied again into new storage from the gradients ``fill`` was given. A
+        all-reduce, gets new storage, written at its next launch from the gradients ``fill``
+        was given. A
         gloo group's connections close only when its last reference goes, and an operation
         holds one: kept, it would leave the peers waiting on this member in their next
         collective instead of failing at once."""
@@ -182,11 +194,8 @@ class StepReduction:
         self._works = []
         self._results = [None] * len(self.layout.sizes)
         self._scratch = {}
-        for b in self._overwritten:
+        for b in self._overwritten:  # stale since their launch
             self.send[b] = torch.empty_like(self.send[b])
-        for b, offset, flat in self._sources:
-            if b in self._overwritten:
-                self.send[b][offset:offset + flat.numel()].copy_(flat)
         self._overwritten = set()
 
     def fill(self, index: int, grad: torch.Tensor) -> None:
@@ -205,12 +214,18 @@ class StepReduction:
         arrive in reverse registration order do), ``flat`` is copied at once and the result
         is a view of the canonical result, which DDP copies into the gradients itself; else
         each gradient is copied on its own, and back into ``grads``. As for :meth:`fill`, in
-        native mode the gradients must keep their values until the step closes."""
+        native mode the gradients must keep their values until the step closes; in exact mode
+        ``flat`` must, when it is a whole canonical bucket (it is the bucket's input then)."""
         run = self._run_of(tuple(indices))
         if run is None or flat.numel() != run[2]:
             run = None
             for i, g in zip(indices, grads, strict=True):
                 self.fill(i, g)
+        elif self.exact and run[1] == 0 and run[2] == self.layout.sizes[run[0]]:
+            # An exact reduction only reads its input: DDP's buffer is read where it is. An
+            # abandoned operation may go on reading it, never writes it.
+            self.send[run[0]] = flat.reshape(-1)
+            self._missing[run[0]] -= run[2]
         else:
             self._put(run[0], run[1], flat.reshape(-1))
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
@@ -244,10 +259,25 @@ class StepReduction:
         return self._runs[indices]
 
     def _put(self, b: int, offset: int, flat: torch.Tensor) -> None:
-        self.send[b][offset:offset + flat.numel()].copy_(flat)
+        self._write(b, offset, flat, self._n)
         self._missing[b] -= flat.numel()
         if not self.exact:
-            self._sources.append((b, offset, flat))
+            self._sources.setdefault(b, []).append((offset, flat))
+
+    def _write(self, b: int, offset: int, flat: torch.Tensor, n: int | None) -> None:
+        """Bucket ``b``'s input at ``offset``: ``flat``, divided by ``n`` when a native
+        all-reduce on a group of ``n`` ranks will sum it."""
+        into = self.send[b][offset:offset + flat.numel()]
+        if n is not None and not self.exact and not self._small(b, n):
+            # DDP's default hook divides by the world size (a Python number) before its sum
+            torch.div(flat, n, out=into)
+        else:
+            into.copy_(flat)
+
+    def _small(self, b: int, n: int) -> bool:
+        """Bucket ``b`` is gathered whole on a group of ``n`` ranks, in both modes."""
+        src = self.send[b]
+        return n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES
 
     @property
     def filled(self) -> bool:
@@ -264,6 +294,10 @@ class StepReduction:
             if self._group is not None or self._launched:
                 self.forget()
             self._group = group
+        if not self.exact and group.spec.world_size != self._n:
+            # filled for another size: every bucket is written again at its launch
+            self._n = group.spec.world_size
+            self._stale = set(range(len(self.send)))
         while self._launched < len(self.send) and self._missing[self._launched] == 0:
             self._launch(group, self._launched)
             self._launched += 1
@@ -278,18 +312,23 @@ class StepReduction:
         they have these shapes (the world size may have changed), else new ones."""
         kept = self._scratch.get((b, kind))
         if kept is None or [tuple(t.shape) for t in kept] != shapes:
-            src = self.send[b]
-            kept = [torch.empty(s, dtype=src.dtype, device=src.device) for s in shapes]
+            src = self.send[b]  # zeros: padding sent is never another step's data
+            kept = [torch.zeros(s, dtype=src.dtype, device=src.device) for s in shapes]
             self._scratch[(b, kind)] = kept
         return kept
 
     def _launch(self, group: ManagedGroup, b: int) -> None:
         self._flush_sharded(group, self._watch)
-        src = self.send[b]
         n = group.spec.world_size
-        small = n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES
+        if b in self._stale:
+            for offset, flat in self._sources[b]:
+                self._write(b, offset, flat, n)
+            self._stale.discard(b)
+        src = self.send[b]
+        small = self._small(b, n)
         if not self.exact and not small:
             self._overwritten.add(b)
+            self._stale.add(b)  # it will hold the sum
             self._works.append((b, "sum", group.launch(lambda pg: pg.allreduce([src])), src))
         elif small:  # native mode too: one exchange has less latency than gloo's ring
             # Every rank's bucket, by one all-to-all of n copies (ManagedGroup.exchange says
@@ -299,16 +338,16 @@ class StepReduction:
             self._works.append((b, "gather", group.launch(
                 lambda pg: pg.alltoall_base(out, copies, [], [])), out.unbind(0)))
         else:
-            shape = shards_shape(src.numel(), n)
-            shards = self._padded.get(b)
-            if shards is None or tuple(shards.shape) != shape:
-                # Once, and again when the world size changes: from then on fill writes the
-                # shards' prefix and the padding stays zero.
-                shards = self._padded[b] = to_shards(src, n)
-                self.send[b] = shards.view(-1)[:src.numel()]
-            recv, _ = self._buffers(b, "shards", [shape, shape[1:]])
+            # Shard r is the r-th run of `width` elements (the last ones shorter), so the input
+            # is sent as it lies; this rank receives its shard from every rank, as rows.
+            width = -(-src.numel() // n)
+            splits = [min(width, max(0, src.numel() - r * width)) for r in range(n)]
+            mine = splits[group.spec.rank]
+            recv, _ = self._buffers(b, "shards", [(n * width,), (width,)])
+            into = recv[:n * mine]  # gloo splits along dim 0
             self._works.append((b, "shards", group.launch(
-                lambda pg: pg.alltoall_base(recv, shards, [], [])), recv))
+                lambda pg: pg.alltoall_base(into, src, [mine] * n, splits)),
+                into.view(n, mine)))
 
     def _flush_sharded(self, group: ManagedGroup, watch: Watch | None = None) -> None:
         """Turn the last launched bucket's finished all-to-all into its all-gather of sums
@@ -316,14 +355,15 @@ class StepReduction:
         operation, or when the step is waited for)."""
         if not self._works or self._works[-1][1] != "shards":
             return
-        b, _, work, recv = self._works.pop()
+        b, _, work, rows = self._works.pop()
         self._complete(group, work, watch)
         n = group.spec.world_size
-        mine = divide(sum_in_rank_order(recv.unbind(0), out=self._scratch[(b, "shards")][1]), n)
-        # The sums are taken from what was received: its buffer receives the gathered sums.
-        gathered = recv
+        # The sums are taken from what was received: its buffer receives the gathered sums,
+        # `width` a rank (the padding past a short shard is never read).
+        gathered, sums = self._scratch[(b, "shards")]
+        divide(sum_in_rank_order(rows.unbind(0), out=sums[:rows.shape[1]]), n)
         self._works.append((b, "sharded", group.launch(
-            lambda pg: pg._allgather_base(gathered.view(-1), mine)), gathered))
+            lambda pg: pg._allgather_base(gathered, sums)), gathered))
 
     def wait(self, group: ManagedGroup, watch: Watch | None) -> list[torch.Tensor]:
         """Wait for every bucket (all must be launched) and return the averaged gradient per
@@ -338,8 +378,8 @@ class StepReduction:
                 self._results[b] = divide(sum_in_rank_order(out), n)
             elif kind == "sharded":
                 self._results[b] = from_shards(out, self.send[b])
-            else:
-                self._results[b] = divide(out, n)
+            else:  # the sum of gradients divided before (_write)
+                self._results[b] = out
         self._works = []
         results = self._results
         assert all(r is not None for r in results)

@@ -454,7 +454,7 @@ class Session(Trainer):
         if self._used is not None:
             self._used.zero_()
         assert self.reduction is not None
-        self.reduction.reset()
+        self.reduction.reset(None if self.group is None else self.group.spec.world_size)
         self._step_error = None
         self.stragglers.opened()
 
