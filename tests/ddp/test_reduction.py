@@ -73,10 +73,11 @@ def layout() -> Layout:
 
 
 def one_step(reduction: StepReduction, group: ManagedGroup, grads: list[torch.Tensor],
-             ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A new step of ``reduction`` over ``grads``: its results per bucket, and the averaged
-    gradient per parameter (written out as DDP would be handed it)."""
-    reduction.reset()
+             world_size: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A new step of ``reduction`` over ``grads`` (``world_size`` as for ``reset``): its
+    results per bucket, and the averaged gradient per parameter (written out as DDP would be
+    handed it)."""
+    reduction.reset(world_size)
     for i, g in enumerate(grads):
         reduction.fill(i, g)
     reduction.launch_ready(group, None)
@@ -241,14 +242,7 @@ def test_native_mode_divides_as_it_fills_and_refills_for_another_world_size() ->
         means = []
         for world_size, group in ((N, first[rank]), (N + 1, second[rank])):
             reduction = StepReduction(layout(), exact=False)
-            reduction.reset(world_size)
-            for i, g in enumerate(gradients(rank)):
-                reduction.fill(i, g)
-            reduction.launch_ready(group, None)
-            results = reduction.wait(group, None)
-            out = [torch.empty(s) for s in SHAPES]
-            for i, g in enumerate(out):
-                reduction.copy_out(results, i, g)
+            out = one_step(reduction, group, gradients(rank), world_size)[1]
             means.append(torch.cat([g.reshape(-1) for g in out]))
         return means
 
