@@ -211,6 +211,8 @@ def test_native_mode_reduces_its_local_gradients_again_after_forget() -> None:
     reduction, as a spare that joined would; were the others to send their sums, the redo's
     mean would be off by a third of the spread between ranks."""
     first, second = groups(8), groups(9)
+    summed = [b for b, n in enumerate(layout().sizes) if 4 * n >= 1 << 20]  # all-reduced
+    assert summed
 
     def step(rank: int) -> list[torch.Tensor]:
         reduction = StepReduction(layout(), exact=False)
@@ -218,11 +220,14 @@ def test_native_mode_reduces_its_local_gradients_again_after_forget() -> None:
         one_step(reduction, first[rank], grads)
         if rank == 2:
             return one_step(StepReduction(layout(), exact=False), second[rank], grads)[1]
+        given_up = {reduction.send[b].data_ptr() for b in summed}
         reduction.relaunch(second[rank], None)
         results = reduction.wait(second[rank], None)
         out = [torch.empty(s) for s in SHAPES]
         for i, g in enumerate(out):
             reduction.copy_out(results, i, g)
+        reduction.reset()  # the next step never fills storage a given-up group may write
+        assert not given_up & {reduction.send[b].data_ptr() for b in summed}
         return out
 
     flat = [torch.cat([g.reshape(-1) for g in gradients(r)]) for r in range(N)]

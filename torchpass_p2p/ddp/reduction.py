@@ -194,8 +194,8 @@ class StepReduction:
         self._works = []
         self._results = [None] * len(self.layout.sizes)
         self._scratch = {}
-        for b in self._overwritten:  # stale since their launch
-            self.send[b] = torch.empty_like(self.send[b])
+        for b in self._overwritten:  # stale since their launch; never DDP's (exact only)
+            self._own[b] = self.send[b] = torch.empty_like(self._own[b])
         self._overwritten = set()
 
     def fill(self, index: int, grad: torch.Tensor) -> None:
