@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 from torchpass_p2p.collective import GroupSpec, ManagedGroup, sum_in_rank_order
 from torchpass_p2p.collective.group import SHARDED_MIN_BYTES
-from torchpass_p2p.collective.reduce import divide, from_shards, to_shards
+from torchpass_p2p.collective.reduce import divide, from_shards, shard_sizes, to_shards
 
 
 def test_shards_are_contiguous_pieces_padded_with_zeros() -> None:
@@ -88,3 +88,17 @@ def test_sharded_mean_equals_the_rank_order_sum_bit_for_bit() -> None:
             got = results[(rank, str(dtype))]
             assert got.dtype == dtype and got.shape == (numel, 1)
             assert torch.equal(got, expected), (rank, dtype)
+
+
+def test_shard_sizes_are_the_unpadded_lengths_of_the_shards() -> None:
+    assert shard_sizes(7, 3) == (3, 3, 1)
+    assert shard_sizes(9, 4) == (3, 3, 3, 0)
+    assert shard_sizes(2, 4) == (1, 1, 0, 0)
+    assert shard_sizes(263_000, 3) == (87_667, 87_667, 87_666)
+    x = torch.arange(10.0)
+    for n in (1, 3, 4, 7):
+        rows = to_shards(x, n)
+        pieces = torch.split(x, list(shard_sizes(10, n)))
+        assert len(pieces) == n
+        for row, piece in zip(rows, pieces, strict=True):
+            assert torch.equal(row[:piece.numel()], piece)

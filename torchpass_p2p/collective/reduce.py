@@ -15,12 +15,13 @@ of a reduce-scatter plus an all-gather, as a ring all-reduce has.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
 
 import torch
 
-__all__ = ["divide", "flatten", "from_shards", "shards_shape", "sum_in_rank_order", "to_shards",
-           "unflatten_into"]
+__all__ = ["divide", "flatten", "from_shards", "shard_sizes", "shards_shape", "sum_in_rank_order",
+           "to_shards", "unflatten_into"]
 
 
 def flatten(params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
@@ -105,6 +106,20 @@ def shards_shape(numel: int, world_size: int) -> tuple[int, int]:
     if world_size < 1:
         raise ValueError(f"world_size {world_size}")
     return world_size, -(-numel // world_size)
+
+
+@functools.cache
+def shard_sizes(numel: int, world_size: int) -> tuple[int, ...]:
+    """How many of ``numel`` elements each of :func:`to_shards`' rows holds before its
+    padding: ``width`` (:func:`shards_shape`) for each row but the last ones, which are shorter
+    or empty. Summing to ``numel``, they are the split sizes of an all-to-all that sends shard
+    ``r`` of an unpadded buffer to rank ``r``. Cached: a step asks once per bucket.
+
+    Raises:
+        ValueError: ``world_size`` below 1.
+    """
+    _, width = shards_shape(numel, world_size)
+    return tuple(min(width, max(0, numel - r * width)) for r in range(world_size))
 
 
 def to_shards(tensor: torch.Tensor, world_size: int, out: torch.Tensor | None = None,

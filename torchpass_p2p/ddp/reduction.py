@@ -40,6 +40,7 @@ from torchpass_p2p.collective.group import SHARDED_MIN_BYTES, Watch
 from torchpass_p2p.collective.reduce import (
     divide,
     from_shards,
+    shard_sizes,
     sum_in_rank_order,
 )
 
@@ -276,8 +277,8 @@ class StepReduction:
 
     def _small(self, b: int, n: int) -> bool:
         """Bucket ``b`` is gathered whole on a group of ``n`` ranks, in both modes."""
-        src = self.send[b]
-        return n == 1 or src.numel() * src.element_size() < SHARDED_MIN_BYTES
+        own = self._own[b]
+        return n == 1 or own.numel() * own.element_size() < SHARDED_MIN_BYTES
 
     @property
     def filled(self) -> bool:
@@ -340,13 +341,12 @@ class StepReduction:
         else:
             # Shard r is the r-th run of `width` elements (the last ones shorter), so the input
             # is sent as it lies; this rank receives its shard from every rank, as rows.
-            width = -(-src.numel() // n)
-            splits = [min(width, max(0, src.numel() - r * width)) for r in range(n)]
-            mine = splits[group.spec.rank]
+            splits = shard_sizes(src.numel(), n)
+            mine, width = splits[group.spec.rank], splits[0]
             recv, _ = self._buffers(b, "shards", [(n * width,), (width,)])
             into = recv[:n * mine]  # gloo splits along dim 0
             self._works.append((b, "shards", group.launch(
-                lambda pg: pg.alltoall_base(into, src, [mine] * n, splits)),
+                lambda pg: pg.alltoall_base(into, src, [mine] * n, list(splits))),
                 into.view(n, mine)))
 
     def _flush_sharded(self, group: ManagedGroup, watch: Watch | None = None) -> None:
