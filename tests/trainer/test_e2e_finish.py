@@ -4,13 +4,15 @@ Every rank passes one barrier after its last step, so that nobody leaves before 
 final state. A rank SIGKILLed just before it (its peers inside it) is replaced like a rank
 lost in any step: the spare fetches the final state and passes the barrier with the
 survivors; the survivors' barrier must not raise out of the trainer and fail the job. A rank
-SIGSTOPped there for 8 s (past its 5 s lease, however slowly a loaded host detects it) is
-replaced the same way; once woken it must not finish as if it still held its rank (write a
-final state and exit 0 while the survivors crash).
+SIGSTOPped there for longer than a death takes to be decided with a single accuser
+(:func:`~torchpass_p2p.trainer.regroup.regroup_wait_s`: a loaded CI host decided nothing
+within 8 s once) is replaced the same way; once woken it must not finish as if it still held
+its rank (write a final state and exit 0 while the survivors crash).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,8 +20,11 @@ import pytest
 
 from examples.main_job import Run, run_job
 from tests.trainer.settings import ARGS
+from torchpass_p2p.core.params import Params
+from torchpass_p2p.trainer.regroup import regroup_wait_s
 
 STEPS = 30
+PAUSE_S = math.ceil(regroup_wait_s(Params())) + 4
 
 
 def finished(run: Run) -> list[str]:
@@ -62,7 +67,8 @@ def test_a_rank_killed_before_the_final_barrier_is_replaced_and_the_job_complete
 def test_a_rank_paused_in_the_final_barrier_does_not_finish_once_replaced(
         tmp_path: Path, clean_run: Callable[..., Run]) -> None:
     faulty = run_job(tmp_path, nproc=4, spares=1, steps=STEPS,
-                     faults=f"stop@{STEPS}:finish:rank=2:8", script_args=ARGS, timeout_s=150)
+                     faults=f"stop@{STEPS}:finish:rank=2:{PAUSE_S}", script_args=ARGS,
+                     timeout_s=150)
     assert faulty.code == 0, faulty.diagnosis()
     paused = faulted(faulty)
     changes = {r["config_id"]: r["removed"] for r in faulty.events if r["event"] == "change"}
