@@ -41,6 +41,8 @@ SERVED_FRACTION = 0.17
 """Rank 2 dies once it has sent this much of the state (on A's connection), about a sixth: with
 3 sources sharing the chunks, about half of its share, when A holds about half of the state."""
 FAULTS = f"kill@{FAULT_STEP}:grad:rank=1,kill@{FAULT_STEP}:serve:rank=2:{SERVED_FRACTION}"
+ATTEMPTS = 3
+"""Faulty runs at most, for the fetch S10 is about to happen once (:func:`run_scenario`)."""
 RUN_LIMIT_S = 200.0
 """A launch that outlives this fails the test (``subprocess.TimeoutExpired``): the "no hang"."""
 
@@ -58,20 +60,26 @@ def members_of(events: list[dict], config_id: int) -> dict[int, str]:
 
 
 def run_scenario(tmp_path: Path) -> Run:
-    """The faulty run, once more when its second fault could not fire: the victim must be
-    asked for its share, and on a loaded host its connection may open only once the other two
-    sources served nearly every chunk (seen: 1.4 MB of 270 MB from it, the fetch complete in
-    0.26 s). That run is a fetch with one source less, not S10; a second such run fails."""
-    for attempt in range(2):
+    """The faulty run, once more when the fetch S10 is about did not happen: every source must
+    be asked for its share, and on a loaded host a source's connection may open only once the
+    others served nearly every chunk. Seen: the victim's (1.4 MB of 270 MB from it, the fetch
+    complete in 0.26 s: its serve fault never fired), and a healthy source's (the victim and
+    one other served it all; 1 run in 3 on an idle machine). That run is a fetch with one
+    source less, not S10; it is run again, twice at most."""
+    for attempt in range(ATTEMPTS):
         faulty = run_job(tmp_path / f"faults-{attempt}", nproc=4, spares=2, steps=STEPS,
                          faults=FAULTS, script_args=S10_ARGS, timeout_s=RUN_LIMIT_S)
         assert faulty.code == 0, faulty.diagnosis()
-        fired = [r for r in faulty.events if r["event"] == "fault"]
-        if len(fired) == 2 or [r["point"] for r in fired] != ["grad"]:
-            return faulty
+        points = [r["point"] for r in faulty.events if r["event"] == "fault"]
+        if points not in (["grad"], ["grad", "serve"]):
+            return faulty  # the test's assertions say what went wrong
         [fetched, *_] = [r for r in faulty.events if r["event"] == "state_fetched"]
-        victim = members_of(faulty.events, 0)[2]
-        assert fetched["served_by"].get(victim, 0) < SERVED_FRACTION * fetched["bytes"]
+        before = members_of(faulty.events, 0)
+        served = {member for member, n in fetched["served_by"].items() if n > 0}
+        if points == ["grad", "serve"] and served == {before[0], before[2], before[3]}:
+            return faulty
+        if points == ["grad"]:
+            assert fetched["served_by"].get(before[2], 0) < SERVED_FRACTION * fetched["bytes"]
     return faulty
 
 
