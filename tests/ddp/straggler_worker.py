@@ -90,8 +90,8 @@ def main():
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            if record:
-                figures.append([session.step - 1, session.step_figures])
+            if record and session.step >= 2:  # the vote of step s carries step s - 1's
+                figures.append([session.step - 2, session.step_figures])
     if record:
         with open(record, "w") as f:
             json.dump({"steps": figures}, f)

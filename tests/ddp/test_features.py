@@ -209,9 +209,11 @@ def test_a_member_running_another_job_is_refused_and_replaced(
 def test_a_transient_collective_failure_regroups_the_same_ranks(
         point: str, tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
     """Rank 1's collective fails at step ``KILL_AT`` with no process dying (inside the
-    reduction, or between it and the vote): nobody is suspected, so no configuration change
-    comes; the three ranks form their group again in configuration 0 and go on. The spare
-    never takes a rank and the job ends with the fault-free state."""
+    reduction, or once the votes are in but before it took its averaged gradient): nobody is
+    suspected, so no configuration change comes; the three ranks form their group again in
+    configuration 0 and go on. The spare never takes a rank and the job ends with the
+    fault-free state. At ``commit`` the others committed the step: rank 1 is handed its
+    averaged gradient and the committed buffers in the new group and rolls forward."""
     free, _ = clean("param_groups")
     result = run(tmp_path, "param_groups", f"reset@{KILL_AT}:{point}:rank=1")
     assert result.code == 0, result.diagnosis()
@@ -222,7 +224,18 @@ def test_a_transient_collective_failure_regroups_the_same_ranks(
     assert {r["config_id"] for r in events(result, "step_started")} == {0}
     done = events(result, "regroup_done")
     assert {r["member"] for r in done} == {r["member"] for r in finished}, result.diagnosis()
-    assert {(r["config_id"], r["step"]) for r in done} == {(0, KILL_AT)}
+    handed = events(result, "gradient_handed")
+    rank_1 = {r["member"] for r in done if r["rank"] == 1}
+    if point == "grad":  # rank 1's last bucket and vote never left: nobody committed
+        assert {(r["config_id"], r["step"], r["action"]) for r in done} == {(0, KILL_AT, "redo")}
+        assert handed == []
+    else:  # the others committed; rank 1 rolls forward with what it is handed
+        assert {(r["config_id"], r["step"], r["action"], r["member"] in rank_1)
+                for r in done} == {(0, KILL_AT + 1, "redo", False),
+                                   (0, KILL_AT + 1, "roll_forward", True)}
+        assert len(handed) == 3  # every member of the new group logs it
+        assert {(r["step"], tuple(r["behind"]), r["source"]) for r in handed} == {
+            (KILL_AT, (1,), 0)}
 
 
 @pytest.mark.slow

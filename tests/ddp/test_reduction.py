@@ -182,6 +182,39 @@ def test_consecutive_steps_reuse_the_buffers_and_each_gives_its_own_mean() -> No
         assert [rank_steps[1][1][b] for b in sharded] == [rank_steps[0][1][b] for b in sharded]
 
 
+def test_the_results_handed_out_stay_intact_through_the_next_step() -> None:
+    """A member that committed step k hands its results to a peer whose reduction of k failed
+    while it is itself inside step k + 1 (torchpass_p2p/ddp/handoff.py): the next step's
+    reduction must not write them. Step k + 2 reuses step k's buffers, in both modes."""
+    every = groups(15)
+    big = [b for b, n in enumerate(layout().sizes) if 4 * n >= 1 << 20]
+    assert big  # a bucket summed in shards (exact) or all-reduced in place (native)
+
+    def steps(rank: int) -> list[tuple[bool, list[int], list[int], list[int]]]:
+        out = []
+        for exact in (True, False):
+            reduction = StepReduction(layout(), exact=exact)
+            first, _ = one_step(reduction, every[rank], gradients(rank))
+            reduction.hand_out(first)
+            copy = [r.clone() for r in first]
+            second, _ = one_step(reduction, every[rank], gradients(rank + N))
+            intact = (all(torch.equal(a, b) for a, b in zip(first, copy, strict=True))
+                      and not all(torch.equal(a, b) for a, b in zip(first, second, strict=True)))
+            assert reduction.held is first
+            reduction.hand_out(second)
+            assert reduction.held is second
+            third, _ = one_step(reduction, every[rank], gradients(rank + 2 * N))
+            out.append((intact, *([r.data_ptr() for r in results]
+                                  for results in (first, second, third))))
+        return out
+
+    for per_mode in on_every_rank(steps):
+        for intact, first, second, third in per_mode:
+            assert intact
+            assert [third[b] for b in big] == [first[b] for b in big]
+            assert not {second[b] for b in big} & {first[b] for b in big}
+
+
 def test_forgetting_a_step_gives_the_redo_new_buffers() -> None:
     """An abandoned operation may still write into its buffers: after ``forget`` the redo's
     results live in new storage, while the held results keep their bits."""
@@ -220,14 +253,14 @@ def test_native_mode_reduces_its_local_gradients_again_after_forget() -> None:
         one_step(reduction, first[rank], grads)
         if rank == 2:
             return one_step(StepReduction(layout(), exact=False), second[rank], grads)[1]
-        given_up = {reduction.send[b].data_ptr() for b in summed}
+        given_up = {reduction.input_of(b).data_ptr() for b in summed}
         reduction.relaunch(second[rank], None)
         results = reduction.wait(second[rank], None)
         out = [torch.empty(s) for s in SHAPES]
         for i, g in enumerate(out):
             reduction.copy_out(results, i, g)
         reduction.reset()  # the next step never fills storage a given-up group may write
-        assert not given_up & {reduction.send[b].data_ptr() for b in summed}
+        assert not given_up & {reduction.input_of(b).data_ptr() for b in summed}
         return out
 
     flat = [torch.cat([g.reshape(-1) for g in gradients(r)]) for r in range(N)]
@@ -280,7 +313,7 @@ def test_exact_mode_reduces_a_whole_ddp_bucket_where_it_lies_and_again_on_a_new_
         bucket = grads[1].reshape(-1).clone()  # DDP's buffer
         future = reduction.fill_bucket([1], [bucket.view(shapes[1])], bucket)
         reduction.fill(0, grads[0])
-        assert reduction.send[0].data_ptr() == bucket.data_ptr()
+        assert reduction.input_of(0).data_ptr() == bucket.data_ptr()
         reduction.launch_ready(first[rank], None)
         before = [r.clone() for r in reduction.wait(first[rank], None)]
         reduction.relaunch(second[rank], None)

@@ -10,9 +10,9 @@
 * The same under ``TORCHPASS_STRAGGLER=migrate``: the straggler drains itself, the spare takes
   rank 1 at a step boundary, the straggler exits with code 4, nobody is named after the new
   group formed (the spare does not sleep), and every member that finished holds the same state.
-* 1,000 fault-free steps: nobody is named. Rank 0 records every step's figures from the vote;
-  the largest lag any rank showed and the 99th percentile are printed (``docs/stragglers.md``
-  quotes them).
+* 1,000 fault-free steps: nobody is named. Rank 0 records every step's figures from the votes
+  (each vote carries the step before's; no vote carries the last step's); the largest lag any
+  rank showed and the 99th percentile are printed (``docs/stragglers.md`` quotes them).
 
 Timings are not asserted beyond the lag's lower bound: 2 shared cores.
 """
@@ -168,7 +168,7 @@ def test_nobody_is_named_in_1000_fault_free_steps(tmp_path: Path) -> None:
     assert result.code == 0, result.diagnosis()
     assert events(result, "straggler_named") == []
     steps = json.loads(figures.read_text())["steps"]
-    assert [k for k, _ in steps] == list(range(1000))
+    assert [k for k, _ in steps] == list(range(999))  # the last step's ride in no vote
     lags = [lag for _, f in steps
             for lag in DETECTOR.lags({r: Arrival(r, c, w) for r, (c, w) in enumerate(f)}
                                      ).values()]

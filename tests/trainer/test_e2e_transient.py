@@ -2,14 +2,16 @@
 change comes; the ranks regroup in the same configuration and train on.
 
 Four ranks and two spares train the example language model (the settings and fault-free run of
-:mod:`.test_e2e`) for 57 steps. Rank 1's collective fails at step 20 just before the gradient
-all-reduce, and rank 0's (the host of every rendezvous store) at step 40 just before the commit
-all-reduce (``reset`` faults, :mod:`torchpass_p2p.trainer.faults`): each abandons its group as
-after a failed collective, which makes its peers' operations fail too. Must hold: every rank
-logs the failure (the peers from gloo itself); no configuration change, no spare promoted, no
-process exits before the end; every rank regroups (attempt 1, then 2) and resumes at the same
-step, the one after the last step anyone committed (no step lost, none run twice); the end
-state is bitwise equal to the fault-free run's.
+:mod:`.test_e2e`) for 57 steps. Rank 1's collective fails at step 20 before its last bucket and
+vote leave, and rank 0's (the host of every rendezvous store) at step 40 once the votes are in
+but before it took the averaged gradient (``reset`` faults,
+:mod:`torchpass_p2p.trainer.faults`): each abandons its group as after a failed collective,
+which makes its peers' operations fail too (at step 40 in step 41: they committed 40). Must
+hold: every rank logs the failure (the peers from gloo itself); no configuration change, no
+spare promoted, no process exits before the end; every rank regroups (attempt 1, then 2) and
+resumes at the same step, the one after the last step anyone committed (no step lost, none run
+twice): 20 (all redo it), then 41 (rank 0 rolls forward with the gradient handed to it); the
+end state is bitwise equal to the fault-free run's.
 
 Timings are not asserted (2 shared cores). The launch limit is what catches a rank whose
 collective failed with nobody dead waiting 600 s for a configuration change and then exiting,
@@ -73,25 +75,32 @@ def test_transient_failures_regroup_in_the_same_configuration(tmp_path: Path,
 
     for fault, attempt in zip(faults, (1, 2), strict=True):
         k = fault["step"]
-        # Every rank's collective of step k failed: the faulty one's by the injection, its
-        # peers' because it dropped its group (gloo's own errors).
-        failed = [r for r in events if r["event"] == "collective_failed" and r["step"] == k]
+        # At "grad" the faulty rank's last bucket and vote never left: nobody committed step
+        # k. At "commit" the votes were in: its peers committed k and failed in step k + 1.
+        resume = k if fault["point"] == "grad" else k + 1
+        # Every rank's collective failed: the faulty one's by the injection, its peers'
+        # because it dropped its group (gloo's own errors).
+        failed = [r for r in events if r["event"] == "collective_failed"
+                  and r["step"] == (k if r["member"] == fault["member"] else resume)]
         assert sorted(r["member"] for r in failed) == sorted(ranks.values())
         assert all(("injected" in r["error"]) == (r["member"] == fault["member"])
                    for r in failed)
         # Every rank regrouped once, with the same attempt, and resumed at the same step:
-        # the one after the last step anyone committed (no step lost).
+        # the one after the last step anyone committed (no step lost). The faulty rank,
+        # behind at "commit", was handed step k's averaged gradient and rolled forward.
         started_rg = [r for r in events if r["event"] == "regroup_started"
                       and r["attempt"] == attempt]
         done = [r for r in events if r["event"] == "regroup_done" and r["attempt"] == attempt]
         assert sorted(r["member"] for r in started_rg) == sorted(ranks.values())
         assert {(r["rank"], r["member"]) for r in done} == set(ranks.items())
-        assert {r["resume_step"] for r in done} == {k}
-        assert {r["action"] for r in done} == {"redo"}  # nobody committed step k
+        assert {r["resume_step"] for r in done} == {resume}
+        assert {r["action"] for r in done if r["member"] != fault["member"]} == {"redo"}
+        rolled = "redo" if resume == k else "roll_forward"
+        assert [r["action"] for r in done if r["member"] == fault["member"]] == [rolled]
         assert len({r["fingerprint"] for r in done}) == 1
         first = min(r["t"] for r in started_rg)
         committed = [r["step"] for r in events if r["event"] == "step" and r["t"] < first]
-        assert max(committed) + 1 == k
+        assert max(committed) + 1 == resume
     assert len([r for r in events if r["event"] == "regroup_done"]) == 8
 
     # Each rank committed every step exactly once, all in configuration 0 ...

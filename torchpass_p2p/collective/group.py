@@ -347,11 +347,25 @@ class ManagedGroup:
         another; for a small tensor each hop costs the next rank's wake-up, not the bytes, and
         with more ranks than cores that is a scheduling delay per hop. For small tensors only:
         the send side holds ``world_size`` copies. Errors as :meth:`allgather`."""
+        work, recv = self.launch_exchange(tensor)
+        self.complete(work, watch=watch, slice_s=slice_s)
+        return recv.to(tensor.device)
+
+    def launch_exchange(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """:meth:`exchange` launched, not waited for: ``(work, rows)``; ``rows`` (on the
+        group's device) holds every rank's ``tensor`` once :meth:`complete` returned for
+        ``work``. Raises as :meth:`launch`."""
         n = self.spec.world_size
         send = self._wire(tensor).reshape(1, -1).expand(n, -1).contiguous()
         recv = torch.empty_like(send)
-        self._run(lambda pg: pg.alltoall_base(recv, send, [], []), watch, slice_s)
-        return recv.to(tensor.device)
+        return self.launch(lambda pg: pg.alltoall_base(recv, send, [], [])), recv
+
+    def broadcast(self, tensor: torch.Tensor, root: int, *, watch: Watch | None = None,
+                  slice_s: float = SLICE_S) -> None:
+        """Rank ``root``'s ``tensor`` into every rank's ``tensor``, in place (contiguous, on
+        the group's device, the same shape and dtype on every rank). Errors as
+        :meth:`allgather`."""
+        self._run(lambda pg: pg.broadcast(tensor, root), watch, slice_s)
 
     def allreduce_sum(self, tensor: torch.Tensor, *, watch: Watch | None = None,
                       slice_s: float = SLICE_S) -> torch.Tensor:

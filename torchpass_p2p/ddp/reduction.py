@@ -112,21 +112,30 @@ class Layout:
 class StepReduction:
     """The reduction of one step's gradients (module docstring), filled bucket by bucket.
 
-    The inputs (``send``) are this member's local gradients of the step, so that the same step
-    can be reduced again on another group. An exact bucket's all-to-all only reads its input,
-    so the input is kept as it is, and when DDP's bucket is a whole canonical bucket it is
-    DDP's own buffer, not a copy (DDP keeps it until the hook's future completes); any other
-    gradient is copied once, into the buffer its bucket's first operation reads. A native
-    all-reduced bucket's input is the gradient divided by the world size given to
-    :meth:`reset`, and its all-reduce overwrites it with the sum: such a bucket is written
-    again at its next launch from the gradients ``fill`` was given (after :meth:`forget`, or on
-    a group of another size), which the caller must keep unchanged until the step closes (DDP
-    keeps its bucket's gradients until the hook's future completes). The operations' own
-    buffers (what they receive, the sums) are kept for the next step's: a bucket's worth
-    allocated afresh each step is faulted in again page by page (``docs/benchmarks.md`` has
-    what that cost). They are reused only after every operation that wrote into them
-    completed; an abandoned operation may still write into its buffers later, so
-    :meth:`forget` drops them, and a native bucket's input with them.
+    The inputs (:meth:`input_of`) are this member's local gradients of the step, so that the
+    same step can be reduced again on another group. An exact bucket's all-to-all only reads
+    its input, so the input is kept as it is, and when DDP's bucket is a whole canonical bucket
+    it is DDP's own buffer, not a copy (DDP keeps it until the hook's future completes); any
+    other gradient is copied once, into the buffer its bucket's first operation reads,
+    allocated when first written. A native all-reduced bucket's input is the gradient divided
+    by the world size given to :meth:`reset`, and its all-reduce overwrites it with the sum:
+    such a bucket is written again at its next launch from the gradients ``fill`` was given
+    (after :meth:`forget`, or on a group of another size), which the caller must keep
+    unchanged until the step closes (DDP keeps its bucket's gradients until the hook's future
+    completes). The operations' own buffers (what they receive, the sums) are kept for the
+    next step's but one: a bucket's worth allocated afresh each step is faulted in again page
+    by page (``docs/benchmarks.md`` has what that cost). They are reused only after every
+    operation that wrote into them completed; an abandoned operation may still write into its
+    buffers later, so :meth:`forget` drops them, and a native bucket's input with them.
+
+    The results of the last step handed out (:attr:`held`) stay intact until the step after
+    the next one opens: steps alternate between two *banks* of buffers (the inputs this class
+    owns, the operations' buffers), so the next step's reduction never writes the last one's
+    results. A member that committed a step can hand them to a peer whose reduction of that
+    step failed (:mod:`.handoff`); no member can reach the step after the next without every
+    peer's vote on the next one, which that peer can give only once it holds the last step.
+    This costs one more gradient's worth of memory: native mode's inputs, or exact mode's
+    gathered sums.
 
     Args:
         layout: the canonical layout.
@@ -136,45 +145,83 @@ class StepReduction:
     def __init__(self, layout: Layout, *, exact: bool) -> None:
         self.layout = layout
         self.exact = exact
-        self._own = [torch.empty(n, dtype=d, device=v) for n, d, v in
-                     zip(layout.sizes, layout.dtypes, layout.devices, strict=True)]
-        self.send = list(self._own)  # a bucket's input: its own buffer, or DDP's (fill_bucket)
+        # each bank's input buffers (each allocated when first written: an exact bucket read
+        # where DDP's lies needs none) and operation buffers, by (bucket, kind)
+        n = len(layout.sizes)
+        self._own_banks: list[list[torch.Tensor | None]] = [[None] * n, [None] * n]
+        self._scratch_banks: list[dict[tuple[int, str], list[torch.Tensor]]] = [{}, {}]
+        self._bank = 0
+        self._held: list[torch.Tensor] | None = None
+        self._held_bank = -1
+        # a bucket's input this step: DDP's buffer (fill_bucket), this bank's own, or None
+        # until written (_input)
+        self._send: list[torch.Tensor | None] = [None] * n
         # native mode: each bucket's fills, (offset, flat gradient), to write it again from
         self._sources: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self._n: int | None = None  # native mode: the world size fills divide by
-        self._stale: set[int] = set()  # native buckets whose send is not yet what launch sends
+        self._stale: set[int] = set()  # native buckets whose input is not yet what launch sends
         self._runs: dict[tuple[int, ...], tuple[int, int, int] | None] = {}
         self._handed: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor,
                                  Sequence[torch.Tensor], Sequence[int],
                                  tuple[int, int, int] | None]] = []  # DDP's buckets this step
-        self._overwritten: set[int] = set()  # native buckets whose send holds a sum
+        self._overwritten: set[int] = set()  # native buckets whose input holds a sum
         self._missing = list(layout.sizes)
         self._group: ManagedGroup | None = None
         self._launched = 0
         self._works: list[tuple[int, str, Any, Any]] = []  # (bucket, kind, work, output)
         self._results: list[torch.Tensor | None] = [None] * len(layout.sizes)
-        self._scratch: dict[tuple[int, str], list[torch.Tensor]] = {}  # (bucket, kind)
         self._watch: Watch | None = None
         self.blocked_s = 0.0
         """Seconds this step spent blocked waiting for its collectives, since :meth:`reset`:
         on the first rank to arrive, the others' lateness (:mod:`.stragglers`)."""
 
+    def input_of(self, b: int) -> torch.Tensor:
+        """Bucket ``b``'s input this step (1-d, the layout's size, dtype and device): DDP's
+        buffer when it is the whole bucket (exact mode), else this bank's own one."""
+        src = self._send[b]
+        if src is None:
+            own = self._own_banks[self._bank]
+            src = own[b]
+            if src is None:
+                layout = self.layout
+                src = own[b] = torch.empty(layout.sizes[b], dtype=layout.dtypes[b],
+                                           device=layout.devices[b])
+            self._send[b] = src
+        return src
+
+    @property
+    def _scratch(self) -> dict[tuple[int, str], list[torch.Tensor]]:
+        """This bank's operation buffers, by ``(bucket, kind)``."""
+        return self._scratch_banks[self._bank]
+
+    @property
+    def held(self) -> list[torch.Tensor] | None:
+        """The averaged gradient, per bucket, of the last step :meth:`hand_out` completed,
+        intact until the step after the next one opens (class docstring); None after
+        :meth:`drop_held`."""
+        return self._held
+
+    def drop_held(self) -> None:
+        """The held results no longer belong to this member's state (it was replaced)."""
+        self._held, self._held_bank = None, -1
+
     # ------------------------------------------------------------------ filling
 
     def reset(self, world_size: int | None = None) -> None:
-        """A new step: every bucket empty again (inputs are overwritten as they are filled).
-        The buffers of the last step's operations are kept for this one's when every one of
-        them was waited for; the results handed out before are overwritten by this step's.
-        ``world_size``: the size of the group the step will be reduced on, if known (native
-        mode divides as it fills; a bucket filled for another size is written again at its
-        launch)."""
-        self._missing = list(self.layout.sizes)
-        self.blocked_s = 0.0
-        self.send = list(self._own)  # DDP's buffers are its own again
-        self._sources = {}  # the last step's: nothing to copy again
-        self._handed = []
+        """A new step: every bucket empty again (inputs are overwritten as they are filled),
+        in the bank that does not hold :attr:`held`. Its buffers are kept from the step before
+        the last when every operation on them was waited for. ``world_size``: the size of
+        the group the step will be reduced on, if known (native mode divides as it fills; a
+        bucket filled for another size is written again at its launch)."""
         if self._works:  # launched, never waited for: they may still write
             self.forget()
+        if self._held_bank == self._bank:
+            self._bank ^= 1
+        self._missing = list(self.layout.sizes)
+        self.blocked_s = 0.0
+        self._send = [None] * len(self._send)  # DDP's buffers are its own again
+        self._sources = {}  # the last step's: nothing to copy again
+        self._handed = []
         self._n = world_size
         self._stale = set()  # every element of every bucket is filled again
         self._overwritten = set()
@@ -194,9 +241,9 @@ class StepReduction:
         self._launched = 0
         self._works = []
         self._results = [None] * len(self.layout.sizes)
-        self._scratch = {}
+        self._scratch_banks[self._bank] = {}
         for b in self._overwritten:  # stale since their launch; never DDP's (exact only)
-            self._own[b] = self.send[b] = torch.empty_like(self._own[b])
+            self._own_banks[self._bank][b] = self._send[b] = None
         self._overwritten = set()
 
     def fill(self, index: int, grad: torch.Tensor) -> None:
@@ -225,7 +272,7 @@ class StepReduction:
         elif self.exact and run[1] == 0 and run[2] == self.layout.sizes[run[0]]:
             # An exact reduction only reads its input: DDP's buffer is read where it is. An
             # abandoned operation may go on reading it, never writes it.
-            self.send[run[0]] = flat.reshape(-1)
+            self._send[run[0]] = flat.reshape(-1)
             self._missing[run[0]] -= run[2]
         else:
             self._put(run[0], run[1], flat.reshape(-1))
@@ -237,6 +284,7 @@ class StepReduction:
         """Complete the future of every bucket :meth:`fill_bucket` took this step, with its
         averaged gradient from ``results`` (as :meth:`wait` returns them)."""
         handed, self._handed = self._handed, []
+        self._held, self._held_bank = results, self._bank
         for future, flat, grads, indices, run in handed:
             if run is not None:
                 b, offset, n = run
@@ -268,7 +316,7 @@ class StepReduction:
     def _write(self, b: int, offset: int, flat: torch.Tensor, n: int | None) -> None:
         """Bucket ``b``'s input at ``offset``: ``flat``, divided by ``n`` when a native
         all-reduce on a group of ``n`` ranks will sum it."""
-        into = self.send[b][offset:offset + flat.numel()]
+        into = self.input_of(b)[offset:offset + flat.numel()]
         if n is not None and not self.exact and not self._small(b, n):
             # DDP's default hook divides by the world size (a Python number) before its sum
             torch.div(flat, n, out=into)
@@ -277,8 +325,8 @@ class StepReduction:
 
     def _small(self, b: int, n: int) -> bool:
         """Bucket ``b`` is gathered whole on a group of ``n`` ranks, in both modes."""
-        own = self._own[b]
-        return n == 1 or own.numel() * own.element_size() < SHARDED_MIN_BYTES
+        size = self.layout.sizes[b] * self.layout.dtypes[b].itemsize
+        return n == 1 or size < SHARDED_MIN_BYTES
 
     @property
     def filled(self) -> bool:
@@ -298,8 +346,8 @@ class StepReduction:
         if not self.exact and group.spec.world_size != self._n:
             # filled for another size: every bucket is written again at its launch
             self._n = group.spec.world_size
-            self._stale = set(range(len(self.send)))
-        while self._launched < len(self.send) and self._missing[self._launched] == 0:
+            self._stale = set(range(len(self._send)))
+        while self._launched < len(self._send) and self._missing[self._launched] == 0:
             self._launch(group, self._launched)
             self._launched += 1
 
@@ -313,7 +361,7 @@ class StepReduction:
         they have these shapes (the world size may have changed), else new ones."""
         kept = self._scratch.get((b, kind))
         if kept is None or [tuple(t.shape) for t in kept] != shapes:
-            src = self.send[b]  # zeros: padding sent is never another step's data
+            src = self.input_of(b)  # zeros: padding sent is never another step's data
             kept = [torch.zeros(s, dtype=src.dtype, device=src.device) for s in shapes]
             self._scratch[(b, kind)] = kept
         return kept
@@ -325,7 +373,7 @@ class StepReduction:
             for offset, flat in self._sources[b]:
                 self._write(b, offset, flat, n)
             self._stale.discard(b)
-        src = self.send[b]
+        src = self.input_of(b)
         small = self._small(b, n)
         if not self.exact and not small:
             self._overwritten.add(b)
@@ -369,7 +417,7 @@ class StepReduction:
         """Wait for every bucket (all must be launched) and return the averaged gradient per
         bucket, in the layout's order. Raises ``CollectiveError`` or ``Superseded`` as
         :meth:`ManagedGroup.complete` does."""
-        assert self._launched == len(self.send) and self._group is group
+        assert self._launched == len(self._send) and self._group is group
         self._flush_sharded(group, watch)
         n = group.spec.world_size
         for b, kind, work, out in self._works:
@@ -377,7 +425,7 @@ class StepReduction:
             if kind == "gather":
                 self._results[b] = divide(sum_in_rank_order(out), n)
             elif kind == "sharded":
-                self._results[b] = from_shards(out, self.send[b])
+                self._results[b] = from_shards(out, self.input_of(b))
             else:  # the sum of gradients divided before (_write)
                 self._results[b] = out
         self._works = []

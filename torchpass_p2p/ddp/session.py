@@ -2,8 +2,8 @@
 
 Why one module of this size: the step's phases (open, hook, vote, commit, redo, roll forward)
 share one step record and run from torch's callbacks in an order only this class sees whole;
-the reduction (:mod:`.reduction`), the data (:mod:`.data`) and the recovery layers
-(:mod:`torchpass_p2p.trainer`) live apart.
+the reduction (:mod:`.reduction`), the hand-off (:mod:`.handoff`), the data (:mod:`.data`) and
+the recovery layers (:mod:`torchpass_p2p.trainer`) live apart.
 
 :class:`Session` is the recovery machinery of :class:`~torchpass_p2p.trainer.Trainer` (entering
 configurations, the commit rule, the state exchange, regroups) with the step taken apart and
@@ -13,15 +13,17 @@ driven by the parts a training script already calls (``docs/training.md``):
   entered there (the state is at a step boundary), every generator is seeded from
   ``(seed, rank, k)``, the module's buffers are kept as they were;
 * DDP's communication hook fills the step's reduction (:mod:`.reduction`) bucket by bucket; at
-  the last bucket it waits for the reduction, takes rank 0's buffers, and votes; the commit
-  (the agent accepts ``k``) closes the step. DDP then writes the averaged gradients, and the
-  script clips, scales and steps its optimizer as it always did;
+  the last bucket it launches the commit vote behind it, waits for the reduction and the
+  votes, and takes rank 0's buffers; the commit (the agent accepts ``k``) closes the step. DDP
+  then writes the averaged gradients, and the script clips, scales and steps its optimizer as
+  it always did;
 * a fault inside the step is recovered from inside the last hook: the step's reduction is done
   again on the new group from the kept local gradients (*redo*, the spare computing its own for
-  the same batch), or, when another member committed it, the held result is returned and the
-  next configuration is entered at the next step's start (*roll forward*). ``loss.backward()``
-  returns only with the gradients every rank agrees on, so nothing in the script ever sees a
-  fault.
+  the same batch), or, when another member committed it, the member joins the new group,
+  receives the committed gradient and buffers there if it lacks them (:mod:`.handoff`), and
+  the script applies them; the entry is settled at the next step's start (*roll forward*).
+  ``loss.backward()`` returns only with the gradients every rank agrees on, so nothing in the
+  script ever sees a fault.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from torchpass_p2p.trainer.seeding import seed_step
 from torchpass_p2p.transfer import Snapshot
 
 from . import untracked
+from .handoff import hand_off, pack, unpack
 from .reduction import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
@@ -70,6 +73,9 @@ EXIT_SAVE_WAIT_S = 5.0
 """How long a member that stops waits for its checkpoint in flight to commit: within the
 launcher's grace (``DEFAULT_GRACE_S``) before SIGKILL."""
 _SESSION: Session | None = None
+_HEAD = 4
+"""A vote's leading values: yes (1.0, or 0.0 when fenced), the step, ``compute_s``, ``wait_s``;
+the module's buffers follow."""
 
 
 def current() -> Session:
@@ -157,7 +163,6 @@ class Session(Trainer):
         self._frozen: list[list[int]] | None = None
         self._last_handed: tuple[DataLoader, list[int]] | None = None
         self._step_error: BaseException | None = None
-        self._pending: Any = None
         self._deferred_check: tuple[ManagedGroup, str, int] | None = None
         self._entering: Any = None
         self._in_regroup = False
@@ -166,8 +171,14 @@ class Session(Trainer):
         self._first_change: Change | None = None
         self.stragglers = ArrivalWatch(self.me, policy_from_env(), self.log, self.agent.drain)
         self.step_figures: list[list[float]] = []
-        """Every rank's ``[compute_s, wait_s]`` of the last vote, by rank (seconds, each on
-        that rank's clock; :data:`~.stragglers.UNMEASURED` where not measured)."""
+        """Every rank's ``[compute_s, wait_s]`` from the last vote, by rank: those of the step
+        before the voted one (seconds, each on that rank's clock;
+        :data:`~.stragglers.UNMEASURED` where not measured)."""
+        self._ballot: tuple[Any, torch.Tensor] | None = None  # this step's vote, launched
+        self._results: list[torch.Tensor] = []  # the step's averaged gradient, per bucket
+        self._held_step = -1  # the step whose averaged gradient self.reduction.held is
+        self._settling: tuple[Any, Any, int] | None = None  # joined behind, to settle
+        self._committed_buffers: torch.Tensor | None = None  # handed over (_fill_gap)
         self.checkpoint_settings = CheckpointSettings.from_env(os.environ)
         """Where and how often rank 0 saves (``docs/checkpoints.md``); None: no checkpoints."""
         self.checkpointer: Checkpointer | None = None
@@ -456,20 +467,28 @@ class Session(Trainer):
         assert self.reduction is not None
         self.reduction.reset(None if self.group is None else self.group.spec.world_size)
         self._step_error = None
+        self._ballot = None
         self.stragglers.opened()
 
     def _catch_up(self) -> None:
-        """At a step boundary: enter a configuration that is due (rolled forward into, or
-        decided since), finish a regroup's deferred fingerprint check."""
+        """At a step boundary: settle the entry of a configuration joined behind
+        (:meth:`_join_behind`), finish a regroup's deferred fingerprint check, enter a
+        configuration decided since."""
         while True:
             try:
-                if self._pending is not None:
-                    change, self._pending = self._pending, None
-                    self._enter_until_in(change)
+                if self._settling is not None:
+                    configuration, plan, resume = self._settling
+                    self._settling = None
+                    self._settle(configuration, plan, resume, self._capture())
                 if self._deferred_check is not None:
                     group, what, resume = self._deferred_check
                     self._deferred_check = None
-                    self._check_fingerprints(group, self._fingerprint(), what, resume)
+                    mine = self._fingerprint()
+                    self._check_fingerprints(group, mine, what, resume)
+                    self.log("regroup_done", config_id=self.config_id,
+                             group_id=group.config_id, attempt=group.spec.attempt,
+                             rank=group.spec.rank, step=resume, resume_step=resume,
+                             action="roll_forward", fingerprint=mine.hex())
                 if self._poll():
                     raise Superseded
                 return
@@ -491,7 +510,11 @@ class Session(Trainer):
             reduction.fill(0, self._used)
         if self._step_error is None and self.group is not None:
             try:
+                if bucket.is_last():  # a fault here: nobody can commit the step (a redo)
+                    self.faults.at(self.step, "grad", self.group.spec.rank)
                 reduction.launch_ready(self.group, self._watch)
+                if bucket.is_last():
+                    self._ballot = self._cast(self.group, self.step)
             except (CollectiveError, Superseded, RuntimeError) as exc:
                 self._step_error = exc
         if bucket.is_last():
@@ -505,8 +528,8 @@ class Session(Trainer):
         reduction = self.reduction
         assert reduction is not None
         error, self._step_error = self._step_error, None
+        ballot, self._ballot = self._ballot, None
         relaunch = False
-        results: list[torch.Tensor] = []
         while True:
             try:
                 group = self.group
@@ -517,11 +540,17 @@ class Session(Trainer):
                 if relaunch:
                     relaunch = False
                     reduction.relaunch(group, self._watch)
-                self.faults.at(k, "grad", group.spec.rank)
+                    ballot = self._cast(group, k)
+                assert ballot is not None
                 results = reduction.wait(group, self._watch)
-                self._reduced = (k, results[0])
+                key = (group.config_id, group.spec.attempt)
+                self.stragglers.carry(k, key, reduction.blocked_s)
+                voted = self._count(group, k, ballot)
+                # here a fault leaves this rank inside step k without its averaged gradient,
+                # while the others may commit k: the hand-off's case (.handoff)
                 self.faults.at(k, "commit", group.spec.rank)
-                if not self._vote(group, k, self.stragglers.figures(reduction.blocked_s)):
+                self._reduced, self._results = (k, results[0]), results
+                if not voted:
                     relaunch = True
                     self.stragglers.spoil()
                     continue
@@ -530,8 +559,7 @@ class Session(Trainer):
                     group.abandon()
                     raise Superseded
                 self._close_step(k, results)
-                self.stragglers.observe(k, (group.config_id, group.spec.attempt), self._ranks,
-                                        self.step_figures)
+                self.stragglers.observe(k - 1, key, self._ranks, self.step_figures)
                 return
             except (CollectiveError, Superseded, RuntimeError) as exc:
                 if isinstance(exc, Removed | Stopped):  # the last resort (_watch): no retry
@@ -539,52 +567,52 @@ class Session(Trainer):
                 if not isinstance(exc, CollectiveError | Superseded):
                     if self.group is None or self.group.state == "ready":
                         raise
-                error, relaunch = None, True
+                # The vote's operation holds the group: kept, it would leave the peers
+                # waiting on this member instead of failing at once (StepReduction.forget).
+                error, relaunch, ballot = None, True, None
                 self.stragglers.spoil()
                 if self._recover_in_step(exc):
-                    self._close_step(k, results)
+                    self._close_step(k, self._results)
                     return
 
-    def _vote(self, group: ManagedGroup, k: int, figures: list[float]) -> bool:
-        """The commit vote, after the whole reduction: True when every rank votes to commit
-        step ``k``. It is sent only once this rank holds the whole averaged gradient, so a rank
-        that sees every vote knows every rank holds it (the commit rule's roll forward needs
-        that). After a veto (a fenced member) this waits for the lease and the step is reduced
-        again. The vote carries the module's buffers as the forward left them, as float64
-        (exact for the narrower dtypes, integers up to 2**53): every rank takes rank 0's, what
-        DDP's ``broadcast_buffers`` gives the next forward. Raises :class:`JobMismatch` when the
-        ranks are at different steps.
-
-        ``figures`` (this rank's ``[compute_s, wait_s]``, :mod:`.stragglers`) ride after the
-        step number; every rank's are kept in ``self.step_figures`` for the straggler detector."""
+    def _cast(self, group: ManagedGroup, k: int) -> tuple[Any, torch.Tensor]:
+        """Launch this rank's commit vote for step ``k`` right behind the step's last bucket
+        (``docs/training.md``, "Commit"); :meth:`_count` waits for it. The vote carries the
+        module's buffers as the forward left them, as float64 (exact for the narrower dtypes,
+        integers up to 2**53): every rank takes rank 0's, what DDP's ``broadcast_buffers``
+        gives the next forward. After the step number ride this rank's ``[compute_s, wait_s]``
+        of the step before (:mod:`.stragglers`). Returns ``(work, rows)`` as
+        :meth:`ManagedGroup.launch_exchange`."""
+        figures = self.stragglers.carried(k, (group.config_id, group.spec.attempt))
         head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k), *figures],
                             dtype=torch.float64)
-        # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say):
-        # one copy per device (each copy from a GPU waits for it), and the group moves the
-        # vote to its own device. Read back in one copy too.
-        runs = _runs_by_device(self._buffers)
-        mine = torch.cat([head, *(torch.cat([b.detach().reshape(-1).to(torch.float64)
-                                             for b in run]).to("cpu") for run in runs)])
-        votes = group.exchange(mine, watch=self._watch).to("cpu")
+        assert head.numel() == _HEAD
+        # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say),
+        # and the group moves the vote to its own device.
+        return group.launch_exchange(torch.cat([head, pack(self._buffers)]))
+
+    def _count(self, group: ManagedGroup, k: int, ballot: tuple[Any, torch.Tensor]) -> bool:
+        """Wait for the commit vote :meth:`_cast` launched, once this rank's reduction of step
+        ``k`` completed: True when every rank voted to commit it. Every rank reached the end
+        of step ``k`` and sent all of it; a rank whose reduction then fails is handed the
+        averaged gradient by one that committed (:mod:`.handoff`). After a veto (a fenced
+        member) this waits for the lease and the step is reduced again. Every rank's figures
+        are kept in ``self.step_figures``. Raises :class:`JobMismatch` when the ranks are at
+        different steps."""
+        work, rows = ballot
+        group.complete(work, watch=self._watch)
+        votes = rows.to("cpu")
         if set(votes[:, 1].tolist()) != {float(k)}:
             group.abandon()
             raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "
                               f"{k}: not the same job")
-        self.step_figures = votes[:, 2:len(head)].tolist()
+        self.step_figures = votes[:, 2:_HEAD].tolist()
         if not bool((votes[:, 0] == 1.0).all()):
             self.log("commit_vetoed", step=k, config_id=group.config_id,
                      fenced=self.agent.fenced)
             self._await_lease()
             return False
-        offset = len(head)
-        for run in runs:
-            n = sum(b.numel() for b in run)
-            first = votes[0, offset:offset + n].to(run[0].device)
-            offset += n
-            at = 0
-            for b in run:
-                b.detach().copy_(first[at:at + b.numel()].view_as(b))
-                at += b.numel()
+        unpack(votes[0, _HEAD:], self._buffers)
         return True
 
     def _close_step(self, k: int, results: list[torch.Tensor]) -> None:
@@ -592,6 +620,7 @@ class Session(Trainer):
         reduction = self.reduction
         assert reduction is not None
         reduction.hand_out(results)
+        self._held_step = k
         if self._used is not None:
             # Used by another rank only: DDP leaves its gradient alone (it knows only this
             # process's use); in a torch DDP job every rank gets the average, as here.
@@ -603,7 +632,7 @@ class Session(Trainer):
                 p.grad = results[b][offset:offset + n].view_as(p).clone()
         self.log("step", step=k, config_id=self.config_id, rank=self.rank)
         self.step = k + 1
-        self._reduced = None
+        self._reduced, self._results = None, []
         self._open = False
         self._frozen = None
         self._last_handed = None
@@ -619,14 +648,18 @@ class Session(Trainer):
         post = [b.detach().clone() for b in self._buffers]
         for b, start in zip(self._buffers, self._at_start, strict=True):
             b.detach().copy_(start)
+        rolled = False
         try:
             self._recover(exc)
-            return False
         except _RollForward:
-            return True
+            rolled = True
         finally:
             for b, p in zip(self._buffers, post, strict=True):
                 b.detach().copy_(p)
+        committed, self._committed_buffers = self._committed_buffers, None
+        if committed is not None:  # the committed vote's, handed over (_fill_gap)
+            unpack(committed, self._buffers)
+        return rolled
 
     # ------------------------------------------------------------------ Trainer's seams
 
@@ -646,14 +679,15 @@ class Session(Trainer):
 
     def _apply(self, k: int, avg: torch.Tensor) -> None:
         """The commit rule rolls step ``k`` forward: the script applies it once the hook
-        returns; what the recovery would have done next happens at the next step's start."""
+        returns; what the recovery would have done next happens at the next step's start.
+        Entering a configuration, the member joins its group first to receive the committed
+        buffers (:meth:`_join_behind`); in a regroup it received them already."""
         del avg
-        if self._in_regroup:
-            assert self.group is not None and self._spec is not None
-            self._deferred_check = (self.group, f"configuration {self.config_id}, regroup "
-                                    f"{self._spec.attempt}", k + 1)
-        else:
-            self._pending = self._entering
+        if not self._in_regroup:
+            self._join_behind()
+        assert self.group is not None and self._spec is not None
+        self._deferred_check = (self.group, f"configuration {self.config_id}, regroup "
+                                f"{self._spec.attempt}", k + 1)
         self.agent.report_progress(k)
         raise _RollForward
 
@@ -663,14 +697,61 @@ class Session(Trainer):
     def _enter_configuration(self, configuration: Any, *, group_id: int, resume: int,
                              fetch_from: tuple[int, ...] | None, plan: Any = None) -> None:
         if fetch_from is not None and self._open:
-            # A survivor inside a step would need the state of a later one: the vote follows
-            # the whole reduction, so a step committed anywhere has its averaged gradient on
-            # every rank, and this cannot happen. If it did, the script would run the rest of
-            # its step on the fetched state: the member leaves, a spare takes its rank.
-            raise Removed(f"step {self.step} was committed by others while this member lacks "
-                          "its reduction: leaving so a spare takes the rank")
+            # Inside step k, which others committed, without its averaged gradient (the
+            # commit rule says fetch): it is handed over in the group. The state of a later
+            # step would have the script run the rest of its step on it: never.
+            if resume != self.step + 1:
+                raise Removed(f"step {resume - 1} was committed by others while this member "
+                              f"is inside step {self.step}: leaving so a spare takes the rank")
+            self._join_behind()
         super()._enter_configuration(configuration, group_id=group_id, resume=resume,
                                      fetch_from=fetch_from, plan=plan)
+
+    def _join_behind(self) -> NoReturn:
+        """Inside step ``k`` of the configuration being entered, whose resume step is
+        ``k + 1``: join its group behind, receive step ``k``'s averaged gradient and the
+        committed buffers there (:meth:`_fill_gap`), and let the script apply the step. The
+        entry is settled (the fingerprints, at step ``k + 1``) when the next step opens."""
+        change = self._entering
+        assert change is not None
+        configuration, plan = change.configuration, change.plan
+        self._form(configuration, group_id=change.group_id, resume=plan.resume_step,
+                   fetch_from=None, behind=True)
+        self._settling = (configuration, plan, plan.resume_step)
+        self.agent.report_progress(self.step)
+        raise _RollForward
+
+    def _fill_gap(self, group: ManagedGroup, resume: int) -> tuple[int, ...]:
+        """Hand step ``resume - 1``'s averaged gradient to the members inside it that lack it
+        (:mod:`.handoff`). On such a member, the received gradient becomes the step's
+        (``self._reduced``): the commit rule rolls it forward. Raises :class:`Removed` on it
+        when no member holds the gradient, ``CollectiveError`` on the others then."""
+        assert self.layout is not None and self.reduction is not None
+        k = resume - 1
+        behind = self._open and self.step == k
+        held = self.reduction.held if self.step == resume and self._held_step == k else None
+        gap = hand_off(group, self.layout, behind=behind, held=held, buffers=self._buffers,
+                       watch=self._watch)
+        if not gap.behind:
+            return ()
+        self.log("gradient_handed", step=k, config_id=group.config_id, behind=list(gap.behind),
+                 source=gap.source)
+        if gap.source is None:
+            group.abandon()
+            if behind:
+                raise Removed(f"step {k} was committed by others and no member of "
+                              f"configuration {group.config_id} holds its averaged gradient: "
+                              "leaving so a spare takes the rank")
+            raise CollectiveError(f"ranks {list(gap.behind)} lack the averaged gradient of "
+                                  f"step {k} and nobody holds it", group.config_id)
+        if gap.received is not None:
+            self._reduced, self._results = (k, gap.received[0]), gap.received
+            self._committed_buffers = gap.buffers
+        return gap.behind
+
+    def _restored(self, *args: Any, **kwargs: Any) -> Snapshot:
+        self._held_step = -1  # the state is another's: its step's gradient is not held
+        return super()._restored(*args, **kwargs)
 
     def _agree(self, group: ManagedGroup, configuration: Any, resume: int) -> bool:
         """Check that every member runs the same job; at step 0 every rank takes rank 0's
@@ -734,14 +815,3 @@ def _allgather_bytes(group: ManagedGroup, data: bytes,
 def _mark_used(flags: torch.Tensor, index: int, _param: torch.Tensor) -> None:
     """Post-accumulate-grad hook: parameter ``index`` received a gradient in this step."""
     flags[index] = 1
-
-
-def _runs_by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """``tensors`` in order, cut into runs of consecutive tensors on one device."""
-    runs: list[list[torch.Tensor]] = []
-    for t in tensors:
-        if runs and runs[-1][0].device == t.device:
-            runs[-1].append(t)
-        else:
-            runs.append([t])
-    return runs

@@ -3,8 +3,9 @@
 Every rank measures two durations per step on its own clock (``docs/stragglers.md``):
 ``compute_s``, the time it worked from the step's opening to the end of its gradient reduction,
 and ``wait_s``, the time it was blocked in that reduction's collectives
-(:attr:`~.reduction.StepReduction.blocked_s`). They ride in the step's commit vote, so after
-the vote every rank holds every rank's figures, the same on all of them, and feeds them to
+(:attr:`~.reduction.StepReduction.blocked_s`). They ride in the next step's commit vote (a
+step's vote leaves with its last bucket, before its own wait is over), so after the vote every
+rank holds every rank's figures of the step before, the same on all of them, and feeds them to
 :class:`~torchpass_p2p.core.straggler.StragglerDetector`: every rank names the same straggler
 at the same step. Nothing crosses to the agent's thread per step: the verdicts go to the
 member's event log, whose records the agent's history already receives (``/status``,
@@ -81,6 +82,7 @@ class ArrivalWatch:
         self._opened = 0.0
         self._spoiled = True
         self._group: tuple[int, int] | None = None
+        self._carried: tuple[int, tuple[int, int], list[float]] | None = None
 
     def opened(self) -> None:
         """The step opened (its first training forward)."""
@@ -98,6 +100,19 @@ class ArrivalWatch:
             return [UNMEASURED, UNMEASURED]
         span = self._clock() - self._opened
         return [max(0.0, span - blocked_s), blocked_s]
+
+    def carry(self, step: int, group: tuple[int, int], blocked_s: float) -> None:
+        """Step ``step``'s reduction completed in ``group`` after ``blocked_s`` seconds blocked
+        in it: its figures ride in the next step's vote (the vote is launched with a step's
+        last bucket, before that step's own wait is known)."""
+        self._carried = (step, group, self.figures(blocked_s))
+
+    def carried(self, step: int, group: tuple[int, int]) -> list[float]:
+        """The figures step ``step``'s vote carries: step ``step - 1``'s when it was reduced in
+        ``group``, else :data:`UNMEASURED` twice (the detector's lags compare one group's)."""
+        if self._carried is None or self._carried[:2] != (step - 1, group):
+            return [UNMEASURED, UNMEASURED]
+        return list(self._carried[2])
 
     def observe(self, step: int, group: tuple[int, int], ranks: Sequence[int | None],
                 figures: Sequence[Sequence[float]]) -> tuple[Verdict, ...]:

@@ -15,8 +15,10 @@ condition                             action             why
 ``reduced == applied``                                   every rank finished its all-reduce;
                                                          apply the held gradient
 otherwise                             ``fetch``          this member cannot reach the resume
-                                                         state by itself (it never happens to a
-                                                         survivor; a spare always fetches)
+                                                         state by itself (a spare always
+                                                         fetches; a DDP survivor inside step
+                                                         ``applied`` is handed its gradient,
+                                                         :mod:`torchpass_p2p.ddp.handoff`)
 ====================================  =================  =======================================
 """
 

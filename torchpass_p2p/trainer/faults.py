@@ -31,7 +31,11 @@ Spec (environment ``TORCHPASS_FAULTS``, comma separated)::
                                  configuration (:mod:`.regroup`)
 
 Points: ``compute`` (before forward), ``grad`` (forward and backward done, peers already in the
-all-reduce: mid-step), ``commit`` (gradient all-reduce done, before the commit all-reduce),
+all-reduce: mid-step; a DDP session: before its last bucket and its vote leave, so nobody can
+commit the step), ``commit`` (the step loop: gradient all-reduce done, before the commit
+all-reduce; a DDP session, whose vote leaves with the last bucket: reduction and votes done,
+before this rank takes the averaged gradient and commits, so that the others may commit the
+step while this rank is left inside it without the gradient),
 ``enter`` (a rank holder entering a new configuration, its step the resume step and its rank
 the one it holds there; also a rank entering the configuration it was started in, at step 0,
 before its first group forms; not for ``reset``: no operation is in flight), ``finish``

@@ -153,6 +153,10 @@ class Recovery(StateExchange):
         mine = torch.tensor([self.step, reduced], dtype=torch.int64)
         progress = [(int(p[0]), int(p[1]))
                     for p in group.allgather(mine, watch=self._watch)]
+        top = max(applied for applied, _ in progress)
+        for r in self._fill_gap(group, top):  # they hold step top - 1's gradient now
+            progress[r] = (top - 1, top - 1)
+        reduced = -1 if self._reduced is None else self._reduced[0]
         resume, why = regroup_resume(progress)
         if resume is None:
             group.abandon()
@@ -270,6 +274,17 @@ class Recovery(StateExchange):
         the group once formed), then build the group of configuration ``group_id`` (the first
         with this rank map, the same for every member:
         :class:`~torchpass_p2p.agent.Change`) and check the fingerprints."""
+        snap = self._form(configuration, group_id=group_id, resume=resume,
+                          fetch_from=fetch_from)
+        self._settle(configuration, plan, resume, snap)
+
+    def _form(self, configuration: Any, *, group_id: int, resume: int,
+              fetch_from: tuple[int, ...] | None, behind: bool = False) -> Any:
+        """The first half of :meth:`_enter_configuration`: reach ``resume`` (unless
+        ``behind``: this member is one step short of it, inside that step, and serves
+        nothing), build the group, agree on the job and fill the gap of members behind
+        (:meth:`_fill_gap`). Returns the state served (a ``Snapshot``), or None when this
+        member lacks it."""
         c = configuration.config_id
         spec = replace(GroupSpec.of(configuration, self.me), config_id=group_id)
         self._ranks = tuple(configuration.ranks)
@@ -277,19 +292,22 @@ class Recovery(StateExchange):
         if spec.rank == 0:  # host the store first: the others can connect while we fetch
             self.agent.register_service(store_service(), group_id,
                                         self.keeper.host_store(group_id).port)
-        lacking = fetch_from is not None
+        lacking = fetch_from is not None or behind
         restored = None
         if fetch_from is not None and not self.state_over_group:
             restored = self._fetch(fetch_from, c, resume)
             lacking = False
         snap = None
-        if not lacking:
+        if behind:
+            self._announce(c, serving=False)  # a spare's lookup of it fails at once
+        elif not lacking:
             if self.step != resume:
                 raise RuntimeError(f"state after {self.step} steps, resume step {resume}")
             snap = self._publish(restored)
             self._announce(c)
         self.config_id = c
-        self.log("state_ready" if snap is not None else "state_lacking", config_id=c,
+        self.log("state_ready" if snap is not None else
+                 "state_behind" if behind else "state_lacking", config_id=c,
                  step=resume, fetched=fetch_from is not None)
         self.group = build_group(spec, self.agent, self.keeper, backend=self.backend,
                                  watch=self._watch)
@@ -297,6 +315,24 @@ class Recovery(StateExchange):
                  world_size=spec.world_size, seconds=self.group.formed_s)
         if self._agree(self.group, configuration, resume) and snap is not None:
             snap = self._capture()  # the agreement changed the state (rank 0's broadcast)
+        self._fill_gap(self.group, resume)
+        return snap
+
+    def _fill_gap(self, group: ManagedGroup, resume: int) -> tuple[int, ...]:
+        """Called by every member once a group has formed (:meth:`_form`, :meth:`_regroup`):
+        a member one step behind ``resume`` without that step's averaged gradient receives it
+        here from one that holds it, and rolls forward with it. Returns the ranks that
+        received it. The step loop's vote follows the whole all-reduce, so no survivor of it
+        is ever behind without the gradient: nothing to do."""
+        del group, resume
+        return ()
+
+    def _settle(self, configuration: Any, plan: Any, resume: int, snap: Any) -> None:
+        """The second half of :meth:`_enter_configuration`: every member holds the state at
+        ``resume`` (one that lacks it receives it over the group now, with
+        ``state_over_group``); check the fingerprints and stop serving."""
+        c, spec = configuration.config_id, self._spec
+        assert self.group is not None and spec is not None
         if self.state_over_group:
             received = transfer_over_group(
                 self.group, configuration, plan, resume, snap, step=self.step,

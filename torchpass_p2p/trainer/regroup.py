@@ -19,10 +19,12 @@ suspected, so the agreement has nothing to decide. Theory of operation:
 3. In the new group the ranks all-gather ``(applied, reduced)`` (state after ``applied``
    steps; the averaged gradient of step ``reduced`` held, or -1) and :func:`regroup_resume`
    fixes the resume step: the highest ``applied``. Those one step behind roll forward with the
-   gradient they hold (:func:`~.commit.resolve`, exactly as for a plan's ``resume_step``):
-   a rank applied step ``k`` only after its commit all-gather of ``k`` completed, so every rank
-   had finished the gradient all-gather of ``k`` and holds the same averaged gradient. Then
-   the fingerprints are all-gathered as on the normal path.
+   gradient they hold (:func:`~.commit.resolve`, exactly as for a plan's ``resume_step``). The
+   step loop's vote follows the whole all-reduce, so a rank applied step ``k`` only once
+   every rank held its averaged gradient; a DDP session's vote leaves with the last bucket,
+   so a rank one step behind may lack it, and it is handed over first (the trainer's
+   ``_fill_gap``, :mod:`torchpass_p2p.ddp.handoff`). Then the fingerprints are all-gathered
+   as on the normal path.
 4. A configuration change during any of this wins (the waits are watched); a regroup that
    fails (a member did not come: it may really be dead) is retried after another wait, at most
    :data:`MAX_REGROUPS` times per failure; then only a configuration change helps
@@ -89,7 +91,7 @@ def regroup_resume(progress: Sequence[tuple[int, int]]) -> tuple[int | None, str
     (``reduced`` -1: no averaged gradient held). The resume step is the highest ``applied``;
     a rank below it must be exactly one step behind and hold that step's gradient (it rolls
     forward). Otherwise ``(None, reason)``: some rank cannot reach the resume step by itself
-    (cannot happen after a failed collective, module docstring). Pure; deterministic reason."""
+    (cannot happen once the gap is filled, module docstring). Pure; deterministic reason."""
     if not progress:
         return None, "no ranks"
     resume = max(applied for applied, _ in progress)
