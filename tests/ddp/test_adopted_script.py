@@ -3,12 +3,14 @@ DataLoader with a shuffled DistributedSampler and two workers, DDP, bf16 autocas
 GradScaler, clipping, an LR scheduler, epochs and its own ``torch.save`` snapshots) under the
 launcher with four ranks and two spares, once without faults and once with a SIGKILL of rank 1
 in the middle of epoch 1 (its peers inside the gradient reduction) and a SIGSTOP of rank 2 at
-its commit, held past its lease.
+its commit, held past its lease; and once with a transient failure of rank 2 once every vote of
+a step is in, which leaves it inside a step the others committed.
 
 Must hold: the faulty run exits 0; no step is lost or run twice by a survivor; every finished
 member's state (model, optimizer, scheduler, scaler, data position) has the fault-free run's
-fingerprint; the script's own last snapshot is bitwise the fault-free one; and the spare that
-took rank 1 started with the batch rank 1 would have taken next.
+fingerprint; the script's own last snapshot is bitwise the fault-free one; the spare that
+took rank 1 started with the batch rank 1 would have taken next; and the rank left behind is
+handed the committed gradient and statistics and applies the step once.
 """
 
 from __future__ import annotations
@@ -85,11 +87,10 @@ def test_a_killed_and_a_stopped_rank_are_replaced_exactly(
     for r in events(faulty, "step_started"):
         if r["member"] in spares:
             first.setdefault(r["member"], r)
-    # Rank 1 died inside step 40's reduction: nobody committed 40. Rank 2 stopped at its
-    # commit point, before its vote; the others cannot have committed 75 without it, unless
-    # it woke and voted before the change removed it.
+    # Rank 1 died before its last bucket and vote left: nobody committed 40. Rank 2 stopped
+    # at its commit point, once every vote was in: the others committed 75.
     [(rank_1, step_1), (rank_2, step_2)] = sorted((r["rank"], r["step"]) for r in first.values())
-    assert (rank_1, step_1, rank_2) == (1, 40, 2) and step_2 in (75, 76)
+    assert (rank_1, step_1, rank_2, step_2) == (1, 40, 2, 76)
     for r in first.values():
         [expected] = [e for e in events(free, "step_started")
                       if (e["rank"], e["step"]) == (r["rank"], r["step"])]
@@ -105,6 +106,33 @@ def test_a_killed_and_a_stopped_rank_are_replaced_exactly(
     assert len(took) == 2 and took == sorted(
         f"torchpass_p2p: member {r['member']} took rank {r['rank']} at step {r['step']} "
         f"(configuration {r['config_id']})" for r in joined.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_rank_left_inside_a_committed_step_is_handed_its_gradient_and_statistics(
+        tmp_path: Path, clean: tuple[Run, Path]) -> None:
+    """Rank 2's collective fails at step 50 once every vote is in, before it took its averaged
+    gradient (``reset@50:commit``): the others commit step 50 and fail in step 51; rank 2 is
+    left inside step 50. In the regroup rank 0 hands it step 50's averaged gradient and its
+    BatchNorm statistics (rank 0's, which the committed vote gave every committer: rank 2's
+    own differ), rank 2's script applies the step, and the job ends with the fault-free
+    state, snapshot included."""
+    (free, free_snapshot), (faulty, snapshot) = clean, run(tmp_path, "reset@50:commit:rank=2")
+    assert faulty.code == 0, faulty.diagnosis()
+    [reference] = {r["fingerprint"] for r in events(free, "finished")}
+    finished = events(faulty, "finished")
+    assert len(finished) == 4 and {r["fingerprint"] for r in finished} == {reference}
+    mine, theirs = flat(torch.load(snapshot)), flat(torch.load(free_snapshot))
+    assert all(bitwise_equal(mine[k], theirs[k]) for k in mine)
+    handed = events(faulty, "gradient_handed")
+    assert len(handed) == 4 and {(r["step"], tuple(r["behind"]), r["source"])
+                                 for r in handed} == {(50, (2,), 0)}
+    done = events(faulty, "regroup_done")
+    assert sorted((r["rank"], r["step"], r["action"]) for r in done) == [
+        (0, 51, "redo"), (1, 51, "redo"), (2, 51, "roll_forward"), (3, 51, "redo")]
+    steps = [r["step"] for r in events(faulty, "step") if r["rank"] == 2]
+    assert steps == list(range(STEPS))  # step 50 once, by the roll forward
 
 
 def first_of_rank(first: dict[str, dict[str, Any]], rank: int) -> dict[str, Any]:

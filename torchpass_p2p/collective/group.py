@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from torchpass_p2p.core.messages import format_member_id
 
+from .forksafe import sockets_made_by
 from .reduce import divide, from_shards, sum_in_rank_order, to_shards
 from .rendezvous import STORE_TIMEOUT_S, ServiceDirectory, StoreKeeper, connect_store
 
@@ -238,7 +239,9 @@ def _make_pg(backend: str, store: dist.Store, spec: GroupSpec,
              device: torch.device | None) -> Any:
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, spec.rank, spec.world_size, timeout)
+        # its connections must close when this process drops it, forked children or not
+        return sockets_made_by(lambda: dist.ProcessGroupGloo(store, spec.rank,
+                                                             spec.world_size, timeout))
     nccl = getattr(dist, "ProcessGroupNCCL", None)
     if nccl is None:
         raise RuntimeError("this torch build has no NCCL")

@@ -545,10 +545,12 @@ class Session(Trainer):
                 results = reduction.wait(group, self._watch)
                 key = (group.config_id, group.spec.attempt)
                 self.stragglers.carry(k, key, reduction.blocked_s)
-                voted = self._count(group, k, ballot)
-                # here a fault leaves this rank inside step k without its averaged gradient,
-                # while the others may commit k: the hand-off's case (.handoff)
+                # (no local name for the vote's operation: it holds the group, see below)
+                group.complete(ballot[0], watch=self._watch)
+                # here a fault leaves this rank inside step k without its averaged gradient
+                # and rank 0's buffers, while the others commit k: the hand-off's case
                 self.faults.at(k, "commit", group.spec.rank)
+                voted = self._count(group, k, ballot[1].to("cpu"))
                 self._reduced, self._results = (k, results[0]), results
                 if not voted:
                     relaunch = True
@@ -567,8 +569,9 @@ class Session(Trainer):
                 if not isinstance(exc, CollectiveError | Superseded):
                     if self.group is None or self.group.state == "ready":
                         raise
-                # The vote's operation holds the group: kept, it would leave the peers
-                # waiting on this member instead of failing at once (StepReduction.forget).
+                # The vote's operation holds the group, even completed: kept, it would leave
+                # the peers waiting on this member instead of failing at once
+                # (StepReduction.forget).
                 error, relaunch, ballot = None, True, None
                 self.stragglers.spoil()
                 if self._recover_in_step(exc):
@@ -577,12 +580,13 @@ class Session(Trainer):
 
     def _cast(self, group: ManagedGroup, k: int) -> tuple[Any, torch.Tensor]:
         """Launch this rank's commit vote for step ``k`` right behind the step's last bucket
-        (``docs/training.md``, "Commit"); :meth:`_count` waits for it. The vote carries the
-        module's buffers as the forward left them, as float64 (exact for the narrower dtypes,
-        integers up to 2**53): every rank takes rank 0's, what DDP's ``broadcast_buffers``
-        gives the next forward. After the step number ride this rank's ``[compute_s, wait_s]``
-        of the step before (:mod:`.stragglers`). Returns ``(work, rows)`` as
-        :meth:`ManagedGroup.launch_exchange`."""
+        (``docs/training.md``, "Commit"). The vote carries the module's buffers as the forward
+        left them, as float64 (exact for the narrower dtypes, integers up to 2**53): every
+        rank takes rank 0's, what DDP's ``broadcast_buffers`` gives the next forward. After
+        the step number ride this rank's ``[compute_s, wait_s]`` of the step before
+        (:mod:`.stragglers`). Returns ``(work, rows)`` as
+        :meth:`ManagedGroup.launch_exchange`; :meth:`_count` reads the rows once the work is
+        complete."""
         figures = self.stragglers.carried(k, (group.config_id, group.spec.attempt))
         head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k), *figures],
                             dtype=torch.float64)
@@ -591,17 +595,14 @@ class Session(Trainer):
         # and the group moves the vote to its own device.
         return group.launch_exchange(torch.cat([head, pack(self._buffers)]))
 
-    def _count(self, group: ManagedGroup, k: int, ballot: tuple[Any, torch.Tensor]) -> bool:
-        """Wait for the commit vote :meth:`_cast` launched, once this rank's reduction of step
-        ``k`` completed: True when every rank voted to commit it. Every rank reached the end
-        of step ``k`` and sent all of it; a rank whose reduction then fails is handed the
+    def _count(self, group: ManagedGroup, k: int, votes: torch.Tensor) -> bool:
+        """The votes of step ``k`` (every rank's, as rows), counted once this rank's reduction
+        of the step completed: True when every rank voted to commit it. Every rank reached
+        the end of step ``k`` and sent all of it; a rank whose reduction fails is handed the
         averaged gradient by one that committed (:mod:`.handoff`). After a veto (a fenced
         member) this waits for the lease and the step is reduced again. Every rank's figures
         are kept in ``self.step_figures``. Raises :class:`JobMismatch` when the ranks are at
         different steps."""
-        work, rows = ballot
-        group.complete(work, watch=self._watch)
-        votes = rows.to("cpu")
         if set(votes[:, 1].tolist()) != {float(k)}:
             group.abandon()
             raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "

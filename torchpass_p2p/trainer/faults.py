@@ -34,8 +34,8 @@ Points: ``compute`` (before forward), ``grad`` (forward and backward done, peers
 all-reduce: mid-step; a DDP session: before its last bucket and its vote leave, so nobody can
 commit the step), ``commit`` (the step loop: gradient all-reduce done, before the commit
 all-reduce; a DDP session, whose vote leaves with the last bucket: reduction and votes done,
-before this rank takes the averaged gradient and commits, so that the others may commit the
-step while this rank is left inside it without the gradient),
+before this rank takes the averaged gradient and rank 0's buffers, so that the others commit
+the step while this rank is left inside it without either),
 ``enter`` (a rank holder entering a new configuration, its step the resume step and its rank
 the one it holds there; also a rank entering the configuration it was started in, at step 0,
 before its first group forms; not for ``reset``: no operation is in flight), ``finish``
