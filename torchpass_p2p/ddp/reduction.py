@@ -197,13 +197,9 @@ class StepReduction:
     @property
     def held(self) -> list[torch.Tensor] | None:
         """The averaged gradient, per bucket, of the last step :meth:`hand_out` completed,
-        intact until the step after the next one opens (class docstring); None after
-        :meth:`drop_held`."""
+        intact until the step after the next one opens (class docstring); None before the
+        first. Which step it is, the caller knows."""
         return self._held
-
-    def drop_held(self) -> None:
-        """The held results no longer belong to this member's state (it was replaced)."""
-        self._held, self._held_bank = None, -1
 
     # ------------------------------------------------------------------ filling
 
