@@ -4,9 +4,9 @@ Every rank passes one barrier after its last step, so that nobody leaves before 
 final state. A rank SIGKILLed just before it (its peers inside it) is replaced like a rank
 lost in any step: the spare fetches the final state and passes the barrier with the
 survivors; the survivors' barrier must not raise out of the trainer and fail the job. A rank
-SIGSTOPped there for longer than a death takes to be decided with a single accuser
+SIGSTOPped there for twice as long as a death takes to be decided with a single accuser
 (:func:`~torchpass_p2p.trainer.regroup.regroup_wait_s`: a loaded CI host decided nothing
-within 8 s once) is replaced the same way; once woken it must not finish as if it still held
+within 8 s once, and within 15 s another time) is replaced the same way; once woken it must not finish as if it still held
 its rank (write a final state and exit 0 while the survivors crash).
 """
 
@@ -24,7 +24,7 @@ from torchpass_p2p.core.params import Params
 from torchpass_p2p.trainer.regroup import regroup_wait_s
 
 STEPS = 30
-PAUSE_S = math.ceil(regroup_wait_s(Params())) + 4
+PAUSE_S = 2 * math.ceil(regroup_wait_s(Params()))
 
 
 def finished(run: Run) -> list[str]:

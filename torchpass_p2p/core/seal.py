@@ -123,11 +123,17 @@ class Keyring:
         needs its own key: two sealers under one key would repeat (sender, counter) nonces,
         which breaks ChaCha20-Poly1305 outright.
 
-        Raises ``ValueError`` if two derived keys share a key id (generate another key).
+        Each sub-key keeps its cluster key's id, which every holder derives alike: ids of the
+        sub-keys' own bytes could collide (1 in 256 per pair of keys and label), which the
+        distinct ids of the cluster keys do not rule out.
         """
-        derived = {kid: _hkdf(key, label) for kid, key in self._keys.items()}
-        primary = derived.pop(self.primary_id)
-        return Keyring(primary, list(derived.values()))
+        ring = Keyring.__new__(Keyring)
+        ring._keys = {kid: _hkdf(key, label) for kid, key in self._keys.items()}
+        ring._ciphers = [None] * 256
+        for kid, key in ring._keys.items():
+            ring._ciphers[kid] = ChaCha20Poly1305(key)
+        ring.primary_id = self.primary_id
+        return ring
 
     def derive_secrets(self, label: bytes) -> dict[int, bytes]:
         """Key id of each cluster key -> 32 bytes derived from it for ``label`` (HKDF-SHA256):
