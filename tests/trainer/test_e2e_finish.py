@@ -5,8 +5,8 @@ final state. A rank SIGKILLed just before it (its peers inside it) is replaced l
 lost in any step: the spare fetches the final state and passes the barrier with the
 survivors; the survivors' barrier must not raise out of the trainer and fail the job. A rank
 SIGSTOPped there for twice as long as a death takes to be decided with a single accuser
-(:func:`~torchpass_p2p.trainer.regroup.regroup_wait_s`: a loaded CI host decided nothing
-within 8 s once, and within 15 s another time) is replaced the same way; once woken it must not finish as if it still held
+(:func:`~torchpass_p2p.trainer.regroup.regroup_wait_s`, so that a loaded host still decides
+within the pause) is replaced the same way; once woken it must not finish as if it still held
 its rank (write a final state and exit 0 while the survivors crash).
 """
 
