@@ -163,7 +163,9 @@ class Session(Trainer):
         self._frozen: list[list[int]] | None = None
         self._last_handed: tuple[DataLoader, list[int]] | None = None
         self._step_error: BaseException | None = None
-        self._deferred_check: tuple[ManagedGroup, str, int] | None = None
+        # what a roll forward left for the next step's start (_catch_up): the entry of a
+        # configuration joined behind, or a regroup's fingerprint check
+        self._settle_next: Callable[[], None] | None = None
         self._entering: Any = None
         self._in_regroup = False
         self._joined = False
@@ -177,7 +179,6 @@ class Session(Trainer):
         self._ballot: tuple[Any, torch.Tensor] | None = None  # this step's vote, launched
         self._results: list[torch.Tensor] = []  # the step's averaged gradient, per bucket
         self._held_step = -1  # the step whose averaged gradient self.reduction.held is
-        self._settling: tuple[Any, Any, int] | None = None  # joined behind, to settle
         self._committed_buffers: torch.Tensor | None = None  # handed over (_fill_gap)
         self.checkpoint_settings = CheckpointSettings.from_env(os.environ)
         """Where and how often rank 0 saves (``docs/checkpoints.md``); None: no checkpoints."""
@@ -476,19 +477,9 @@ class Session(Trainer):
         configuration decided since."""
         while True:
             try:
-                if self._settling is not None:
-                    configuration, plan, resume = self._settling
-                    self._settling = None
-                    self._settle(configuration, plan, resume, self._capture())
-                if self._deferred_check is not None:
-                    group, what, resume = self._deferred_check
-                    self._deferred_check = None
-                    mine = self._fingerprint()
-                    self._check_fingerprints(group, mine, what, resume)
-                    self.log("regroup_done", config_id=self.config_id,
-                             group_id=group.config_id, attempt=group.spec.attempt,
-                             rank=group.spec.rank, step=resume, resume_step=resume,
-                             action="roll_forward", fingerprint=mine.hex())
+                settle, self._settle_next = self._settle_next, None
+                if settle is not None:
+                    settle()
                 if self._poll():
                     raise Superseded
                 return
@@ -686,9 +677,18 @@ class Session(Trainer):
         del avg
         if not self._in_regroup:
             self._join_behind()
-        assert self.group is not None and self._spec is not None
-        self._deferred_check = (self.group, f"configuration {self.config_id}, regroup "
-                                f"{self._spec.attempt}", k + 1)
+        group = self.group
+        assert group is not None
+
+        def check() -> None:  # the regroup's last act (Recovery._regroup), one step later
+            mine = self._fingerprint()
+            self._check_fingerprints(group, mine, f"configuration {self.config_id}, regroup "
+                                     f"{group.spec.attempt}", k + 1)
+            self.log("regroup_done", config_id=self.config_id, group_id=group.config_id,
+                     attempt=group.spec.attempt, rank=group.spec.rank, step=k + 1,
+                     resume_step=k + 1, action="roll_forward", fingerprint=mine.hex())
+
+        self._settle_next = check
         self.agent.report_progress(k)
         raise _RollForward
 
@@ -718,7 +718,8 @@ class Session(Trainer):
         configuration, plan = change.configuration, change.plan
         self._form(configuration, group_id=change.group_id, resume=plan.resume_step,
                    fetch_from=None, behind=True)
-        self._settling = (configuration, plan, plan.resume_step)
+        self._settle_next = lambda: self._settle(configuration, plan, plan.resume_step,
+                                                 self._capture())
         self.agent.report_progress(self.step)
         raise _RollForward
 
