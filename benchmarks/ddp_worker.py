@@ -2,7 +2,8 @@
 torchpass_p2p; it times its own steps.
 
 ``--api torch`` imports ``init_process_group``, ``DistributedDataParallel``, ``DataLoader`` and
-``DistributedSampler`` from torch and loops over ``range(0, 1)`` (run it under torchrun);
+``DistributedSampler`` from torch and loops over ``range(0, 1)`` (run it under torchrun; with
+``--hook``, DDP reduces through torch's own Python hook, ``default_hooks.allreduce_hook``);
 ``--api torchpass`` imports the same names from torchpass_p2p, loops over ``epochs(0, 1)`` and
 calls ``track(optimizer)`` (run it under ``torchpass-p2p launch``), with ``exact=False`` when
 ``--native`` is given. Everything else is the same code: the model (:data:`SIZES`), the data, the
@@ -15,7 +16,10 @@ time is the difference between consecutive readings (fetching the batch, forward
 the gradient reduction, clipping, the optimizer). The first ``--warmup`` steps are dropped, and
 rank 0 writes ``--out`` as one JSON object: ``step_s`` (the timed steps, seconds each),
 ``cpu_step_s`` (the CPU time of rank 0's process in each, all its threads: the agent's and the
-backend's too; seconds), ``parameters``, ``world_size``, ``final_loss`` and the arguments.
+backend's too; seconds), ``thread_cpu_step_s`` (the same per thread name over all the timed
+steps, divided by their number, from ``/proc/self/task``: empty where that is not there; a
+clock tick is 10 ms, so about 0.5 ms a step over 20 steps), ``parameters``, ``world_size``,
+``final_loss`` and the arguments.
 
 The script imports nothing from this repository but torchpass_p2p: the launchers run it by path.
 """
@@ -123,6 +127,30 @@ def _profiler(path: str, device: torch.device, warmup: int) -> Any:
     return profiler
 
 
+def thread_cpu_s() -> dict[str, float]:
+    """This process's CPU time (user + system, seconds) by thread: Python's name for the
+    thread where it has one, else the kernel's (gloo's threads); threads of one name summed.
+    Empty where ``/proc/self/task`` is not there."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        name = names.get(int(tid)) or stat[stat.index("(") + 1:stat.rindex(")")]
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def train(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     api = _api(args.api, args.native)
@@ -137,9 +165,13 @@ def train(args: argparse.Namespace) -> int:
     loader = api["DataLoader"](dataset, batch_size=args.batch_size, num_workers=args.workers,
                                sampler=api["DistributedSampler"](dataset, shuffle=True))
     ddp = api["DDP"](model)
+    if args.hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
     api["track"](optimizer)
     ends = [time.perf_counter()]
     cpu = [time.process_time()]
+    threads_at = thread_cpu_s()  # taken again at the first timed step
     loss = torch.zeros(())
     profiler = _profiler(args.profile, device, args.warmup) if rank == 0 else None
     for epoch in api["epochs"](0, 1):
@@ -156,6 +188,9 @@ def train(args: argparse.Namespace) -> int:
             loss.item()
             ends.append(time.perf_counter())
             cpu.append(time.process_time())
+            if len(ends) == args.warmup + 1:
+                threads_at = thread_cpu_s()
+    threads_end = thread_cpu_s()
     if profiler is not None:
         profiler.stop()
         Path(args.profile).write_text(profiler.key_averages().table(
@@ -172,7 +207,10 @@ def train(args: argparse.Namespace) -> int:
             "parameters": sum(p.numel() for p in model.parameters()), "world_size": world,
             "batch_size": args.batch_size, "warmup": args.warmup, "steps": args.steps,
             "step_s": steps[args.warmup:],
-            "cpu_step_s": cpu_steps[args.warmup:], "final_loss": loss.item()}) + "\n")
+            "cpu_step_s": cpu_steps[args.warmup:],
+            "thread_cpu_step_s": {name: (t - threads_at.get(name, 0.0)) / args.steps
+                                  for name, t in threads_end.items()},
+            "final_loss": loss.item()}) + "\n")
         os.replace(tmp, out)  # the benchmark never reads a half-written file
     api["destroy_process_group"]()
     return 0
@@ -181,6 +219,8 @@ def train(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--api", choices=("torch", "torchpass"), required=True)
+    ap.add_argument("--hook", action="store_true",
+                    help="torch: reduce through torch's own Python hook (allreduce_hook)")
     ap.add_argument("--native", action="store_true",
                     help="torchpass: init_process_group(exact=False), gloo's all-reduce")
     ap.add_argument("--size", choices=tuple(SIZES), default="small")
@@ -196,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.native and args.api != "torchpass":
         ap.error("--native is a torchpass_p2p option")
+    if args.hook and args.api != "torch":
+        ap.error("--hook is a plain torch DDP option")
     return train(args)
 
 

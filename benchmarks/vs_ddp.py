@@ -10,7 +10,10 @@ rank), launched three ways:
 * ``exact``: ``torchpass-p2p launch --nproc 4 --spares 1`` with ``--api torchpass``: the
   gradients averaged by rank-order sums (bitwise reproducible);
 * ``native``: the same with ``--native``: ``init_process_group(exact=False)``, gloo's
-  all-reduce.
+  all-reduce;
+* ``torch_hook`` (only with ``--methods``): plain torch DDP as ``torch``, with torch's own
+  Python communication hook (``allreduce_hook``), which copies a gradient into DDP's bucket and
+  divides it in a pass of its own as any hook must: what a hook itself costs DDP.
 
 Two models (:data:`benchmarks.ddp_worker.SIZES`): ``small`` (about 0.1M parameters, where the
 per-step fixed costs show) and ``large`` (about 25M, where the reduction's bandwidth shows).
@@ -25,7 +28,9 @@ median over rounds of the runs' medians (seconds); ``median_cpu_step_s`` likewis
 of rank 0's process per step (all its threads: where the library's own work shows, and less
 disturbed than the step's wall time where the machine is shared), with ``cpu_ratio_...`` its
 ratios as above; ``wall_s`` likewise the launch-to-exit time (start-up, the steps, shutdown).
-Targets are printed next to the figures, not asserted: exact <= 1.10, native <= 1.03.
+``thread_cpu_step_s`` gives, per size and method, rank 0's CPU time per step by thread name
+(median over rounds; Linux only). Targets are printed next to the figures, not asserted:
+exact <= 1.10, native <= 1.03.
 ``machine.load_average`` (1, 5 and 15 minutes, at the start and at the end) says how busy the
 machine was. Exit status 1 when a run fails :data:`TRIES` times (its output's tail is
 printed).
@@ -44,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +60,9 @@ WORKER = REPO / "benchmarks" / "ddp_worker.py"
 NPROC = 4
 SPARES = 1
 METHODS = ("torch", "exact", "native")
+"""The methods run by default; the first, plain torch DDP, is every ratio's baseline."""
+OPTIONAL_METHODS = ("torch_hook",)
+"""Methods run only when ``--methods`` names them (module docstring)."""
 DEFAULT_STEPS = {"small": 100, "large": 10}
 """Timed steps per run by size: the large model's step takes one to two seconds on 2 cores, and
 the whole default benchmark must stay within about 12 minutes there."""
@@ -87,8 +95,9 @@ class RunFailed(RuntimeError):
 @dataclass(frozen=True)
 class Run:
     """One launch's figures (seconds): the median of its timed steps, the median CPU time of
-    rank 0's process per step, its launch-to-exit time, and the per-step times as rank 0
-    measured them."""
+    rank 0's process per step, its launch-to-exit time, the per-step times as rank 0
+    measured them, and rank 0's CPU time per step by thread name (empty where the worker
+    could not read it)."""
 
     method: str
     size: str
@@ -96,13 +105,14 @@ class Run:
     median_cpu_step_s: float
     wall_s: float
     step_s: tuple[float, ...]
+    thread_cpu_step_s: dict[str, float] = field(default_factory=dict)
 
 
-def order(round_index: int) -> tuple[str, ...]:
-    """The methods in the order of round ``round_index``: rotated by one each round, so each
-    method runs first, second and third equally often over every three rounds."""
-    k = round_index % len(METHODS)
-    return METHODS[k:] + METHODS[:k]
+def order(round_index: int, methods: tuple[str, ...] = METHODS) -> tuple[str, ...]:
+    """``methods`` in the order of round ``round_index``: rotated by one each round, so each
+    method takes each place equally often over every ``len(methods)`` rounds."""
+    k = round_index % len(methods)
+    return methods[k:] + methods[:k]
 
 
 def _env() -> dict[str, str]:
@@ -119,12 +129,14 @@ def _env() -> dict[str, str]:
 
 def command(method: str, size: str, steps: int, warmup: int, out: Path,
             device: str = "cpu") -> list[str]:
-    """The command line of one run of ``method`` (:data:`METHODS`) on ``device``."""
+    """The command line of one run of ``method`` (:data:`METHODS`, :data:`OPTIONAL_METHODS`)
+    on ``device``."""
     worker = [str(WORKER), "--size", size, "--steps", str(steps), "--warmup", str(warmup),
               "--batch-size", str(BATCH_SIZE), "--device", device, "--out", str(out)]
-    if method == "torch":
+    if method in ("torch", "torch_hook"):
+        hook = ["--hook"] if method == "torch_hook" else []
         return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(NPROC), *worker, "--api", "torch"]
+                "--nproc-per-node", str(NPROC), *worker, "--api", "torch", *hook]
     native = ["--native"] if method == "native" else []
     return [sys.executable, "-m", "torchpass_p2p.cli.main", "launch", "--nproc", str(NPROC),
             "--spares", str(SPARES), "--grace", "3", *worker, "--api", "torchpass", *native]
@@ -164,7 +176,7 @@ def run_once(work: Path, method: str, size: str, steps: int, warmup: int,
     if len(step_s) != steps:
         raise RunFailed(f"{what}: {len(step_s)} timed steps, expected {steps}", tail)
     return Run(method, size, statistics.median(step_s), statistics.median(result["cpu_step_s"]),
-               wall, step_s)
+               wall, step_s, result.get("thread_cpu_step_s", {}))
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -182,40 +194,51 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def summarize(runs: list[list[Run]], sizes: list[str]) -> dict[str, Any]:
-    """The report's figures from ``runs`` (one list per round, any order within it).
+def summarize(runs: list[list[Run]], sizes: list[str],
+              methods: tuple[str, ...] = METHODS) -> dict[str, Any]:
+    """The report's figures from ``runs`` (one list per round, any order within it) of
+    ``methods`` (the first, ``torch``, the baseline).
 
     Returns ``step_ratio_<method>_<size>`` (the median over rounds of each round's
     ``median step (method) / median step (torch)``; None for a size not run),
     ``cpu_ratio_<method>_<size>`` (the same of the CPU time per step), ``median_step_s``,
-    ``median_cpu_step_s`` and ``wall_s`` (``{size: {method: seconds}}``, medians over rounds)
-    and ``per_round`` (each round's figures per size)."""
+    ``median_cpu_step_s`` and ``wall_s`` (``{size: {method: seconds}}``, medians over rounds),
+    ``thread_cpu_step_s`` (``{size: {method: {thread: seconds}}}``, medians over the rounds
+    that measured the thread) and ``per_round`` (each round's figures per size)."""
     out: dict[str, Any] = {}
     per_round: list[dict[str, Any]] = []
+    base, ours = methods[0], methods[1:]
     for i, rnd in enumerate(runs):
-        row: dict[str, Any] = {"round": i, "order": list(order(i))}
+        row: dict[str, Any] = {"round": i, "order": list(order(i, methods))}
         for size in sizes:
             by = {r.method: r for r in rnd if r.size == size}
             row[size] = {
-                "median_step_s": {m: by[m].median_step_s for m in METHODS},
-                "median_cpu_step_s": {m: by[m].median_cpu_step_s for m in METHODS},
-                **{f"ratio_{m}": by[m].median_step_s / by["torch"].median_step_s
-                   for m in METHODS[1:]},
-                **{f"cpu_ratio_{m}": by[m].median_cpu_step_s / by["torch"].median_cpu_step_s
-                   for m in METHODS[1:]}}
+                "median_step_s": {m: by[m].median_step_s for m in methods},
+                "median_cpu_step_s": {m: by[m].median_cpu_step_s for m in methods},
+                **{f"ratio_{m}": by[m].median_step_s / by[base].median_step_s for m in ours},
+                **{f"cpu_ratio_{m}": by[m].median_cpu_step_s / by[base].median_cpu_step_s
+                   for m in ours}}
         per_round.append(row)
-    for kind, field in (("step", "ratio"), ("cpu", "cpu_ratio")):
-        for m in METHODS[1:]:
+    for kind, name in (("step", "ratio"), ("cpu", "cpu_ratio")):
+        for m in ours:
             for size in SIZES:
                 out[f"{kind}_ratio_{m}_{size}"] = (
-                    statistics.median(r[size][f"{field}_{m}"] for r in per_round)
+                    statistics.median(r[size][f"{name}_{m}"] for r in per_round)
                     if size in sizes else None)
     for key in ("median_step_s", "median_cpu_step_s", "wall_s"):
         out[key] = {size: {m: statistics.median(getattr(r, key) for rnd in runs for r in rnd
                                                 if r.size == size and r.method == m)
-                           for m in METHODS} for size in sizes}
+                           for m in methods} for size in sizes}
+    out["thread_cpu_step_s"] = {size: {m: _median_by_thread(
+        [r.thread_cpu_step_s for rnd in runs for r in rnd if r.size == size and r.method == m])
+        for m in methods} for size in sizes}
     out["per_round"] = per_round
     return out
+
+
+def _median_by_thread(runs: list[dict[str, float]]) -> dict[str, float]:
+    names = sorted({name for run in runs for name in run})
+    return {name: statistics.median(run[name] for run in runs if name in run) for name in names}
 
 
 def _version(package: str) -> str | None:
@@ -241,10 +264,10 @@ def print_table(result: dict[str, Any]) -> None:
     rows = []
     for size in result["job"]["sizes"]:
         steps = result["median_step_s"][size]
-        for m in METHODS:
+        for m in result["job"]["methods"]:
             target = TARGETS.get(m)
             cpu = result["median_cpu_step_s"][size][m]
-            ratios = ("1", "1") if m == "torch" else (
+            ratios = ("1", "1") if m == METHODS[0] else (
                 f"{result[f'step_ratio_{m}_{size}']:.3f}", f"{result[f'cpu_ratio_{m}_{size}']:.3f}")
             rows.append((size, m, f"{steps[m] * 1e3:.2f}", f"{cpu * 1e3:.2f}",
                          f"{result['wall_s'][size][m]:.1f}", *ratios,
@@ -286,10 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu",
                     help="the ranks' device: cpu, or cuda (all 4 ranks share the one GPU)")
     ap.add_argument("--keep", help="directory to keep every run's output and result in")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated, torch first: "
+                         + ", ".join(METHODS + OPTIONAL_METHODS))
     args = ap.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
     if not sizes or any(s not in SIZES for s in sizes):
         ap.error(f"--sizes: a comma-separated list of {', '.join(SIZES)}")
+    methods = tuple(m for m in args.methods.split(",") if m)
+    if (methods[:1] != METHODS[:1] or len(set(methods)) != len(methods)
+            or any(m not in METHODS + OPTIONAL_METHODS for m in methods)):
+        ap.error(f"--methods: {METHODS[0]} first, then any of "
+                 + ", ".join(METHODS[1:] + OPTIONAL_METHODS) + ", each once")
     if args.rounds < 1 or (args.steps is not None and args.steps < 1) or (
             args.warmup is not None and args.warmup < 0):
         ap.error("--rounds and --steps must be at least 1, --warmup at least 0")
@@ -305,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.rounds):
             runs.append([])
             for size in sizes:
-                for method in order(i):
+                for method in order(i, methods):
                     say(f"round {i + 1}/{args.rounds}: {size} {method}")
                     where = work / f"round-{i}" / size / method
                     # Up to TRIES: plain torch DDP under torchrun, too, aborts now and then at
@@ -330,11 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    result: dict[str, Any] = {"benchmark": "vs_ddp", **summarize(runs, sizes),
+    result: dict[str, Any] = {"benchmark": "vs_ddp", **summarize(runs, sizes, methods),
                               "failed_then_rerun": failed}
-    result["targets"] = {f"step_ratio_{m}": f"<= {t:.2f}" for m, t in TARGETS.items()}
+    result["targets"] = {f"step_ratio_{m}": f"<= {t:.2f}" for m, t in TARGETS.items()
+                         if m in methods}
     result["job"] = {
-        "script": "benchmarks/ddp_worker.py", "ranks": NPROC, "spares": SPARES,
+        "script": "benchmarks/ddp_worker.py", "methods": list(methods), "ranks": NPROC,
+        "spares": SPARES,
         "backend": "gloo", "device": args.device, "threads_per_rank": 1, "batch_size": BATCH_SIZE,
         "sizes": {s: {"parameters": parameters(s), "steps": steps[s], "warmup": warmup[s],
                       **SIZES[s]}
