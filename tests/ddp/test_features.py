@@ -205,13 +205,13 @@ def test_a_member_running_another_job_is_refused_and_replaced(
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("point", ["grad", "commit"])
+@pytest.mark.parametrize("point", ["compute", "grad", "commit"])
 def test_a_transient_collective_failure_regroups_the_same_ranks(
         point: str, tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
-    """Rank 1's collective fails at step ``KILL_AT`` with no process dying (inside the
-    reduction, or once the votes are in but before it took its averaged gradient): nobody is
-    suspected, so no configuration change comes; the three ranks form their group again in
-    configuration 0 and go on. The spare never takes a rank and the job ends with the
+    """Rank 1's collective fails at step ``KILL_AT`` with no process dying (before its
+    forward, inside the reduction, or once the votes are in but before it took its averaged
+    gradient): nobody is suspected, so no configuration change comes; the three ranks form
+    their group again in configuration 0 and go on. The spare never takes a rank and the job ends with the
     fault-free state. At ``commit`` the others committed the step: rank 1 is handed its
     averaged gradient and the committed buffers in the new group and rolls forward."""
     free, _ = clean("param_groups")
@@ -226,7 +226,7 @@ def test_a_transient_collective_failure_regroups_the_same_ranks(
     assert {r["member"] for r in done} == {r["member"] for r in finished}, result.diagnosis()
     handed = events(result, "gradient_handed")
     rank_1 = {r["member"] for r in done if r["rank"] == 1}
-    if point == "grad":  # rank 1's last bucket and vote never left: nobody committed
+    if point != "commit":  # rank 1's last bucket and vote never left: nobody committed
         assert {(r["config_id"], r["step"], r["action"]) for r in done} == {(0, KILL_AT, "redo")}
         assert handed == []
     else:  # the others committed; rank 1 rolls forward with what it is handed

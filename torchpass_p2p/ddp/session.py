@@ -455,12 +455,12 @@ class Session(Trainer):
         self._frozen = self._boundary_positions()
         self._open = True
         self.guard(self._catch_up)
+        self.guard(self._fault_at_compute)
         k, rank = self.step, self.rank
         if self.checkpointer is not None and rank == 0:
             self.checkpointer.maybe_save(k)
         self.log("step_started", step=k, rank=rank, config_id=self.config_id,
                  epoch=self.epoch, positions=self._frozen)
-        self.faults.at(k, "compute", rank)
         seed_step(self.seed, rank, k)
         self._at_start = [b.detach().clone() for b in self._buffers]
         if self._used is not None:
@@ -485,6 +485,16 @@ class Session(Trainer):
                 return
             except (CollectiveError, Superseded) as exc:
                 self._recover(exc)
+
+    def _fault_at_compute(self) -> None:
+        """The ``compute`` fault point, before the forward (:mod:`~torchpass_p2p.trainer.faults`):
+        a ``reset`` there fails this rank's group as a failed collective would, so its peers'
+        reductions of the step fail too and the ranks regroup; the step then opens again."""
+        try:
+            self.faults.at(self.step, "compute", self.rank)
+        except CollectiveError as exc:
+            self._recover(exc)
+            self._catch_up()
 
     def comm_hook(self, _state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """DDP's communication hook (module docstring). Its future completes when the step
