@@ -205,17 +205,21 @@ def test_a_member_running_another_job_is_refused_and_replaced(
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("point", ["compute", "grad", "commit"])
+@pytest.mark.parametrize(("feature", "point"), [
+    ("param_groups", "compute"), ("param_groups", "grad"), ("param_groups", "commit"),
+    ("native", "commit")])
 def test_a_transient_collective_failure_regroups_the_same_ranks(
-        point: str, tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
+        feature: str, point: str, tmp_path: Path,
+        clean: Callable[[str], tuple[Run, Path]]) -> None:
     """Rank 1's collective fails at step ``KILL_AT`` with no process dying (before its
     forward, inside the reduction, or once the votes are in but before it took its averaged
     gradient): nobody is suspected, so no configuration change comes; the three ranks form
-    their group again in configuration 0 and go on. The spare never takes a rank and the job ends with the
-    fault-free state. At ``commit`` the others committed the step: rank 1 is handed its
-    averaged gradient and the committed buffers in the new group and rolls forward."""
-    free, _ = clean("param_groups")
-    result = run(tmp_path, "param_groups", f"reset@{KILL_AT}:{point}:rank=1")
+    their group again in configuration 0 and go on. The spare never takes a rank and the job
+    ends with the fault-free state. At ``commit`` the others committed the step: rank 1 is
+    handed its averaged gradient and the committed buffers in the new group and rolls
+    forward (in native mode too: it is handed the all-reduced gradient the others applied)."""
+    free, _ = clean(feature)
+    result = run(tmp_path, feature, f"reset@{KILL_AT}:{point}:rank=1")
     assert result.code == 0, result.diagnosis()
     finished = events(result, "finished")
     assert len(finished) == 3 and {r["fingerprint"] for r in finished} == {fingerprint(free)}
