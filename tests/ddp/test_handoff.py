@@ -4,7 +4,9 @@ real gloo groups of three ranks built in threads of one process.
 Must hold: with nobody behind, nothing but the flags is exchanged and nothing is received;
 with a rank behind, it receives the lowest-ranked holder's results bitwise, bucket by bucket,
 and that holder's module buffers; with a rank behind and no holder, nobody sends and the
-result says so (the member behind leaves).
+result says so (the member behind leaves); a source lost in the middle of its broadcast fails
+the hand-off on every receiver (a CollectiveError: the recovery starts again), never leaves one
+with part of a gradient.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tests.ddp.test_reduction import groups, on_every_rank
+from torchpass_p2p.collective import CollectiveError
 from torchpass_p2p.ddp.handoff import Gap, hand_off, pack, unpack
 from torchpass_p2p.ddp.reduction import Layout
 
@@ -72,6 +75,27 @@ def test_a_rank_behind_with_no_holder_receives_nothing() -> None:
                         buffers=buffers(rank), watch=None)
 
     assert on_every_rank(run) == [Gap((2,), None, None, None)] * 3
+
+
+def test_a_source_lost_mid_broadcast_fails_the_hand_off_on_every_receiver() -> None:
+    every = groups(19)
+
+    def run(rank: int) -> CollectiveError | Gap | None:
+        group = every[rank]
+        if rank == 1:  # the source, by hand: the flags, the first bucket, then it is gone
+            group.exchange(torch.tensor([0, 1], dtype=torch.int64), watch=None)
+            group.broadcast(results(1)[0].clone(), 1, watch=None)
+            group.abandon()
+            return None
+        try:
+            return hand_off(group, layout(), behind=rank == 0,
+                            held=None if rank == 0 else results(rank), buffers=buffers(rank),
+                            watch=None)
+        except CollectiveError as exc:
+            return exc
+
+    out = on_every_rank(run)
+    assert isinstance(out[0], CollectiveError) and isinstance(out[2], CollectiveError), out
 
 
 def test_pack_is_exact_for_integers_and_narrow_floats() -> None:
