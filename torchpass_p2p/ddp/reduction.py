@@ -13,7 +13,8 @@ while the spare that joined reduces it for the first time.
 Exact mode sums in rank order (:mod:`torchpass_p2p.collective.reduce`): a bucket below
 :data:`~torchpass_p2p.collective.group.SHARDED_MIN_BYTES` gathered whole (an all-to-all in which
 each rank sends its bucket to every other), a larger one by an all-to-all of shards, each rank
-summing its shard, then an all-gather of the sums. The element sum ``((g0 + g1) + g2) + ...``
+summing its shard, then an all-to-all in which each rank sends its sums to every other. The
+element sum ``((g0 + g1) + g2) + ...``
 does not depend on how elements are grouped into buckets, so the result is bitwise the same as
 one reduction of the whole gradient. Native mode (same step, not bitwise) sums from 1 MiB on
 with the backend's all-reduce, of each rank's gradient divided by the world size first, as
@@ -22,8 +23,8 @@ DDP's default hook does; the division is the copy into the bucket, not a pass of
 both modes.
 
 Operations are launched from one thread (the autograd thread) in one order: a sharded bucket's
-all-gather is launched just before the next bucket's first operation, never from a completion
-callback, whose thread and timing differ between ranks.
+exchange of sums is launched just before the next bucket's first operation, never from a
+completion callback, whose thread and timing differ between ranks.
 """
 
 from __future__ import annotations
@@ -135,7 +136,9 @@ class StepReduction:
     step failed (:mod:`.handoff`); no member can reach the step after the next without every
     peer's vote on the next one, which that peer can give only once it holds the last step.
     This costs one more gradient's worth of memory: native mode's inputs, or exact mode's
-    gathered sums.
+    gathered sums. Exact mode's sums are sent from one buffer per bucket outside the banks
+    (``world_size`` copies of this rank's shard: about one more gradient's worth; an
+    abandoned operation only reads it, so it is written again at once).
 
     Args:
         layout: the canonical layout.
@@ -150,6 +153,7 @@ class StepReduction:
         n = len(layout.sizes)
         self._own_banks: list[list[torch.Tensor | None]] = [[None] * n, [None] * n]
         self._scratch_banks: list[dict[tuple[int, str], list[torch.Tensor]]] = [{}, {}]
+        self._sums_out: dict[int, torch.Tensor] = {}  # by bucket: its sums, n times (exact)
         self._bank = 0
         self._held: list[torch.Tensor] | None = None
         self._held_bank = -1
@@ -387,27 +391,38 @@ class StepReduction:
             # is sent as it lies; this rank receives its shard from every rank, as rows.
             splits = shard_sizes(src.numel(), n)
             mine, width = splits[group.spec.rank], splits[0]
-            recv, _ = self._buffers(b, "shards", [(n * width,), (width,)])
+            (recv,) = self._buffers(b, "shards", [(n * width,)])
             into = recv[:n * mine]  # gloo splits along dim 0
             self._works.append((b, "shards", group.launch(
                 lambda pg: pg.alltoall_base(into, src, [mine] * n, list(splits))),
                 into.view(n, mine)))
 
     def _flush_sharded(self, group: ManagedGroup, watch: Watch | None = None) -> None:
-        """Turn the last launched bucket's finished all-to-all into its all-gather of sums
-        (the one place an all-gather of shards is launched: before the next bucket's first
-        operation, or when the step is waited for)."""
+        """Turn the last launched bucket's finished all-to-all into the exchange of its sums
+        (the one place that is launched: before the next bucket's first operation, or when
+        the step is waited for)."""
         if not self._works or self._works[-1][1] != "shards":
             return
         b, _, work, rows = self._works.pop()
         self._complete(group, work, watch)
-        n = group.spec.world_size
-        # The sums are taken from what was received: its buffer receives the gathered sums,
-        # `width` a rank (the padding past a short shard is never read).
-        gathered, sums = self._scratch[(b, "shards")]
-        divide(sum_in_rank_order(rows.unbind(0), out=sums[:rows.shape[1]]), n)
-        self._works.append((b, "sharded", group.launch(
-            lambda pg: pg._allgather_base(gathered, sums)), gathered))
+        n, mine = rows.shape
+        # Every rank's sums to every rank by one all-to-all of n copies, as a small bucket
+        # goes (ManagedGroup.exchange says why not an all-gather; gloo's also stages what it
+        # gathers in a buffer of its own and copies it out). The sums are taken from what was
+        # received, whose buffer then receives every rank's sums, in shard order: the
+        # averaged bucket, contiguous.
+        out = self._sums_out.get(b)
+        if out is None or out.numel() != n * mine:
+            out = self._sums_out[b] = torch.zeros(n * mine, dtype=rows.dtype,
+                                                  device=rows.device)
+        copies = out.view(n, mine)
+        divide(sum_in_rank_order(rows.unbind(0), out=copies[0]), n)
+        copies[1:].copy_(copies[0].expand(n - 1, mine))
+        (gathered,) = self._scratch[(b, "shards")]
+        numel = self.layout.sizes[b]
+        into = gathered[:numel]
+        self._works.append((b, "sharded", group.launch(lambda pg: pg.alltoall_base(
+            into, out, list(shard_sizes(numel, n)), [mine] * n)), gathered))
 
     def wait(self, group: ManagedGroup, watch: Watch | None) -> list[torch.Tensor]:
         """Wait for every bucket (all must be launched) and return the averaged gradient per
