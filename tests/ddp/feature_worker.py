@@ -14,6 +14,9 @@ script uses (``tests/ddp/test_features.py`` runs it under the launcher, 3 ranks 
 * ``--native --hidden H``: ``init_process_group(exact=False)`` (gloo's all-reduce) with a
   hidden layer of ``H`` units, so that a bucket is big enough to take the all-reduce (below
   1 MiB a bucket is gathered in both modes);
+* ``--own-lr``: the learning rate set before each optimizer step from a step counter of the
+  script's own (``1e-2 * 0.9 ** n``), which does not move to a spare: a replacement steps with
+  another learning rate than the survivors (refused, ``torchpass_p2p/ddp/steering.py``);
 * ``--odd-epochs N``: the process started as rank 2 (``RANK=2`` in its environment at start)
   runs ``N`` epochs instead of ``--epochs``: another job, refused at its join.
 
@@ -92,6 +95,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--dcp", default="")
     ap.add_argument("--odd-epochs", type=int)
+    ap.add_argument("--own-lr", action="store_true")
     ap.add_argument("--sleep", type=float, default=0.0)
     ap.add_argument("--state-transport", default="auto")
     args = ap.parse_args()
@@ -119,6 +123,7 @@ def main():
         model = torch.compile(model, backend=args.compile)
     track(optimizer, scheduler)
 
+    own_steps = 0  # --own-lr: the script's own counter, which a spare starts over
     for epoch in epochs(0, stop):
         rank = int(os.environ["RANK"])
         loader.sampler.set_epoch(epoch)
@@ -129,6 +134,10 @@ def main():
                 loss = F.cross_entropy(model(x), y) / args.accum
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+                if args.own_lr:
+                    for group in optimizer.param_groups:
+                        group["lr"] = 1e-2 * 0.9 ** own_steps
+                    own_steps += 1
                 optimizer.step()
                 optimizer.zero_grad()
                 if args.sleep:

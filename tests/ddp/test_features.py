@@ -47,6 +47,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     # the first layer's weight (2 MiB) is reduced by gloo's all-reduce, in place: the
     # survivors' redo of the killed step must send their own gradients again, not the sums
     "native": ("--native", "--hidden", "65536"),
+    "own_lr": ("--own-lr",),  # steered by a counter of its own: refused after a replacement
 }
 RUN_TIMEOUT_S = 90.0
 
@@ -149,7 +150,7 @@ def assert_same_checkpoints(mine: Path, theirs: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("feature", list(FEATURES))
+@pytest.mark.parametrize("feature", [f for f in FEATURES if f != "own_lr"])
 def test_a_killed_rank_is_replaced_exactly(
         feature: str, tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
     (free, free_work), faulty = clean(feature), run(tmp_path, feature, FAULTS)
@@ -201,6 +202,31 @@ def test_a_member_running_another_job_is_refused_and_replaced(
     assert {r["fingerprint"] for r in finished} == {fingerprint(free)}
     assert_each_step_committed_once(result)
     assert_same_checkpoints(tmp_path / "dcp", free_work / "dcp")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_a_replica_steered_by_the_scripts_own_counter_stops_the_job(
+        tmp_path: Path, clean: Callable[[str], tuple[Run, Path]]) -> None:
+    """The script sets the learning rate from a step counter of its own, which starts over on
+    the spare that takes rank 1 at step ``KILL_AT``: the spare steps its optimizer with
+    another learning rate than the survivors. The next step's vote shows it, and every rank
+    stops with exit code 5 and one line saying so, instead of the job ending with exit 0 and
+    replicas that differ. Without a fault the replicas are steered alike: the job finishes."""
+    free, _ = clean("own_lr")  # asserts exit 0 and one final state
+    result = run(tmp_path, "own_lr", FAULTS)
+    assert result.code != 0, result.diagnosis()
+    assert events(result, "finished") == []
+    diverged = events(result, "diverged")
+    assert {(r["step"], r["reason"]) for r in diverged} == {(KILL_AT, (
+        "the optimizers' hyperparameters (the learning rate, ...) differ between ranks "
+        "[0, 2], [1]"))}, result.diagnosis()
+    assert len(diverged) == 3
+    exits = events(result, "exit")
+    assert len(exits) == 3 and {r["code"] for r in exits} == {EXIT_STOPPED}
+    said = [line for line in result.output.splitlines()
+            if "a replica was steered by state that does not move to a spare" in line]
+    assert len(said) == 3, result.output[-3000:]
 
 
 @pytest.mark.slow

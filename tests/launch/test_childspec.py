@@ -158,9 +158,10 @@ def test_exit_code() -> None:
     # The job stopped because it cannot go on: exit code and reason say so (resume it).
     assert exit_code([gone(1, -9), gone(2, EXIT_STOPPED)]) == (
         EXIT_STOPPED, "a member stopped the job: the agreement left a rank nobody can fill "
-        "(every holder of its state is gone, or no spare is left under policy 'stop'), or no "
-        "majority of its configuration was left for its give-up time; the job stops: resume it "
-        "from its last checkpoint")
+        "(every holder of its state is gone, or no spare is left under policy 'stop'), no "
+        "majority of its configuration was left for its give-up time, or the ranks' states "
+        "diverged (the members' lines say which); the job stops: resume it from its last "
+        "checkpoint")
     lost = no_majority_left(0, 1, 3, "reachable")
     assert lost == ("no majority of configuration 0 is left: 1 of its 3 members is reachable "
                     "and a majority is 2")

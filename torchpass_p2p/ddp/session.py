@@ -43,7 +43,7 @@ import torch
 from torchpass_p2p.agent import Change, TrainingAgent
 from torchpass_p2p.checkpoint import CheckpointSettings, NotSameJob
 from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, exit_process
-from torchpass_p2p.trainer.ends import exit_code_for
+from torchpass_p2p.trainer.ends import Diverged, exit_code_for
 from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
 from torchpass_p2p.trainer.regroup import GIVE_UP_S
 from torchpass_p2p.trainer.seeding import seed_step
@@ -59,6 +59,7 @@ from .reduction import (
     flat_tensors,
     unflat_into,
 )
+from .steering import OptimizerSteps, disagreement
 from .stragglers import ArrivalWatch, policy_from_env
 
 if TYPE_CHECKING:
@@ -73,9 +74,10 @@ EXIT_SAVE_WAIT_S = 5.0
 """How long a member that stops waits for its checkpoint in flight to commit: within the
 launcher's grace (``DEFAULT_GRACE_S``) before SIGKILL."""
 _SESSION: Session | None = None
-_HEAD = 4
-"""A vote's leading values: yes (1.0, or 0.0 when fenced), the step, ``compute_s``, ``wait_s``;
-the module's buffers follow."""
+_HEAD = 6
+"""A vote's leading values: yes (1.0, or 0.0 when fenced), the step, the step before's
+optimizer steps and their digest (:mod:`.steering`), ``compute_s``, ``wait_s``; the module's
+buffers follow."""
 
 
 def current() -> Session:
@@ -170,6 +172,8 @@ class Session(Trainer):
         self._in_regroup = False
         self._joined = False
         self._unwatch_optimizers: Callable[[], None] = lambda: None
+        self.steering = OptimizerSteps(lambda: [o for o in self.objects.values()
+                                                if isinstance(o, torch.optim.Optimizer)])
         self._first_change: Change | None = None
         self.stragglers = ArrivalWatch(self.me, policy_from_env(), self.log, self.agent.drain)
         self.step_figures: list[list[float]] = []
@@ -302,7 +306,13 @@ class Session(Trainer):
         self.epoch, self.epochs_stop = start, stop
         self.objects["progress"] = _Progress(self)
         self._joined = True
-        self._unwatch_optimizers = untracked.install(self.objects, self.ddp.module)
+        unwatch, unsteer = untracked.install(self.objects, self.ddp.module), self.steering.install()
+
+        def unwatch_optimizers() -> None:
+            unwatch()
+            unsteer()
+
+        self._unwatch_optimizers = unwatch_optimizers
         self.guard(self._enter_job)
         return self.epoch
 
@@ -456,6 +466,7 @@ class Session(Trainer):
         self._open = True
         self.guard(self._catch_up)
         self.guard(self._fault_at_compute)
+        self.steering.opened()
         k, rank = self.step, self.rank
         if self.checkpointer is not None and rank == 0:
             self.checkpointer.maybe_save(k)
@@ -584,13 +595,14 @@ class Session(Trainer):
         (``docs/training.md``, "Commit"). The vote carries the module's buffers as the forward
         left them, as float64 (exact for the narrower dtypes, integers up to 2**53): every
         rank takes rank 0's, what DDP's ``broadcast_buffers`` gives the next forward. After
-        the step number ride this rank's ``[compute_s, wait_s]`` of the step before
+        the step number ride this rank's optimizer steps of the step before and their digest
+        (:mod:`.steering`), and its ``[compute_s, wait_s]`` of the step before
         (:mod:`.stragglers`). Returns ``(work, rows)`` as
         :meth:`ManagedGroup.launch_exchange`; :meth:`_count` reads the rows once the work is
         complete."""
         figures = self.stragglers.carried(k, (group.config_id, group.spec.attempt))
-        head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k), *figures],
-                            dtype=torch.float64)
+        head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k), *self.steering.last,
+                             *figures], dtype=torch.float64)
         assert head.numel() == _HEAD
         # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say),
         # and the group moves the vote to its own device.
@@ -603,12 +615,20 @@ class Session(Trainer):
         averaged gradient by one that committed (:mod:`.handoff`). After a veto (a fenced
         member) this waits for the lease and the step is reduced again. Every rank's figures
         are kept in ``self.step_figures``. Raises :class:`JobMismatch` when the ranks are at
-        different steps."""
+        different steps, :class:`Diverged` when they stepped their optimizers differently in
+        the step before (:mod:`.steering`)."""
         if set(votes[:, 1].tolist()) != {float(k)}:
             group.abandon()
             raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "
                               f"{k}: not the same job")
-        self.step_figures = votes[:, 2:_HEAD].tolist()
+        why = disagreement([(a, b) for a, b in votes[:, 2:4].tolist()])
+        if why is not None:
+            group.abandon()
+            self.log("diverged", step=k - 1, config_id=group.config_id, reason=why)
+            raise Diverged(f"step {k - 1}: {why}: a replica was steered by state that does not "
+                           "move to a spare, such as a counter of the script's own "
+                           "(docs/training.md, \"What moves to a spare\")")
+        self.step_figures = votes[:, 4:_HEAD].tolist()
         if not bool((votes[:, 0] == 1.0).all()):
             self.log("commit_vetoed", step=k, config_id=group.config_id,
                      fenced=self.agent.fenced)
@@ -763,6 +783,7 @@ class Session(Trainer):
 
     def _restored(self, *args: Any, **kwargs: Any) -> Snapshot:
         self._held_step = -1  # the state is another's: its step's gradient is not held
+        self.steering.forget()  # and so is the step before's history
         return super()._restored(*args, **kwargs)
 
     def _agree(self, group: ManagedGroup, configuration: Any, resume: int) -> bool:

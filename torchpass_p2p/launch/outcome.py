@@ -212,8 +212,9 @@ def exit_code(exits: Sequence[ChildExit], *, stopped_by: int | None = None,
         if any(e.returncode == EXIT_STOPPED for e in exits):
             return EXIT_STOPPED, (
                 "a member stopped the job: the agreement left a rank nobody can fill (every "
-                "holder of its state is gone, or no spare is left under policy 'stop'), or no "
-                "majority of its configuration was left for its give-up time; " + JOB_STOPS)
+                "holder of its state is gone, or no spare is left under policy 'stop'), no "
+                "majority of its configuration was left for its give-up time, or the ranks' "
+                "states diverged (the members' lines say which); " + JOB_STOPS)
         if any(e.returncode == EXIT_KEY_REFUSED for e in exits):
             return EXIT_KEY_REFUSED, ("the cluster refused the key of this launcher's key file "
                                       "(docs/running.md, \"Keys\")")

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from torchpass_p2p.launch.outcome import EXIT_DRAINED, EXIT_REMOVED, EXIT_STOPPED
 
-__all__ = ["EXIT_FAILED", "Drained", "Incomplete", "Removed", "Stopped", "exit_code_for"]
+__all__ = ["EXIT_FAILED", "Diverged", "Drained", "Incomplete", "Removed", "Stopped",
+           "exit_code_for"]
 
 EXIT_FAILED = 1
 """What :func:`exit_code_for` gives any other exception: a failure, the code an uncaught
@@ -40,6 +41,13 @@ class Stopped(RuntimeError):
     many are left and how many a majority is); or a spare was not admitted, or cut off, for
     ``give_up_s``. No member trains again; resume from a checkpoint. Scripts exit with code
     5."""
+
+
+class Diverged(Stopped):
+    """The ranks' states are not the same where they must be (the final state; the optimizer
+    steps and their hyperparameters between two commits): the script steered a replica by
+    state that does not move to a spare. The result would be wrong: every rank stops (exit
+    code 5) rather than finish."""
 
 
 class Drained(Removed):
