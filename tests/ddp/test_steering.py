@@ -73,6 +73,14 @@ def test_a_learning_rate_tensor_is_digested_by_its_value(model: torch.nn.Module)
     assert hyperparameters(a) != hyperparameters(b)
 
 
+def test_an_object_among_the_hyperparameters_is_digested_by_its_type(
+        model: torch.nn.Module) -> None:
+    a = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = torch.optim.SGD(model.parameters(), lr=0.1)
+    a.param_groups[0]["schedule"], b.param_groups[0]["schedule"] = object(), object()
+    assert hyperparameters(a) == hyperparameters(b)  # not their addresses
+
+
 def test_a_grad_scalers_skipped_step_is_not_counted(model: torch.nn.Module) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")

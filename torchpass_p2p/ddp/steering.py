@@ -86,12 +86,17 @@ def hyperparameters(optimizer: torch.optim.Optimizer) -> list[list[tuple[str, An
 
 
 def _plain(v: Any) -> Any:
+    """``v`` as a value whose ``repr`` is the same in every process: anything but a number, a
+    string, None, a tensor or a sequence of them by its type alone (an object's default
+    ``repr`` holds its address)."""
     if isinstance(v, torch.Tensor):
         return ("tensor", tuple(v.detach().reshape(-1).tolist()) if v.numel() <= 16
                 else tuple(v.shape))
     if isinstance(v, list | tuple):
         return tuple(_plain(x) for x in v)
-    return v
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    return ("object", type(v).__qualname__)
 
 
 def disagreement(figures: list[tuple[float, float]]) -> str | None:
