@@ -92,22 +92,27 @@ class Keyring:
     def __init__(self, primary: bytes, accepted: Sequence[bytes] = ()) -> None:
         if isinstance(accepted, (bytes, bytearray)):
             raise ValueError("accepted must be a sequence of keys, not one key")
-        self._keys: dict[int, bytes] = {}
-        self._ciphers: list[ChaCha20Poly1305 | None] = [None] * 256
+        keys: dict[int, bytes] = {}
         for key in (primary, *accepted):
             if not isinstance(key, (bytes, bytearray)) or len(key) != KEY_BYTES:
                 raise ValueError(f"a cluster key must be {KEY_BYTES} bytes")
             key = bytes(key)
             kid = key_id(key)
-            known = self._keys.get(kid)
+            known = keys.get(kid)
             if known is not None:
                 if known != key:
                     raise ValueError(f"two keys share key id {kid}; generate another key")
                 continue
-            self._keys[kid] = key
-            # One cipher object per key, reused: building it costs more than sealing a datagram.
+            keys[kid] = key
+        self._open_with(keys, key_id(bytes(primary)))
+
+    def _open_with(self, keys: dict[int, bytes], primary_id: int) -> None:
+        self._keys = keys
+        # One cipher object per key, reused: building it costs more than sealing a datagram.
+        self._ciphers: list[ChaCha20Poly1305 | None] = [None] * 256
+        for kid, key in keys.items():
             self._ciphers[kid] = ChaCha20Poly1305(key)
-        self.primary_id = key_id(bytes(primary))
+        self.primary_id = primary_id
         """Key id of the primary key."""
 
     @property
@@ -128,11 +133,8 @@ class Keyring:
         distinct ids of the cluster keys do not rule out.
         """
         ring = Keyring.__new__(Keyring)
-        ring._keys = {kid: _hkdf(key, label) for kid, key in self._keys.items()}
-        ring._ciphers = [None] * 256
-        for kid, key in ring._keys.items():
-            ring._ciphers[kid] = ChaCha20Poly1305(key)
-        ring.primary_id = self.primary_id
+        ring._open_with({kid: _hkdf(key, label) for kid, key in self._keys.items()},
+                        self.primary_id)
         return ring
 
     def derive_secrets(self, label: bytes) -> dict[int, bytes]:

@@ -153,7 +153,8 @@ class StepReduction:
         n = len(layout.sizes)
         self._own_banks: list[list[torch.Tensor | None]] = [[None] * n, [None] * n]
         self._scratch_banks: list[dict[tuple[int, str], list[torch.Tensor]]] = [{}, {}]
-        self._sums_out: dict[int, torch.Tensor] = {}  # by bucket: its sums, n times (exact)
+        # exact mode: each sharded bucket's sums, n times, sent (not banked: class docstring)
+        self._sums_out: dict[tuple[int, str], list[torch.Tensor]] = {}
         self._bank = 0
         self._held: list[torch.Tensor] | None = None
         self._held_bank = -1
@@ -356,14 +357,18 @@ class StepReduction:
         self.forget()
         self.launch_ready(group, watch)
 
-    def _buffers(self, b: int, kind: str, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-        """Bucket ``b``'s buffers for operations of ``kind``, one per shape: last step's when
-        they have these shapes (the world size may have changed), else new ones."""
-        kept = self._scratch.get((b, kind))
+    def _buffers(self, b: int, kind: str, shapes: list[tuple[int, ...]],
+                 store: dict[tuple[int, str], list[torch.Tensor]] | None = None,
+                 ) -> list[torch.Tensor]:
+        """Bucket ``b``'s buffers for operations of ``kind``, one per shape, kept in ``store``
+        (this bank's operation buffers by default): last step's when they have these shapes
+        (the world size may have changed), else new ones."""
+        store = self._scratch if store is None else store
+        kept = store.get((b, kind))
         if kept is None or [tuple(t.shape) for t in kept] != shapes:
             src = self.input_of(b)  # zeros: padding sent is never another step's data
             kept = [torch.zeros(s, dtype=src.dtype, device=src.device) for s in shapes]
-            self._scratch[(b, kind)] = kept
+            store[(b, kind)] = kept
         return kept
 
     def _launch(self, group: ManagedGroup, b: int) -> None:
@@ -411,18 +416,14 @@ class StepReduction:
         # gathers in a buffer of its own and copies it out). The sums are taken from what was
         # received, whose buffer then receives every rank's sums, in shard order: the
         # averaged bucket, contiguous.
-        out = self._sums_out.get(b)
-        if out is None or out.numel() != n * mine:
-            out = self._sums_out[b] = torch.zeros(n * mine, dtype=rows.dtype,
-                                                  device=rows.device)
-        copies = out.view(n, mine)
+        (copies,) = self._buffers(b, "sums", [(n, mine)], self._sums_out)
         divide(sum_in_rank_order(rows.unbind(0), out=copies[0]), n)
         copies[1:].copy_(copies[0].expand(n - 1, mine))
         (gathered,) = self._scratch[(b, "shards")]
         numel = self.layout.sizes[b]
         into = gathered[:numel]
         self._works.append((b, "sharded", group.launch(lambda pg: pg.alltoall_base(
-            into, out, list(shard_sizes(numel, n)), [mine] * n)), gathered))
+            into, copies.view(-1), list(shard_sizes(numel, n)), [mine] * n)), gathered))
 
     def wait(self, group: ManagedGroup, watch: Watch | None) -> list[torch.Tensor]:
         """Wait for every bucket (all must be launched) and return the averaged gradient per

@@ -35,7 +35,7 @@ from torchpass_p2p.core.messages import format_member_id
 from torchpass_p2p.transfer import FetchResult, Snapshot, TransferError, TransferKeys
 
 from .changes import ChangeFollower
-from .ends import Stopped
+from .ends import Diverged, Stopped
 from .service import StateService
 
 __all__ = ["FETCH_ATTEMPTS", "LOOKUP_GRACE_S", "LOOKUP_SLICE_S", "LOOKUP_TIMEOUT_S",
@@ -142,15 +142,23 @@ class StateExchange(ChangeFollower):
 
     def _check_fingerprints(self, group: ManagedGroup, mine: bytes, what: str,
                             resume: int) -> None:
-        """All-gather the 32-byte state fingerprints over ``group``; abandon it and raise
-        ``RuntimeError`` (naming ``what``) unless every member's equals ``mine``."""
-        prints = group.allgather(torch.frombuffer(bytearray(mine), dtype=torch.uint8),
-                                 watch=self._watch)
-        every = {bytes(p.tolist()) for p in prints}
-        if every != {mine}:
+        """All-gather the 32-byte state fingerprints over ``group``; unless every member's
+        equals ``mine``, abandon it and raise :class:`Diverged` (naming ``what`` and the ranks
+        that hold each state): a replica was steered by state that does not move to a spare,
+        and no recovery makes the states one again."""
+        prints = [bytes(p.tolist()) for p in group.allgather(
+            torch.frombuffer(bytearray(mine), dtype=torch.uint8), watch=self._watch)]
+        if set(prints) != {mine}:
             group.abandon()
-            raise RuntimeError(f"{what}: state fingerprints differ at step {resume}: "
-                               f"{sorted(f.hex()[:16] for f in every)}")
+            by: dict[bytes, list[int]] = {}
+            for r, p in enumerate(prints):
+                by.setdefault(p, []).append(r)
+            held = "; ".join(f"ranks {ranks} {p.hex()[:16]}" for p, ranks in by.items())
+            self.log("diverged", step=resume, config_id=group.config_id, what=what, states=held)
+            raise Diverged(f"{what}: the ranks' states differ at step {resume} ({held}): a "
+                           "replica was steered by state that does not move to a spare, such "
+                           "as a counter of the script's own (docs/training.md, \"What moves "
+                           "to a spare\")")
 
     def _fetch(self, members: tuple[int, ...], config_id: int, step: int) -> Snapshot:
         if not members:

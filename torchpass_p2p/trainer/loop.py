@@ -46,7 +46,7 @@ from torchpass_p2p.collective import CollectiveError, Superseded, flatten, unfla
 
 from .changes import SLICE_S as SLICE_S
 from .changes import WAIT_SLICE_S as WAIT_SLICE_S
-from .ends import Diverged, Drained, Removed, Stopped
+from .ends import Drained, Removed, Stopped
 from .ends import Incomplete as Incomplete
 from .exchange import FETCH_ATTEMPTS as FETCH_ATTEMPTS
 from .exchange import LOOKUP_GRACE_S as LOOKUP_GRACE_S
@@ -226,30 +226,19 @@ class Trainer(Recovery):
         # (replaced meanwhile, perhaps) must not finish as if it still held its rank. Like a
         # commit's vote (``_one_step``): every rank sees the veto and waits, then all try again.
         self.faults.at(self.step, "finish", group.spec.rank)
-        # The final states must be one: a replica that a script steered by state of its own
-        # (not moved to a spare) ends elsewhere, and the job must not end with exit 0 then.
-        mine = self._fingerprint()
-        words = torch.tensor([int.from_bytes(mine[i:i + 8], "big", signed=True)
-                              for i in range(0, len(mine), 8)], dtype=torch.int64)
         while True:
-            vote = torch.cat([torch.tensor([0 if self.agent.fenced else 1]), words])
+            vote = torch.tensor([0.0 if self.agent.fenced else 1.0])
             votes = group.allgather(vote, watch=self._watch)
-            if all(v[0].item() == 1 for v in votes):
+            if all(v.item() == 1.0 for v in votes):
                 break
             self.log("finish_vetoed", step=self.step, config_id=group.config_id,
                      fenced=self.agent.fenced)
             self._await_lease()
-        prints = [b"".join(int(w).to_bytes(8, "big", signed=True) for w in v[1:].tolist())
-                  for v in votes]
-        if len(set(prints)) > 1:
-            by: dict[bytes, list[int]] = {}
-            for r, p in enumerate(prints):
-                by.setdefault(p, []).append(r)
-            held = "; ".join(f"ranks {ranks} {p.hex()[:16]}" for p, ranks in by.items())
-            self.log("diverged", step=self.step, config_id=group.config_id, states=held)
-            raise Diverged(f"the ranks' final states differ ({held}): a replica was steered "
-                           "by state that does not move to a spare, such as a counter of the "
-                           "script's own (docs/training.md, \"What moves to a spare\")")
+        # The final states must be one: a replica that a script steered by state of its own
+        # (not moved to a spare) ends elsewhere, and the job must not end with exit 0 then.
+        mine = self._fingerprint()
+        self._check_fingerprints(group, mine, f"configuration {self.config_id}, the final "
+                                 "barrier", self.step)
         self.result.steps = self.step
         self.result.rank = group.spec.rank
         self.result.fingerprint = mine

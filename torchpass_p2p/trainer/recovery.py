@@ -132,7 +132,8 @@ class Recovery(StateExchange):
         Raises:
             CollectiveError: the rendezvous or an operation failed (a member did not come).
             Superseded: a configuration with another rank map arrived meanwhile.
-            RuntimeError: the ranks' states cannot be reconciled, or fingerprints differ
+            Diverged: the fingerprints differ (:meth:`_check_fingerprints`).
+            RuntimeError: the ranks' states cannot be reconciled
                 (a bug: never expected).
         """
         last = self._spec
