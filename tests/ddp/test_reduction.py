@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -139,6 +140,46 @@ def test_the_kept_inputs_reduce_again_on_another_group_to_the_same_bits() -> Non
     for before, after in on_every_rank(step):
         assert all(torch.equal(a.view(torch.int32), b.view(torch.int32))
                    for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "native"])
+@pytest.mark.parametrize("last", ["gathered", "sharded"])
+def test_the_vote_rides_in_a_gathered_last_bucket_and_the_gradient_is_the_same_bits(
+        exact: bool, last: str) -> None:
+    # The last canonical bucket holds the first parameter: 1 MiB of float32 makes it sharded.
+    shapes = [(3,), (300, 1024), (5,)] if last == "gathered" else [(300, 1024), (3,), (5,)]
+    lay = Layout.of([torch.nn.Parameter(torch.empty(s)) for s in shapes],
+                    first_bytes=16, bytes_cap=512)
+    every = groups(12 if exact else 13)
+
+    def step(rank: int) -> tuple[list[bool], list[list[list[float]]]]:
+        group = every[rank]
+        reduction = StepReduction(lay, exact=exact)
+        reduction.reset(N)
+        g = torch.Generator().manual_seed(rank)
+        for i, s in enumerate(shapes):
+            reduction.fill(i, torch.randn(s, generator=g))
+        rode, rows, results = [], [], []
+        # the vote, a redo's vote on the same group, then the reduction without one
+        for attempt, vote in enumerate([torch.tensor([rank, 0.5, -1e300], dtype=torch.float64),
+                                        torch.tensor([rank, 1.5, 2.0], dtype=torch.float64),
+                                        None]):
+            ballot = (reduction.launch_ready(group, None, vote) if attempt == 0
+                      else reduction.relaunch(group, None, vote))
+            results.append(torch.cat(reduction.wait(group, None)))
+            if ballot is None:
+                continue
+            if ballot.work is not None:
+                group.complete(ballot.work)
+            rode.append(ballot.work is None)
+            rows.append(ballot.rows.tolist())
+        assert all(torch.equal(r.view(torch.int32), results[2].view(torch.int32))
+                   for r in results)
+        return rode, rows
+
+    for rode, rows in on_every_rank(step):
+        assert rode == [last == "gathered"] * 2
+        assert rows == [[[r, 0.5, -1e300] for r in range(N)], [[r, 1.5, 2.0] for r in range(N)]]
 
 
 def test_native_mode_averages_with_the_backends_all_reduce() -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -45,7 +45,7 @@ from torchpass_p2p.collective.reduce import (
     sum_in_rank_order,
 )
 
-__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Layout", "StepReduction"]
+__all__ = ["BUCKET_BYTES", "FIRST_BUCKET_BYTES", "Ballot", "Layout", "StepReduction"]
 
 FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_BYTES = 25 << 20
@@ -108,6 +108,17 @@ class Layout:
     def describe(self) -> list[Any]:
         """Plain data every member must agree on: ``[[numel, dtype], ...]`` per bucket."""
         return [[n, str(d)] for n, d in zip(self.sizes, self.dtypes, strict=True)]
+
+
+class Ballot(NamedTuple):
+    """A step's commit vote in flight (:meth:`StepReduction.launch_ready`)."""
+
+    work: Any
+    """Its own operation, for :meth:`ManagedGroup.complete`; None when it rides in the last
+    bucket's, which :meth:`StepReduction.wait` completes."""
+    rows: torch.Tensor
+    """Every rank's vote, row ``r`` from rank ``r`` (float64, on the group's device), once
+    the operation completed."""
 
 
 class StepReduction:
@@ -335,10 +346,18 @@ class StepReduction:
 
     # ------------------------------------------------------------------ communication
 
-    def launch_ready(self, group: ManagedGroup, watch: Watch | None) -> None:
+    def launch_ready(self, group: ManagedGroup, watch: Watch | None,
+                     vote: torch.Tensor | None = None) -> Ballot | None:
         """Launch, in canonical order, every full bucket not launched yet on ``group``
         (``watch`` as for :meth:`ManagedGroup.complete`: a sharded bucket's all-to-all may be
-        waited for here). Raises what :meth:`ManagedGroup.complete` raises."""
+        waited for here). Raises what :meth:`ManagedGroup.complete` raises.
+
+        ``vote``: the step's commit vote (1-d float64, any device), given with the step's last
+        bucket; every rank's comes back as the rows of the returned :class:`Ballot`. It rides
+        in the last bucket's exchange when that bucket is gathered (one operation a step
+        fewer: each costs every rank a wake-up, ``docs/benchmarks.md``), else it is exchanged
+        on its own right behind it. Every rank decides alike: the layout, the world size and
+        the vote's length are the same on all of them. Returns None without a vote."""
         self._watch = watch
         if self._group is not group:
             if self._group is not None or self._launched:
@@ -348,30 +367,43 @@ class StepReduction:
             # filled for another size: every bucket is written again at its launch
             self._n = group.spec.world_size
             self._stale = set(range(len(self._send)))
-        while self._launched < len(self._send) and self._missing[self._launched] == 0:
-            self._launch(group, self._launched)
+        last = len(self._send) - 1
+        ballot = None
+        while self._launched <= last and self._missing[self._launched] == 0:
+            b = self._launched
+            ballot = self._launch(group, b, vote if b == last else None)
             self._launched += 1
+        if vote is not None and ballot is None:
+            ballot = Ballot(*group.launch_exchange(vote))
+        return ballot
 
-    def relaunch(self, group: ManagedGroup, watch: Watch | None) -> None:
-        """Reduce the kept inputs again, from the first bucket, on ``group``."""
+    def relaunch(self, group: ManagedGroup, watch: Watch | None,
+                 vote: torch.Tensor | None = None) -> Ballot | None:
+        """Reduce the kept inputs again, from the first bucket, on ``group``, with ``vote`` as
+        :meth:`launch_ready` has it."""
         self.forget()
-        self.launch_ready(group, watch)
+        return self.launch_ready(group, watch, vote)
 
     def _buffers(self, b: int, kind: str, shapes: list[tuple[int, ...]],
                  store: dict[tuple[int, str], list[torch.Tensor]] | None = None,
-                 ) -> list[torch.Tensor]:
+                 dtype: torch.dtype | None = None) -> list[torch.Tensor]:
         """Bucket ``b``'s buffers for operations of ``kind``, one per shape, kept in ``store``
-        (this bank's operation buffers by default): last step's when they have these shapes
-        (the world size may have changed), else new ones."""
+        (this bank's operation buffers by default), of ``dtype`` (the bucket's by default):
+        last step's when they have these shapes (the world size may have changed), else new
+        ones."""
         store = self._scratch if store is None else store
         kept = store.get((b, kind))
         if kept is None or [tuple(t.shape) for t in kept] != shapes:
             src = self.input_of(b)  # zeros: padding sent is never another step's data
-            kept = [torch.zeros(s, dtype=src.dtype, device=src.device) for s in shapes]
+            kept = [torch.zeros(s, dtype=dtype or src.dtype, device=src.device)
+                    for s in shapes]
             store[(b, kind)] = kept
         return kept
 
-    def _launch(self, group: ManagedGroup, b: int) -> None:
+    def _launch(self, group: ManagedGroup, b: int, vote: torch.Tensor | None = None,
+                ) -> Ballot | None:
+        """Launch bucket ``b``'s first operation; with ``vote`` (the last bucket's, to ride in
+        it: :meth:`launch_ready`) when ``b`` is gathered, returning the vote's rows."""
         self._flush_sharded(group, self._watch)
         n = group.spec.world_size
         if b in self._stale:
@@ -385,12 +417,7 @@ class StepReduction:
             self._stale.add(b)  # it will hold the sum
             self._works.append((b, "sum", group.launch(lambda pg: pg.allreduce([src])), src))
         elif small:  # native mode too: one exchange has less latency than gloo's ring
-            # Every rank's bucket, by one all-to-all of n copies (ManagedGroup.exchange says
-            # why not an all-gather): row r of ``out`` is rank r's.
-            copies, out = self._buffers(b, "gather", [(n, src.numel())] * 2)
-            copies.copy_(src.reshape(1, -1).expand(n, -1))
-            self._works.append((b, "gather", group.launch(
-                lambda pg: pg.alltoall_base(out, copies, [], [])), out.unbind(0)))
+            return self._gather(group, b, src, vote)
         else:
             # Shard r is the r-th run of `width` elements (the last ones shorter), so the input
             # is sent as it lies; this rank receives its shard from every rank, as rows.
@@ -401,6 +428,30 @@ class StepReduction:
             self._works.append((b, "shards", group.launch(
                 lambda pg: pg.alltoall_base(into, src, [mine] * n, list(splits))),
                 into.view(n, mine)))
+        return None
+
+    def _gather(self, group: ManagedGroup, b: int, src: torch.Tensor,
+                vote: torch.Tensor | None) -> Ballot | None:
+        """Every rank's bucket ``b``, by one all-to-all of n copies (ManagedGroup.exchange
+        says why not an all-gather): row r of the output is rank r's. With ``vote``, each row
+        is bytes: the bucket's, then the vote's float64s from the next multiple of 8; returns
+        the vote's rows."""
+        n = group.spec.world_size
+        if vote is None:
+            send, out = self._buffers(b, "gather", [(n, src.numel())] * 2)
+            copies, rows, ballot = send, out, None
+        else:
+            body = src.numel() * src.element_size()
+            start = -(-body // 8) * 8
+            send, out = self._buffers(b, "gather+vote", [(n, start + 8 * vote.numel())] * 2,
+                                      dtype=torch.uint8)
+            send[:, start:].view(torch.float64).copy_(vote.reshape(1, -1).expand(n, -1))
+            copies, rows = send[:, :body].view(src.dtype), out[:, :body].view(src.dtype)
+            ballot = Ballot(None, out[:, start:].view(torch.float64))
+        copies.copy_(src.reshape(1, -1).expand(n, -1))
+        self._works.append((b, "gather", group.launch(
+            lambda pg: pg.alltoall_base(out, send, [], [])), rows.unbind(0)))
+        return ballot
 
     def _flush_sharded(self, group: ManagedGroup, watch: Watch | None = None) -> None:
         """Turn the last launched bucket's finished all-to-all into the exchange of its sums

@@ -54,6 +54,7 @@ from .handoff import hand_off, pack, unpack
 from .reduction import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
+    Ballot,
     Layout,
     StepReduction,
     flat_tensors,
@@ -180,7 +181,7 @@ class Session(Trainer):
         """Every rank's ``[compute_s, wait_s]`` from the last vote, by rank: those of the step
         before the voted one (seconds, each on that rank's clock;
         :data:`~.stragglers.UNMEASURED` where not measured)."""
-        self._ballot: tuple[Any, torch.Tensor] | None = None  # this step's vote, launched
+        self._ballot: Ballot | None = None  # this step's vote, launched
         self._results: list[torch.Tensor] = []  # the step's averaged gradient, per bucket
         self._held_step = -1  # the step whose averaged gradient self.reduction.held is
         self._committed_buffers: torch.Tensor | None = None  # handed over (_fill_gap)
@@ -524,9 +525,10 @@ class Session(Trainer):
             try:
                 if bucket.is_last():  # a fault here: nobody can commit the step (a redo)
                     self.faults.at(self.step, "grad", self.group.spec.rank)
-                reduction.launch_ready(self.group, self._watch)
-                if bucket.is_last():
-                    self._ballot = self._cast(self.group, self.step)
+                    self._ballot = reduction.launch_ready(
+                        self.group, self._watch, self._vote(self.group, self.step))
+                else:
+                    reduction.launch_ready(self.group, self._watch)
             except (CollectiveError, Superseded, RuntimeError) as exc:
                 self._step_error = exc
         if bucket.is_last():
@@ -551,18 +553,18 @@ class Session(Trainer):
                     raise error
                 if relaunch:
                     relaunch = False
-                    reduction.relaunch(group, self._watch)
-                    ballot = self._cast(group, k)
+                    ballot = reduction.relaunch(group, self._watch, self._vote(group, k))
                 assert ballot is not None
                 results = reduction.wait(group, self._watch)
                 key = (group.config_id, group.spec.attempt)
                 self.stragglers.carry(k, key, reduction.blocked_s)
-                # (no local name for the vote's operation: it holds the group, see below)
-                group.complete(ballot[0], watch=self._watch)
+                if ballot.work is not None:  # else it rode in the last bucket's, waited for
+                    # (no local name for the vote's operation: it holds the group, see below)
+                    group.complete(ballot.work, watch=self._watch)
                 # here a fault leaves this rank inside step k without its averaged gradient
                 # and rank 0's buffers, while the others commit k: the hand-off's case
                 self.faults.at(k, "commit", group.spec.rank)
-                voted = self._count(group, k, ballot[1].to("cpu"))
+                voted = self._count(group, k, ballot.rows.to("cpu"))
                 self._reduced, self._results = (k, results[0]), results
                 if not voted:
                     relaunch = True
@@ -590,23 +592,23 @@ class Session(Trainer):
                     self._close_step(k, self._results)
                     return
 
-    def _cast(self, group: ManagedGroup, k: int) -> tuple[Any, torch.Tensor]:
-        """Launch this rank's commit vote for step ``k`` right behind the step's last bucket
-        (``docs/training.md``, "Commit"). The vote carries the module's buffers as the forward
+    def _vote(self, group: ManagedGroup, k: int) -> torch.Tensor:
+        """This rank's commit vote for step ``k`` (1-d float64 on the CPU), launched with the
+        step's last bucket (:meth:`StepReduction.launch_ready`; ``docs/training.md``,
+        "Commit"). The vote carries the module's buffers as the forward
         left them, as float64 (exact for the narrower dtypes, integers up to 2**53): every
         rank takes rank 0's, what DDP's ``broadcast_buffers`` gives the next forward. After
         the step number ride this rank's optimizer steps of the step before and their digest
         (:mod:`.steering`), and its ``[compute_s, wait_s]`` of the step before
-        (:mod:`.stragglers`). Returns ``(work, rows)`` as
-        :meth:`ManagedGroup.launch_exchange`; :meth:`_count` reads the rows once the work is
-        complete."""
+        (:mod:`.stragglers`). :meth:`_count` reads every rank's once the step's reduction
+        completed."""
         figures = self.stragglers.carried(k, (group.config_id, group.spec.attempt))
         head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k), *self.steering.last,
                              *figures], dtype=torch.float64)
         assert head.numel() == _HEAD
-        # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say),
-        # and the group moves the vote to its own device.
-        return group.launch_exchange(torch.cat([head, pack(self._buffers)]))
+        # Built on the CPU whatever the buffers' device (a CUDA BatchNorm's statistics, say);
+        # the reduction moves it to the group's device.
+        return torch.cat([head, pack(self._buffers)])
 
     def _count(self, group: ManagedGroup, k: int, votes: torch.Tensor) -> bool:
         """The votes of step ``k`` (every rank's, as rows), counted once this rank's reduction

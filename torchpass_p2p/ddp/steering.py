@@ -11,7 +11,7 @@ happens, before more compute is spent on it.
 Every rank counts its tracked optimizers' ``step()`` calls between two step openings and
 digests their hyperparameters at each (every ``param_groups`` entry but ``params``: the
 learning rate the step used, betas, weight decay, ...). The figures of the step before ride in
-the next step's vote (:meth:`~torchpass_p2p.ddp.session.Session._cast`): in a job whose
+the next step's vote (:meth:`~torchpass_p2p.ddp.session.Session._vote`): in a job whose
 replicas are steered alike, every rank calls the same ``step()`` calls with the same
 hyperparameters, a GradScaler's skipped steps included (the averaged gradient, hence the
 decision, is the same on every rank). A rank that does not know the step before (the job's
