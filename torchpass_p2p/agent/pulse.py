@@ -29,6 +29,7 @@ from torchpass_p2p.kernel_drops import socket_drops
 from torchpass_p2p.tasks import OwnedTasks
 
 from .pulse_wire import decode_pong, encode_ping, ping_nonce
+from .wakeup import Wakeup
 
 __all__ = ["PULSE_INTERVAL_S", "PULSE_MISSES", "PULSE_TIMEOUT_S", "PulseProber", "PulseTracker"]
 
@@ -227,7 +228,7 @@ class PulseProber(asyncio.DatagramProtocol):
         self._transport: asyncio.DatagramTransport | None = None
         self._socket: socket.socket | None = None
         self._tasks = OwnedTasks("pulse-prober", 1)  # the ping loop
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
 
     async def start(self, host: str) -> None:
         """Bind a UDP socket on ``host`` (any port) and start pinging. Raises OSError."""
@@ -301,11 +302,7 @@ class PulseProber(asyncio.DatagramProtocol):
             delay = min(tracker.next_deadline() - self._clock(), 1.0)
             if delay > 0:
                 self._wake.clear()
-                try:
-                    async with asyncio.timeout(delay):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
+                await self._wake.sleep(delay)
 
     # asyncio.DatagramProtocol
 

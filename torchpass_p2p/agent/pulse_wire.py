@@ -35,7 +35,6 @@ prober drops these pongs, so mixed versions read as silence, never as a half-che
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import socket
 import struct
@@ -80,7 +79,7 @@ def available() -> bool:
 
 
 def _tag(secret: bytes, data: bytes) -> bytes:
-    return hmac.new(secret, data, hashlib.sha256).digest()[:TAG_BYTES]
+    return hmac.digest(secret, data, "sha256")[:TAG_BYTES]
 
 
 def _check(kid: int, secret: bytes, nonce: bytes) -> None:

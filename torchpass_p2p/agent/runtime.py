@@ -67,6 +67,7 @@ from .services.telemetry import COUNTER_SOURCES, Telemetry
 from .services.watchdog import HangWatchdog, Phase
 from .settings import AgentSettings
 from .transport import Kind, Received, Reply, Transport, TransportError
+from .wakeup import Wakeup
 
 __all__ = ["COUNTER_SOURCES", "AgentRuntime", "Change", "KeyNotAccepted", "NotServed", "Phase"]
 
@@ -122,7 +123,7 @@ class AgentRuntime:
         self.decided_at = self.events.decided_at
         """config_id -> when (clock seconds) this member learned the decision: timelines."""
         self._metrics_at = 0.0
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
         self._driver: asyncio.Task[None] | None = None
         self._tasks = OwnedTasks(f"agent-{format_member_id(settings.member_id)}", MAX_TASKS)
         """Every task of this agent: the driver, drains, key checks, pulse lookups and the
@@ -491,12 +492,8 @@ class AgentRuntime:
         while True:
             delay = min(member.next_deadline() - self._clock(), 1.0)
             if delay > 0:
-                self._wake.clear()
-                try:
-                    async with asyncio.timeout(delay):
-                        await self._wake.wait()
-                except TimeoutError:
-                    pass
+                self._wake.clear()  # this loop's own _flush set it
+                await self._wake.sleep(delay)
             now = self._clock()
             if now >= member.next_deadline():
                 with self._core_lock:
