@@ -28,6 +28,7 @@ from torchpass_p2p.trainer import (
     step_generator,
     step_seed,
 )
+from torchpass_p2p.trainer.ends import Diverged
 from torchpass_p2p.trainer.loop import FETCH_ATTEMPTS, Trainer
 from torchpass_p2p.trainer.service import StateService
 from torchpass_p2p.trainer.timeline import read_events, recoveries
@@ -281,6 +282,38 @@ def test_a_retried_fetch_holds_nothing_of_the_attempt_before() -> None:
         trainer._fetch((5,), 3, 9)
     assert caught.value.reason == "no_sources_left"
     assert alive_at_start == [0] * FETCH_ATTEMPTS
+
+
+def test_a_fetch_from_sources_holding_different_states_stops_at_once() -> None:
+    """Two live replicas serve different states at the same step (the script steered one
+    apart): no retry can settle which one to take, so the spare stops with Diverged and one
+    line that says why, at the first attempt, instead of waiting out the job's give-up time."""
+    keys = TransferKeys(os.urandom(32))
+    services = [StateService(keys, lambda: 3) for _ in range(3)]
+    for s in services:
+        s.start()
+    try:
+        for s, value in zip(services[:2], (1.0, 2.0), strict=False):
+            s.publish(Snapshot.capture({"w": {"t": torch.full((100,), value)}}, 9, copy=True))
+        fetched = []
+        fetcher = services[2]
+        trainer = object.__new__(Trainer)  # only what ``_fetch`` uses
+        trainer.service = fetcher
+        trainer.objects = {"w": {"t": torch.zeros(100)}}
+        trainer.log = lambda event, **kw: fetched.append((event, kw.get("what")))
+        trainer.history = None  # no status page
+        trainer._find_sources = lambda members, config_id: (
+            {("127.0.0.1", services[0].port): 5, ("127.0.0.1", services[1].port): 6}, set())
+        trainer._poll = lambda: False
+        with pytest.raises(Diverged, match=r"configuration 3: the sources of the state at "
+                           r"step 9 hold different states \(sources_disagree: no majority "
+                           r"fingerprint\): a replica was steered by state that does not "
+                           r"move to a spare"):
+            trainer._fetch((5, 6), 3, 9)
+        assert fetched == [("fetch_started", None), ("diverged", "fetch")]
+    finally:
+        for s in services:
+            s.close()
 
 
 STOPPED_RANK = """

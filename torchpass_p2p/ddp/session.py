@@ -43,7 +43,7 @@ import torch
 from torchpass_p2p.agent import Change, TrainingAgent
 from torchpass_p2p.checkpoint import CheckpointSettings, NotSameJob
 from torchpass_p2p.collective import CollectiveError, ManagedGroup, Superseded, exit_process
-from torchpass_p2p.trainer.ends import Diverged, exit_code_for
+from torchpass_p2p.trainer.ends import STEERED, Diverged, exit_code_for
 from torchpass_p2p.trainer.loop import Drained, Removed, Stopped, Trainer
 from torchpass_p2p.trainer.regroup import GIVE_UP_S
 from torchpass_p2p.trainer.seeding import seed_step
@@ -627,9 +627,7 @@ class Session(Trainer):
         if why is not None:
             group.abandon()
             self.log("diverged", step=k - 1, config_id=group.config_id, reason=why)
-            raise Diverged(f"step {k - 1}: {why}: a replica was steered by state that does not "
-                           "move to a spare, such as a counter of the script's own "
-                           "(docs/training.md, \"What moves to a spare\")")
+            raise Diverged(f"step {k - 1}: {why}: {STEERED}")
         self.step_figures = votes[:, 4:_HEAD].tolist()
         if not bool((votes[:, 0] == 1.0).all()):
             self.log("commit_vetoed", step=k, config_id=group.config_id,

@@ -45,9 +45,14 @@ class Stopped(RuntimeError):
 
 class Diverged(Stopped):
     """The ranks' states are not the same where they must be (the final state; the optimizer
-    steps and their hyperparameters between two commits): the script steered a replica by
-    state that does not move to a spare. The result would be wrong: every rank stops (exit
-    code 5) rather than finish."""
+    steps and their hyperparameters between two commits; the sources of a spare's state): the
+    script steered a replica by state that does not move to a spare. The result would be
+    wrong: every rank that sees it stops (exit code 5) rather than finish."""
+
+
+STEERED = ("a replica was steered by state that does not move to a spare, such as a counter of "
+           "the script's own (docs/training.md, \"What moves to a spare\")")
+"""The likely cause of :class:`Diverged`, as its one-line errors end."""
 
 
 class Drained(Removed):

@@ -35,7 +35,7 @@ from torchpass_p2p.core.messages import format_member_id
 from torchpass_p2p.transfer import FetchResult, Snapshot, TransferError, TransferKeys
 
 from .changes import ChangeFollower
-from .ends import Diverged, Stopped
+from .ends import STEERED, Diverged, Stopped
 from .service import StateService
 
 __all__ = ["FETCH_ATTEMPTS", "LOOKUP_GRACE_S", "LOOKUP_SLICE_S", "LOOKUP_TIMEOUT_S",
@@ -155,10 +155,19 @@ class StateExchange(ChangeFollower):
                 by.setdefault(p, []).append(r)
             held = "; ".join(f"ranks {ranks} {p.hex()[:16]}" for p, ranks in by.items())
             self.log("diverged", step=resume, config_id=group.config_id, what=what, states=held)
-            raise Diverged(f"{what}: the ranks' states differ at step {resume} ({held}): a "
-                           "replica was steered by state that does not move to a spare, such "
-                           "as a counter of the script's own (docs/training.md, \"What moves "
-                           "to a spare\")")
+            raise Diverged(f"{what}: the ranks' states differ at step {resume} ({held}): "
+                           f"{STEERED}")
+
+    def _sources_disagree(self, exc: TransferError, config_id: int, step: int) -> None:
+        """Raise :class:`Diverged` if ``exc`` says the state's sources hold different states
+        at ``step`` (no fingerprint held by most of them): sources holding another step refuse
+        to serve, so the replicas drifted apart, and every retry would meet the same sources
+        while the job waits for this member up to its give-up time. Else return."""
+        if exc.reason != "sources_disagree":
+            return
+        self.log("diverged", step=step, config_id=config_id, what="fetch", reason=str(exc))
+        raise Diverged(f"configuration {config_id}: the sources of the state at step {step} "
+                       f"hold different states ({exc}): {STEERED}") from None
 
     def _fetch(self, members: tuple[int, ...], config_id: int, step: int) -> Snapshot:
         if not members:
@@ -184,6 +193,7 @@ class StateExchange(ChangeFollower):
                                             on_progress=self._fetch_progress(config_id, step))
                 break
             except TransferError as exc:
+                self._sources_disagree(exc, config_id, step)
                 # Kept without its traceback, whose frames would hold this attempt's locals
                 # through the next attempt (the client clears its own; this covers the rest).
                 last = exc.with_traceback(None)

@@ -335,11 +335,15 @@ class Recovery(StateExchange):
         c, spec = configuration.config_id, self._spec
         assert self.group is not None and spec is not None
         if self.state_over_group:
-            received = transfer_over_group(
-                self.group, configuration, plan, resume, snap, step=self.step,
-                into=self.objects, restore=self._restored_over_group, watch=self._watch,
-                on_served=self._served if self.faults.serving or self.history is not None
-                else None, log=self.log)
+            try:
+                received = transfer_over_group(
+                    self.group, configuration, plan, resume, snap, step=self.step,
+                    into=self.objects, restore=self._restored_over_group, watch=self._watch,
+                    on_served=self._served if self.faults.serving or self.history is not None
+                    else None, log=self.log)
+            except TransferError as exc:
+                self._sources_disagree(exc, c, resume)
+                raise
             snap = snap if snap is not None else received
         assert snap is not None  # a member lacking the state received it over the group
         mine = snap.fingerprint()
