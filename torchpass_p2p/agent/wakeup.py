@@ -4,10 +4,10 @@ The agent's timer loops (the core's driver, the pulse prober) wake on every dead
 twenty times a second while a job trains, in processes whose cores the training needs.
 ``asyncio.timeout`` around ``Event.wait`` costs a cancellation per timed-out sleep (the task is
 cancelled and the exception turned into ``TimeoutError``); :class:`Wakeup` costs a future and
-a timer handle, about a quarter of that (``docs/benchmarks.md``).
+a timer handle, about a quarter of that (``docs/benchmarks.md``, "The agent's timer loops").
 
-Loop-thread only, like the ``asyncio.Event`` it replaces: :meth:`set` from another thread goes
-through ``loop.call_soon_threadsafe``.
+Loop-thread only, as ``asyncio.Event`` is: :meth:`set` from another thread goes through
+``loop.call_soon_threadsafe``.
 """
 
 from __future__ import annotations
