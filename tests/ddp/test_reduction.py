@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import threading
 from collections.abc import Callable
+from copy import deepcopy
 from typing import Any
 
 import pytest
@@ -373,24 +374,24 @@ def test_exact_mode_reduces_a_whole_ddp_bucket_where_it_lies_and_again_on_a_new_
             assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["linear", "batchnorm"])
 def test_ddps_own_buckets_get_the_reduced_gradient_through_the_hook_before_and_after_rebuild(
-) -> None:
+        norm: bool) -> None:
     """torch DDP's real buckets, on a group of one: each hook hands its bucket to
     ``fill_bucket``, the last one reduces and hands every result out. In the first iteration
-    DDP's one bucket holds the parameters in registration order (each gradient copied on its
-    own); once rebuilt, DDP's buckets are the canonical ones, since a stack of layers gives its
-    gradients in reverse registration order (each bucket copied whole, its result a view DDP
-    copies from). Both give
+    DDP's one bucket holds the parameters in registration order (a piece per parameter); once
+    rebuilt, DDP's buckets are the canonical ones, since a stack of layers gives its gradients
+    in reverse registration order (one piece each: its result a view DDP copies from), except
+    where a BatchNorm's weight reaches DDP before its bias (three pieces). Every way gives
     every parameter its plain autograd gradient, bitwise (the mean over one rank)."""
     from torchpass_p2p.ddp.model import _local_group
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.Tanh(),
+                              *([torch.nn.BatchNorm1d(256)] if norm else []),
                               torch.nn.Linear(256, 1024), torch.nn.Tanh(),
                               torch.nn.Linear(1024, 8))
-    plain = torch.nn.Sequential(*(torch.nn.Linear(m.in_features, m.out_features)
-                                  if isinstance(m, torch.nn.Linear) else m for m in net))
-    plain.load_state_dict(net.state_dict())
+    plain = deepcopy(net)
     [group] = groups_of_one()
     ddp = torch.nn.parallel.DistributedDataParallel(net, process_group=_local_group(),
                                                     bucket_cap_mb=0.5)
@@ -398,11 +399,11 @@ def test_ddps_own_buckets_get_the_reduced_gradient_through_the_hook_before_and_a
     index = {id(p): i for i, p in enumerate(params)}
     reduction = StepReduction(Layout.of(params, first_bytes=1 << 20, bytes_cap=1 << 19),
                               exact=True)
-    whole: list[bool] = []
+    pieces: list[int] = []
 
     def hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         indices = [index[id(p)] for p in bucket.parameters()]
-        whole.append(reduction._run_of(tuple(indices)) is not None)
+        pieces.append(len(reduction._pieces_of(tuple(indices))))
         future = reduction.fill_bucket(indices, bucket.gradients(), bucket.buffer())
         reduction.launch_ready(group, None)
         if bucket.is_last():
@@ -414,16 +415,17 @@ def test_ddps_own_buckets_get_the_reduced_gradient_through_the_hook_before_and_a
     for k in range(3):
         x = torch.randn(32, 16)
         reduction.reset()
-        whole.clear()
+        pieces.clear()
         ddp(x).square().mean().backward()
         plain.zero_grad()
         plain(x).square().mean().backward()
-        per_iteration.append(list(whole))
+        per_iteration.append(list(pieces))
         for p, q in zip(params, plain.parameters(), strict=True):
             assert torch.equal(p.grad, q.grad), k
         ddp.zero_grad()
     # one bucket of everything first, then the canonical buckets
-    assert per_iteration == [[False], [True, True], [True, True]]
+    rebuilt = [1, 3] if norm else [1, 1]
+    assert per_iteration == [[len(params)], rebuilt, rebuilt]
 
 
 def groups_of_one() -> list[ManagedGroup]:

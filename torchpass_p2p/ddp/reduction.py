@@ -53,6 +53,12 @@ BUCKET_BYTES = 25 << 20
 25 MiB), so the first reduction starts as early as DDP's would."""
 
 
+Pieces = tuple[tuple[int, int, int, int], ...]
+"""A DDP bucket in the canonical layout: ``(start in DDP's bucket, canonical bucket, offset,
+numel)`` per run of its parameters that lie back to back there
+(:meth:`StepReduction.fill_bucket`)."""
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where each trainable parameter's gradient lives in the canonical buckets.
@@ -176,10 +182,10 @@ class StepReduction:
         self._sources: dict[int, list[tuple[int, torch.Tensor]]] = {}
         self._n: int | None = None  # native mode: the world size fills divide by
         self._stale: set[int] = set()  # native buckets whose input is not yet what launch sends
-        self._runs: dict[tuple[int, ...], tuple[int, int, int] | None] = {}
+        self._pieces: dict[tuple[int, ...], Pieces] = {}
         self._handed: list[tuple[torch.futures.Future[torch.Tensor], torch.Tensor,
                                  Sequence[torch.Tensor], Sequence[int],
-                                 tuple[int, int, int] | None]] = []  # DDP's buckets this step
+                                 Pieces | None]] = []  # DDP's buckets this step
         self._overwritten: set[int] = set()  # native buckets whose input holds a sum
         self._missing = list(layout.sizes)
         self._group: ManagedGroup | None = None
@@ -269,27 +275,33 @@ class StepReduction:
         """Copy a DDP bucket's gradients (``grads[j]`` of parameter ``indices[j]``; ``flat``
         the bucket's buffer, ``grads`` concatenated, as ``GradBucket`` gives them) into their
         places. Returns the future for DDP's communication hook: :meth:`hand_out` completes
-        it with the bucket's averaged gradient. When the parameters lie back to back, in this
-        order, in one canonical bucket (DDP's rebuilt buckets of a model whose gradients
-        arrive in reverse registration order do), ``flat`` is copied at once and the result
-        is a view of the canonical result, which DDP copies into the gradients itself; else
-        each gradient is copied on its own, and back into ``grads``. As for :meth:`fill`, in
-        native mode the gradients must keep their values until the step closes; in exact mode
-        ``flat`` must, when it is a whole canonical bucket (it is the bucket's input then)."""
-        run = self._run_of(tuple(indices))
-        if run is None or flat.numel() != run[2]:
-            run = None
+        it with the bucket's averaged gradient. ``flat`` is copied in pieces, each a run of
+        parameters that lie back to back, in this order, in one canonical bucket
+        (:meth:`_pieces_of`), and the results are copied back into it, which DDP copies into
+        the gradients. When it is one piece (DDP's rebuilt buckets of a model whose gradients
+        arrive in reverse registration order are), the result is a view of the canonical
+        result instead, and in exact mode a whole canonical bucket is not copied at all. As
+        for :meth:`fill`, in native mode the gradients must keep their values until the step
+        closes; in exact mode ``flat`` must, when it is a whole canonical bucket (it is the
+        bucket's input then)."""
+        pieces = self._pieces_of(tuple(indices))
+        flat = flat.reshape(-1)
+        kept: Pieces | None = pieces
+        if flat.numel() != pieces[-1][0] + pieces[-1][3]:  # not the gradients back to back
+            kept = None
             for i, g in zip(indices, grads, strict=True):
                 self.fill(i, g)
-        elif self.exact and run[1] == 0 and run[2] == self.layout.sizes[run[0]]:
+        elif (self.exact and len(pieces) == 1 and pieces[0][2] == 0
+              and pieces[0][3] == self.layout.sizes[pieces[0][1]]):
             # An exact reduction only reads its input: DDP's buffer is read where it is. An
             # abandoned operation may go on reading it, never writes it.
-            self._send[run[0]] = flat.reshape(-1)
-            self._missing[run[0]] -= run[2]
+            self._send[pieces[0][1]] = flat
+            self._missing[pieces[0][1]] -= pieces[0][3]
         else:
-            self._put(run[0], run[1], flat.reshape(-1))
+            for at, b, offset, n in pieces:
+                self._put(b, offset, flat[at:at + n])
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        self._handed.append((future, flat, grads, indices, run))
+        self._handed.append((future, flat, grads, indices, kept))
         return future
 
     def hand_out(self, results: list[torch.Tensor]) -> None:
@@ -297,27 +309,38 @@ class StepReduction:
         averaged gradient from ``results`` (as :meth:`wait` returns them)."""
         handed, self._handed = self._handed, []
         self._held, self._held_bank = results, self._bank
-        for future, flat, grads, indices, run in handed:
-            if run is not None:
-                b, offset, n = run
+        for future, flat, grads, indices, pieces in handed:
+            if pieces is None:
+                for i, g in zip(indices, grads, strict=True):
+                    self.copy_out(results, i, g)
+            elif len(pieces) == 1:
+                _, b, offset, n = pieces[0]
                 future.set_result(results[b][offset:offset + n])
                 continue
-            for i, g in zip(indices, grads, strict=True):
-                self.copy_out(results, i, g)
+            else:
+                for at, b, offset, n in pieces:
+                    flat[at:at + n].copy_(results[b][offset:offset + n])
             future.set_result(flat)
 
-    def _run_of(self, indices: tuple[int, ...]) -> tuple[int, int, int] | None:
-        if indices not in self._runs:
-            b, start, n = self.layout.where[indices[0]]
-            end: int | None = start + n
-            for i in indices[1:]:
-                bi, offset, n = self.layout.where[i]
-                if bi != b or offset != end:
-                    end = None
-                    break
-                end = offset + n
-            self._runs[indices] = None if end is None else (b, start, end - start)
-        return self._runs[indices]
+    def _pieces_of(self, indices: tuple[int, ...]) -> Pieces:
+        """DDP's bucket of the parameters ``indices`` (in its order) as pieces ``(start in
+        DDP's bucket, canonical bucket, offset, numel)``: consecutive parameters that lie back
+        to back in one canonical bucket make one piece (a BatchNorm's weight reaching DDP
+        before its bias, as it does, splits a rebuilt bucket in three)."""
+        pieces = self._pieces.get(indices)
+        if pieces is None:
+            merged: list[list[int]] = []
+            at = 0
+            for i in indices:
+                b, offset, n = self.layout.where[i]
+                last = merged[-1] if merged else None
+                if last is not None and last[1] == b and last[2] + last[3] == offset:
+                    last[3] += n
+                else:
+                    merged.append([at, b, offset, n])
+                at += n
+            pieces = self._pieces[indices] = tuple((a, b, o, n) for a, b, o, n in merged)
+        return pieces
 
     def _put(self, b: int, offset: int, flat: torch.Tensor) -> None:
         self._write(b, offset, flat, self._n)

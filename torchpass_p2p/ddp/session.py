@@ -619,17 +619,18 @@ class Session(Trainer):
         are kept in ``self.step_figures``. Raises :class:`JobMismatch` when the ranks are at
         different steps, :class:`Diverged` when they stepped their optimizers differently in
         the step before (:mod:`.steering`)."""
-        if set(votes[:, 1].tolist()) != {float(k)}:
+        head = votes[:, :_HEAD].tolist()  # one read of every rank's figures
+        if {row[1] for row in head} != {float(k)}:
             group.abandon()
             raise JobMismatch(f"ranks of configuration {group.config_id} are not all at step "
                               f"{k}: not the same job")
-        why = disagreement([(a, b) for a, b in votes[:, 2:4].tolist()])
+        why = disagreement([(row[2], row[3]) for row in head])
         if why is not None:
             group.abandon()
             self.log("diverged", step=k - 1, config_id=group.config_id, reason=why)
             raise Diverged(f"step {k - 1}: {why}: {STEERED}")
-        self.step_figures = votes[:, 4:_HEAD].tolist()
-        if not bool((votes[:, 0] == 1.0).all()):
+        self.step_figures = [row[4:] for row in head]
+        if not all(row[0] == 1.0 for row in head):
             self.log("commit_vetoed", step=k, config_id=group.config_id,
                      fenced=self.agent.fenced)
             self._await_lease()
