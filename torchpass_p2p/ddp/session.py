@@ -595,9 +595,9 @@ class Session(Trainer):
     def _vote(self, group: ManagedGroup, k: int) -> torch.Tensor:
         """This rank's commit vote for step ``k`` (1-d float64 on the CPU), launched with the
         step's last bucket (:meth:`StepReduction.launch_ready`; ``docs/training.md``,
-        "Commit"). The vote carries the module's buffers as the forward
-        left them, as float64 (exact for the narrower dtypes, integers up to 2**53): every
-        rank takes rank 0's, what DDP's ``broadcast_buffers`` gives the next forward. After
+        "Commit"). The vote carries the module's buffers as the forward left them, as float64
+        (exact for the narrower dtypes, integers up to 2**53): every rank takes rank 0's, what
+        DDP's ``broadcast_buffers`` gives the next forward. After
         the step number ride this rank's optimizer steps of the step before and their digest
         (:mod:`.steering`), and its ``[compute_s, wait_s]`` of the step before
         (:mod:`.stragglers`). :meth:`_count` reads every rank's once the step's reduction
