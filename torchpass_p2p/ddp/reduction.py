@@ -310,17 +310,17 @@ class StepReduction:
         handed, self._handed = self._handed, []
         self._held, self._held_bank = results, self._bank
         for future, flat, grads, indices, pieces in handed:
-            if pieces is None:
-                for i, g in zip(indices, grads, strict=True):
-                    self.copy_out(results, i, g)
-            elif len(pieces) == 1:
+            if pieces is not None and len(pieces) == 1:
                 _, b, offset, n = pieces[0]
                 future.set_result(results[b][offset:offset + n])
-                continue
-            else:
+            elif pieces is not None:
                 for at, b, offset, n in pieces:
                     flat[at:at + n].copy_(results[b][offset:offset + n])
-            future.set_result(flat)
+                future.set_result(flat)
+            else:
+                for i, g in zip(indices, grads, strict=True):
+                    self.copy_out(results, i, g)
+                future.set_result(flat)
 
     def _pieces_of(self, indices: tuple[int, ...]) -> Pieces:
         """DDP's bucket of the parameters ``indices`` (in its order) as pieces ``(start in

@@ -597,11 +597,10 @@ class Session(Trainer):
         step's last bucket (:meth:`StepReduction.launch_ready`; ``docs/training.md``,
         "Commit"). The vote carries the module's buffers as the forward left them, as float64
         (exact for the narrower dtypes, integers up to 2**53): every rank takes rank 0's, what
-        DDP's ``broadcast_buffers`` gives the next forward. After
-        the step number ride this rank's optimizer steps of the step before and their digest
-        (:mod:`.steering`), and its ``[compute_s, wait_s]`` of the step before
-        (:mod:`.stragglers`). :meth:`_count` reads every rank's once the step's reduction
-        completed."""
+        DDP's ``broadcast_buffers`` gives the next forward. After the step number ride this
+        rank's optimizer steps of the step before and their digest (:mod:`.steering`), and its
+        ``[compute_s, wait_s]`` of the step before (:mod:`.stragglers`). :meth:`_count` reads
+        every rank's once the step's reduction completed."""
         figures = self.stragglers.carried(k, (group.config_id, group.spec.attempt))
         head = torch.tensor([0.0 if self.agent.fenced else 1.0, float(k), *self.steering.last,
                              *figures], dtype=torch.float64)
